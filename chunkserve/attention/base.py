@@ -1,0 +1,81 @@
+"""Attention backend interface and the per-step batch layout every backend consumes.
+
+A step's tokens are one flat batch, prefill chunks first, then decodes::
+
+    row:        0 ............ 127 | 128 ....... 164 | 165 | 166 | 167
+    request:    A (chunk)          | B (chunk)       | C   | D   | E      (decodes)
+    position:   256 ........... 383 | 0 .......... 36 | 901 | 77  | 1200
+    sees keys:  A[0 .. 256 + i]    | B[0 .. i]       | C[0..901] | D[0..77] | E[0..1200]
+
+``cu_seqlens_q`` = [0, 128, 165, 166, 167, 168]; ``seq_lens_k`` = [384, 37, 902, 78, 1201].
+Every row writes its K/V to ``slot_mapping[row]`` before attention reads the paged cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """Per-step metadata, built once by the model runner. ``B = P + D`` sequences."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each row in its request
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot each row writes
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, row offsets of each sequence
+    seq_lens_k: torch.Tensor  # [B] int32, keys each sequence sees after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    logits_indices: torch.Tensor  # [S] int64, rows whose logits are sampled
+    num_prefill_seqs: int  # P: the first P sequences are prefill chunks
+    num_prefill_tokens: int
+    num_decode_tokens: int  # D: one row per decode
+    # Host copies, so backends that loop in Python never synchronise with the device.
+    query_start_host: list[int]  # [B + 1]
+    context_start_host: list[int]  # [B] position of each sequence's first row
+    seq_lens_k_host: list[int]  # [B]
+    block_tables_host: list[list[int]]  # [B][num_blocks of that sequence]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_k_host)
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends over it, for one mixed batch.
+
+    Contract (every implementation must match the torch reference on random mixed batches):
+    - ``q``: [T, num_heads, head_dim]; ``k``, ``v``: [T, num_kv_heads, head_dim];
+    - ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim];
+    - row r of a prefill chunk starting at position p attends to keys 0..p+i of its own
+      request (i = r's index within the chunk); a decode row attends to its own request's
+      keys 0..position; nothing crosses requests;
+    - returns [T, num_heads, head_dim] in ``q.dtype``.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def prepare(self, layout: BatchLayout) -> Any:
+        """Per-step metadata shared by all layers (called once per step)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
+                metadata: Any) -> torch.Tensor:
+        """Write ``k``/``v`` at ``layout.slot_mapping`` and return the attention output."""

@@ -1,0 +1,159 @@
+"""Configuration: frozen dataclasses validated in ``__post_init__`` with ``ValueError``.
+
+``EngineConfig`` is what a user sets (``LLM(**kwargs)``, CLI flags). ``ModelConfig`` is read
+from the model file. ``SchedulerConfig`` is the pure-Python slice the scheduler needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# Default KV-cache budget on CPU. The embedded model needs 23,040 bytes per token in bf16,
+# so 1 GiB holds ~46k tokens, and the whole process stays under 2 GiB.
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+# On a GPU the pool takes this fraction of the memory left free after the weights.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_MAX_NUM_SEQS = 128
+
+
+def _require(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family model, as read from a GGUF or ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # HF-style rope scaling ({"rope_type": "llama3", "factor": ..., ...}) or None.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, name, "must be positive")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V cache one token takes over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs; built by the engine from ``EngineConfig``."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _require(self.block_size >= 1, "block_size", "must be >= 1")
+        _require(self.policy in SCHEDULING_POLICIES, "scheduling_policy",
+                 f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.enable_chunked_prefill:
+            # Stall-free batching serves every running decode every step, so the token
+            # budget must cover a full batch of decodes (vLLM enforces the same).
+            _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                     f"({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                     f"({self.max_num_seqs}) when chunked prefill is on")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user can set on the engine. Unknown keys raise ``TypeError``."""
+
+    model: str | None = None
+    """Path to a ``.gguf`` file or an HF directory (config.json + *.safetensors). None: the
+    embedded SmolLM2-135M-Instruct."""
+    tokenizer: str | None = None
+    """Tokenizer directory (tokenizer.json); default: from the model."""
+    dtype: str = "auto"
+    """auto: bf16 on GPUs and on CPUs with native bf16, else fp32."""
+    device: str = "auto"
+    max_model_len: int | None = None
+    """Longest prompt + output; default: the model's context length."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool; default 1 GiB on CPU, 90% of free memory on a GPU."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (decodes plus prefill chunks)."""
+    max_num_seqs: int | None = None
+    """Most requests running at once; default 128, or the token budget if that is smaller."""
+    enable_chunked_prefill: bool = True
+    """False: whole prompts in prefill-only steps, which stall decodes (the baseline)."""
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    """Seed of the sampler for requests that carry no seed of their own."""
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; default: torch's choice."""
+    attention_backend: str = "auto"
+    log_stats_interval: int = 20
+    """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device in DEVICES, "device",
+                 f"must be one of {DEVICES}, got {self.device!r}")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                 "must be >= 2")
+        _require(self.block_size >= 1 and self.block_size <= 1024, "block_size",
+                 "must be in [1, 1024]")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+                 "must be a positive number of bytes")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs",
+                 "must be >= 1")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
+                 "must be >= 1")
+        _require(self.log_stats_interval >= 1, "log_stats_interval", "must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @property
+    def effective_max_num_seqs(self) -> int:
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if self.enable_chunked_prefill:
+            return min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
+        return DEFAULT_MAX_NUM_SEQS
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

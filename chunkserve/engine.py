@@ -1,0 +1,409 @@
+"""The engine: ``add_request / abort_request / step / has_unfinished``.
+
+``step()`` = ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` -> ``Scheduler.update()``,
+then detokenisation and stop strings per request, and one ``StepStats`` record (logged).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chunkserve.attention import get_attention_backend
+from chunkserve.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.model.llama import LlamaModel
+from chunkserve.model.loader import iter_weights, load_model_config, resolve_model
+from chunkserve.platform import resolve_device, resolve_dtype
+from chunkserve.request import Request, RequestMetrics, RequestStatus, SamplingParams
+from chunkserve.runner import ModelRunner, allocate_kv_caches
+from chunkserve.sampler import Sampler
+from chunkserve.scheduler import Scheduler, SchedulerOutput
+from chunkserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("chunkserve")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n alternatives (token id, logprob)
+
+
+@dataclass
+class RequestOutput:
+    """A request's output so far. ``text``/``token_ids`` are cumulative; ``delta_*`` are what
+    this step added (what a stream sends)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass
+class StepStats:
+    """What one step did; the engine logs it and passes it to ``step_listeners``."""
+
+    step: int
+    kind: str  # prefill | decode | mixed
+    num_prefill_seqs: int
+    num_new_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_cached_tokens: int
+    num_preempted: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    token_budget: int
+    schedule_time: float  # seconds in Scheduler.schedule + update
+    forward_time: float  # seconds in the runner (layout, forward, sampling)
+    wall_time: float  # whole step
+    num_finished: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class _OutputState:
+    """Per-request text state: detokeniser, stop strings, what was already sent."""
+
+    detok: IncrementalDetokenizer
+    stop: list[str]
+    holdback: int  # chars held back while a stop string could still be completing
+    sent_len: int = 0
+    sent_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    sent_logprobs: int = 0
+    text: str = ""
+
+
+class Engine:
+    """Synchronous engine. Not thread-safe: one thread drives ``step()`` (the async server
+    wraps it)."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        config = config or EngineConfig.from_kwargs(**kwargs)
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        self.model_path = str(source.path)
+        model_config, reader = load_model_config(source)
+        self.model_config: ModelConfig = model_config
+        self.tokenizer = Tokenizer.from_source(source, reader, config.tokenizer)
+        eos = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(model_config.eos_token_ids)))
+        self.eos_token_ids = eos
+
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = max_model_len
+        t0 = time.perf_counter()
+        self.model = LlamaModel(model_config, self.dtype, self.device,
+                                max_positions=max(max_model_len,
+                                                  model_config.max_position_embeddings))
+        self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
+        del reader
+        load_time = time.perf_counter() - t0
+
+        self.block_size = config.block_size
+        dtype_size = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = model_config.kv_bytes_per_token(dtype_size) * self.block_size
+        kv_memory = self._kv_cache_memory()
+        num_blocks = kv_memory // bytes_per_block
+        capacity = num_blocks * self.block_size
+        if capacity < max_model_len:
+            raise ValueError(
+                f"kv_cache_memory: {kv_memory} bytes hold {capacity} tokens, fewer than "
+                f"max_model_len ({max_model_len}); raise kv_cache_memory to at least "
+                f"{-(-max_model_len // self.block_size) * bytes_per_block} or lower "
+                f"max_model_len")
+        self.num_blocks = num_blocks
+        self.kv_cache_memory = num_blocks * bytes_per_block
+
+        sched_config = SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.effective_max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        self.scheduler_config = sched_config
+        self.kv = KVCacheManager(num_blocks, self.block_size)
+        self.scheduler = Scheduler(sched_config, self.kv)
+        attn = get_attention_backend(config.attention_backend, self.device,
+                                     model_config.num_heads, model_config.num_kv_heads,
+                                     model_config.head_dim)
+        kv_caches = allocate_kv_caches(model_config.num_layers, num_blocks, self.block_size,
+                                       model_config.num_kv_heads, model_config.head_dim,
+                                       self.dtype, self.device)
+        self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
+        self.runner = ModelRunner(self.model, attn, self.sampler, kv_caches, self.block_size,
+                                  self.device)
+
+        self._states: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+        self.step_count = 0
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self._decode_log_tokens = 0
+        self._decode_log_time = 0.0
+        self._decode_log_steps = 0
+        logger.info(
+            "chunkserve engine: model=%s device=%s dtype=%s attention=%s weights loaded in "
+            "%.1fs | KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB) | "
+            "max_model_len=%d max_num_batched_tokens=%d max_num_seqs=%d chunked_prefill=%s "
+            "policy=%s", self.model_name, self.device, str(self.dtype).removeprefix("torch."),
+            attn.name, load_time, num_blocks, self.block_size, capacity,
+            self.kv_cache_memory / 2**20, max_model_len, sched_config.max_num_batched_tokens,
+            sched_config.max_num_seqs, sched_config.enable_chunked_prefill, sched_config.policy)
+
+    def _kv_cache_memory(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * DEFAULT_GPU_MEMORY_UTILIZATION)
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` naming the bad field."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize_prompt(prompt, prompt_token_ids)
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens is too long; max_model_len is "
+                             f"{self.max_model_len} (prompt + at least one output token)")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        request = Request(request_id, token_ids, params, max_tokens=max_tokens,
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                          priority=priority, prompt=text)
+        self.scheduler.add_request(request)  # may raise ValueError (length, capacity, id)
+        max_stop = max((len(s) for s in params.stop), default=0)
+        self._states[request_id] = _OutputState(
+            detok=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+            stop=params.stop, holdback=max(0, max_stop - 1),
+            logprobs=[] if params.logprobs is not None else None)
+        return request_id
+
+    def _tokenize_prompt(self, prompt: str | Sequence[int] | None,
+                         prompt_token_ids: Sequence[int] | None) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
+            prompt_token_ids, prompt = prompt, None
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            if not ids:
+                raise ValueError("prompt: must not be empty")
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
+                                     f"[0, {vocab})")
+            return prompt, ids
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt: must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: tokenizes to zero tokens")
+        return prompt, ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once. False if it was not in flight."""
+        request = self.scheduler.abort_request(request_id)
+        self._states.pop(request_id, None)
+        self.sampler.forget(request_id)
+        return request is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, token_budget: int | None = None) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that got a token (or
+        finished) in it."""
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule(token_budget)
+        t_sched = time.perf_counter()
+        if out.is_empty:
+            return []
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:  # fail this step's requests, keep the engine alive
+            logger.exception("step %d failed; failing its %d request(s)", self.step_count,
+                             len(out.chunks))
+            return self._fail_step(out, f"{type(exc).__name__}: {exc}")
+        t_fwd = time.perf_counter()
+        produced = self.scheduler.update(out, result.sampled)
+        forward_time = t_fwd - t_sched
+        for chunk in out.prefills:
+            chunk.request.metrics.prefill_time += forward_time
+        outputs = [self._make_output(r, result.logprobs.get(r.request_id)) for r in produced]
+        t_end = time.perf_counter()
+
+        stats = StepStats(
+            step=self.step_count, kind=out.kind, num_prefill_seqs=len(out.prefills),
+            num_new_seqs=sum(1 for c in out.prefills if c.start == c.request.num_cached_tokens),
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+            num_cached_tokens=sum(c.request.num_cached_tokens for c in out.prefills
+                                  if c.start == c.request.num_cached_tokens),
+            num_preempted=len(out.preempted), num_running=out.num_running,
+            num_waiting=out.num_waiting, kv_usage=out.kv_usage,
+            token_budget=out.token_budget, schedule_time=(t_sched - t_start) + (t_end - t_fwd),
+            forward_time=forward_time, wall_time=t_end - t_start,
+            num_finished=sum(1 for o in outputs if o.finished))
+        self.step_count += 1
+        self._log_step(stats)
+        for listener in self.step_listeners:
+            listener(stats)
+        return outputs
+
+    def _fail_step(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
+        requests = [c.request for c in out.chunks if not c.request.is_finished]
+        self.scheduler.fail_requests(requests, error)
+        outputs = []
+        for r in requests:
+            state = self._states.pop(r.request_id, None)
+            self.sampler.forget(r.request_id)
+            text = state.text if state else ""
+            outputs.append(RequestOutput(
+                request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                text=text, token_ids=list(r.output_token_ids), delta_text="",
+                delta_token_ids=[], finished=True, finish_reason="error", metrics=r.metrics,
+                error=error, num_cached_tokens=r.num_cached_tokens))
+        return outputs
+
+    def _make_output(self, request: Request, logprob: tuple | None) -> RequestOutput:
+        state = self._states[request.request_id]
+        new_token = request.output_token_ids[-1]
+        if state.logprobs is not None and logprob is not None:
+            state.logprobs.append(TokenLogprob(new_token, logprob[0], logprob[1]))
+        state.detok.add_tokens([new_token])
+        if request.is_finished:
+            state.detok.flush()
+        full = state.detok.text
+        if state.stop:
+            hit = self._find_stop(full, len(state.text), state.stop)
+            if hit is not None:
+                idx, stop = hit
+                keep = idx + len(stop) if request.sampling_params.include_stop_str_in_output \
+                    else idx
+                full = full[:keep]
+                request.stop_reason = stop
+                if request.is_finished:  # it also hit EOS or length on this token
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        state.text = full
+        finished = request.is_finished
+        visible = len(full) if finished else max(state.sent_len, len(full) - state.holdback)
+        delta_text = full[state.sent_len:visible]
+        state.sent_len = visible
+        delta_tokens = request.output_token_ids[state.sent_tokens:]
+        state.sent_tokens = request.num_output_tokens
+        delta_logprobs = None
+        if state.logprobs is not None:
+            delta_logprobs = state.logprobs[state.sent_logprobs:]
+            state.sent_logprobs = len(state.logprobs)
+        if finished:
+            self._states.pop(request.request_id, None)
+            self.sampler.forget(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids, text=full[:visible],
+            token_ids=list(request.output_token_ids), delta_text=delta_text,
+            delta_token_ids=delta_tokens, finished=finished,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            logprobs=state.logprobs, delta_logprobs=delta_logprobs,
+            num_cached_tokens=request.num_cached_tokens, metrics=request.metrics)
+
+    @staticmethod
+    def _find_stop(text: str, checked_len: int, stops: list[str]) -> tuple[int, str] | None:
+        """Earliest stop string in ``text`` that ends after ``checked_len`` (earlier text was
+        searched in previous steps)."""
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            idx = text.find(stop, max(0, checked_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        return best
+
+    # ---- logging ---------------------------------------------------------------------------
+    def _log_step(self, s: StepStats) -> None:
+        if s.kind == "decode":
+            self._decode_log_steps += 1
+            self._decode_log_tokens += s.num_decode_tokens
+            self._decode_log_time += s.wall_time
+            if self._decode_log_steps < self.config.log_stats_interval:
+                return
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "#queue-req: %d, gen throughput (token/s): %.1f, step: %.1f ms",
+                s.num_running, s.num_decode_tokens, s.kv_usage, s.num_waiting,
+                self._decode_log_tokens / max(self._decode_log_time, 1e-9),
+                1e3 * self._decode_log_time / self._decode_log_steps)
+            self._decode_log_steps = self._decode_log_tokens = 0
+            self._decode_log_time = 0.0
+            return
+        logger.info(
+            "%s batch. #new-seq: %d, #prefill-seq: %d, #new-token: %d, #cached-token: %d, "
+            "#decode-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d, "
+            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)",
+            "Mixed" if s.kind == "mixed" else "Prefill", s.num_new_seqs, s.num_prefill_seqs,
+            s.num_prefill_tokens, s.num_cached_tokens, s.num_decode_tokens, s.kv_usage,
+            s.num_running, s.num_waiting, s.num_preempted, s.token_budget, 1e3 * s.wall_time,
+            1e3 * s.schedule_time)

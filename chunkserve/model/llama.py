@@ -1,0 +1,192 @@
+"""Llama-family decoder over one flat batch of tokens from many requests.
+
+RMSNorm, rotary embeddings (the file's theta, optional llama3/linear scaling), grouped-query
+attention through an ``AttentionBackend`` over the paged KV cache, SwiGLU MLP, tied or separate
+LM head. Q/K/V and gate/up projections are fused into one matmul each. Numerics follow HF
+transformers' ``LlamaForCausalLM`` (norms in fp32, cast back before the weight multiply).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunkserve.attention.base import AttentionBackend, BatchLayout
+from chunkserve.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with HF's rope scaling variants."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64)
+                                            .float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling: type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables [max_positions, head_dim] indexed by absolute position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config).to(device)
+        pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, hd]: broadcast over heads.
+        return (self.cos[positions].to(dtype)[:, None, :],
+                self.sin[positions].to(dtype)[:, None, :])
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_heads,
+                                                            config.num_kv_heads, hd)
+        self.q_size = config.num_heads * hd
+        self.kv_size = config.num_kv_heads * hd
+        self.eps = config.rms_norm_eps
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
+                                requires_grad=False)
+
+        self.input_norm = param(h)
+        self.qkv_proj = param(self.q_size + 2 * self.kv_size, h)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_proj = param(h, self.q_size)
+        self.post_norm = param(h)
+        self.gate_up_proj = param(2 * config.intermediate_size, h)
+        self.down_proj = param(h, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBackend,
+                layout: BatchLayout, attn_meta: object) -> torch.Tensor:
+        t = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 Hkv) hd]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
+        hidden = hidden + F.linear(o.view(t, self.q_size), self.o_proj)
+
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    """``forward`` maps a BatchLayout to hidden states [T, hidden]; ``compute_logits`` maps the
+    rows to sample to fp32 logits [S, vocab]."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size,
+                                              dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device)
+                                    for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
+                                 requires_grad=False)
+        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+
+    def forward(self, layout: BatchLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attn: AttentionBackend, attn_meta: object) -> torch.Tensor:
+        hidden = F.embedding(layout.input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rotary(layout.positions, self.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF weight name -> the tensor (a row slice of a fused parameter) it fills."""
+        cfg = self.config
+        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not cfg.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
+            qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+            for n, rows in qkv_rows.items():
+                targets[p + f"self_attn.{n}_proj.weight"] = layer.qkv_proj[rows]
+                if layer.qkv_bias is not None:
+                    targets[p + f"self_attn.{n}_proj.bias"] = layer.qkv_bias[rows]
+            targets[p + "self_attn.o_proj.weight"] = layer.o_proj
+            targets[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:inter]
+            targets[p + "mlp.up_proj.weight"] = layer.gate_up_proj[inter:]
+            targets[p + "mlp.down_proj.weight"] = layer.down_proj
+            targets[p + "input_layernorm.weight"] = layer.input_norm
+            targets[p + "post_attention_layernorm.weight"] = layer.post_norm
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into the
+        fused parameters as they stream in, so peak memory is the model plus one tensor."""
+        targets = self._weight_targets()
+        for name, tensor in weights:
+            if name not in targets:
+                if name.endswith("rotary_emb.inv_freq") or (
+                        name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    continue  # derived, or a copy of the tied embedding
+                raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
+            dst = targets.pop(name)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+        if targets:
+            missing = sorted(targets)
+            raise ValueError(f"model: {len(missing)} weight(s) missing from the checkpoint, "
+                             f"e.g. {missing[:3]}")

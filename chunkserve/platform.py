@@ -1,0 +1,45 @@
+"""Device and dtype selection."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX): bf16 matmuls are then
+    several times faster than fp32; elsewhere bf16 is emulated and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on GPUs that support it and on CPUs with native bf16, else fp32."""
+    if name != "auto":
+        dtype = _DTYPES[name]
+        if device.type == "cpu" and dtype == torch.float16:
+            logger.warning("float16 on CPU is very slow (no native fp16 matmul); "
+                           "prefer bfloat16 or float32")
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

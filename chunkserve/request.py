@@ -1,0 +1,270 @@
+"""A request's state as counters, and its sampling parameters.
+
+Pure Python (no torch): the scheduler imports this module.
+
+Progress is ``num_computed_tokens`` over ``token_ids`` (prompt + outputs so far). A step
+computes ``token_ids[num_computed_tokens : num_computed_tokens + n]``. When a chunk reaches
+the end of ``token_ids`` the logits of its last row are sampled and one token is appended.
+"Prefilling" is derived: the request still has more than one uncomputed token, or has not
+produced a token yet. A preempted request drops its KV blocks and sets
+``num_computed_tokens = 0``; it then recomputes prompt and outputs as one long prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Field names follow vLLM and the OpenAI API."""
+
+    max_tokens: int | None = 16
+    """Most tokens to generate; None: up to ``max_model_len``."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Per-request seed: the same tokens whatever else shares the batch."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    """Strings that end generation; trimmed from the text."""
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """Return the sampled token's logprob and the top-n alternatives (0..20)."""
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                           and self.max_tokens >= 1),
+               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
+               f"must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+               f"must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed",
+               f"must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name,
+                   f"must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be non-negative integers")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               f"must be >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, blocks freed, will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.monotonic()`` seconds); TTFT, ITL, TPOT and E2E derive from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    # Seconds spent in steps that computed this request's prompt (all chunks).
+    prefill_time: float = 0.0
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+_request_counter = itertools.count()
+
+
+class Request:
+    """One sequence being served. The scheduler owns its status and counters."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        max_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        prompt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # resolved: never None
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.priority = priority
+        self.arrival_seq = next(_request_counter)  # tie-break for equal arrival times
+        self.metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+
+        self.status = RequestStatus.WAITING
+        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + outputs
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.block_ids: list[int] = []  # this request's block table
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+    # ---- derived state -------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until only the newest sampled token is left to compute."""
+        return self.num_output_tokens == 0 or self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop_token(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop conditions after appending a token (stop strings are checked on
+        text by the engine's output processor)."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+                f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens})")

@@ -1,0 +1,127 @@
+"""Model runner: turns a SchedulerOutput into a BatchLayout, runs the forward pass over the
+paged KV cache, and samples the rows that end a prompt or are decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunkserve.attention import AttentionBackend, BatchLayout
+from chunkserve.model.llama import LlamaModel
+from chunkserve.request import Request
+from chunkserve.sampler import Sampler, SampleResult
+from chunkserve.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> token, for every chunk that samples
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed pool per layer for K and for V: [num_blocks, block_size, Hkv, hd] each.
+    Zeroed, so padding a decode gathers is finite (it is masked, but 0 * NaN is NaN)."""
+    pool = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+                       dtype=dtype, device=device)
+    return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, attn: AttentionBackend, sampler: Sampler,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.attn = attn
+        self.sampler = sampler
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def build_layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[Request]]:
+        """Flatten the step's chunks (prefills, then decodes) into one batch; also return
+        the requests whose rows are sampled, in ``logits_indices`` order."""
+        bs = self.block_size
+        chunks = out.chunks
+        num_tokens = out.num_batched_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        query_start = [0]
+        context_start: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sampled_requests: list[Request] = []
+        row = 0
+        for chunk in chunks:
+            r, s, n = chunk.request, chunk.start, chunk.num_tokens
+            table = r.block_ids
+            if n == 1:
+                input_ids[row] = r.token_ids[s]
+                positions[row] = s
+                slots[row] = table[s // bs] * bs + s % bs
+            else:
+                pos = np.arange(s, s + n)
+                input_ids[row:row + n] = r.token_ids[s:s + n]
+                positions[row:row + n] = pos
+                slots[row:row + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            row += n
+            query_start.append(row)
+            context_start.append(s)
+            seq_lens.append(s + n)
+            tables.append(table)
+            if chunk.samples:
+                logits_rows.append(row - 1)
+                sampled_requests.append(r)
+
+        max_blocks = max((len(t) for t in tables), default=0)
+        block_tables = np.zeros((len(tables), max(max_blocks, 1)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+
+        dev = self.device
+
+        def to_dev(a: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)
+
+        layout = BatchLayout(
+            input_ids=to_dev(input_ids, torch.int64),
+            positions=to_dev(positions, torch.int64),
+            slot_mapping=to_dev(slots, torch.int64),
+            cu_seqlens_q=to_dev(query_start, torch.int32),
+            seq_lens_k=to_dev(seq_lens, torch.int32),
+            block_tables=to_dev(block_tables, torch.int32),
+            logits_indices=to_dev(logits_rows, torch.int64),
+            num_prefill_seqs=len(out.prefills),
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            query_start_host=query_start,
+            context_start_host=context_start,
+            seq_lens_k_host=seq_lens,
+            block_tables_host=tables,
+            block_size=bs,
+        )
+        return layout, sampled_requests
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        layout, sampled_requests = self.build_layout(out)
+        meta = self.attn.prepare(layout)
+        hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
+        if not sampled_requests:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[layout.logits_indices])  # [S, V] fp32
+        result: SampleResult = self.sampler(logits, sampled_requests)
+        sampled = {r.request_id: t for r, t in zip(sampled_requests, result.token_ids)}
+        logprobs = {}
+        if result.logprobs is not None:
+            for r, lp in zip(sampled_requests, result.logprobs):
+                if lp is not None:
+                    logprobs[r.request_id] = lp
+        return RunnerOutput(sampled, logprobs)

@@ -1,0 +1,310 @@
+"""Iteration-level scheduler with a token budget: stall-free (Sarathi-Serve) batching.
+
+Pure Python, no torch. Each ``schedule()`` spends one token budget
+(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``):
+
+1. running decodes first, one token each (decode-maximal: a long prompt never stalls them);
+2. then prefills already in progress, each getting ``min(remaining, budget left)``;
+3. then waiting requests in policy order while budget, sequence slots and KV blocks last.
+
+A chunk that does not end its prompt is cut at a KV-block boundary where it can be, so the
+next chunk starts on a fresh block (and full blocks can be shared by a prefix cache).
+
+With chunked prefill off the old behaviour returns: a step either prefills whole prompts
+(decodes wait: the stall every benchmark compares against) or decodes all running requests.
+
+When the pool runs out of blocks, the least urgent running request (newest arrival under
+FCFS) is preempted: its blocks are freed and it recomputes later from its place by arrival.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from chunkserve.config import SchedulerConfig
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at position ``start``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True if this chunk ends the request's known tokens: its last row is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch. Batch order is ``prefills`` then ``decodes``::
+
+        tokens:  | chunk A (start 256, 128 tok) | chunk B (start 0, 37 tok) | dC | dD | dE |
+        sees:    | A[0 .. 256+i]                | B[0 .. i]                 | C  | D  | E  |
+    """
+
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    token_budget: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode``, ``mixed`` or ``idle``."""
+        if self.prefills and self.decodes:
+            return "mixed"
+        if self.prefills:
+            return "prefill"
+        return "decode" if self.decodes else "idle"
+
+
+def _fcfs_key(r: Request) -> tuple:
+    return (r.arrival_time, r.arrival_seq)
+
+
+def _priority_key(r: Request) -> tuple:
+    return (r.priority, r.arrival_time, r.arrival_seq)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every request's status and counters."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if kv.block_size != config.block_size:
+            raise ValueError("block_size: scheduler and KV cache disagree")
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self._key = _priority_key if config.policy == "priority" else _fcfs_key
+        self.waiting: list[Request] = []  # sorted by policy key
+        self.running: list[Request] = []  # sorted by policy key
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        needed = request.num_prompt_tokens + request.max_tokens
+        if needed > self.config.max_model_len:
+            raise ValueError(
+                f"prompt: {request.num_prompt_tokens} prompt tokens + max_tokens "
+                f"{request.max_tokens} = {needed} exceeds max_model_len "
+                f"({self.config.max_model_len})")
+        # The last sampled token is never written to the cache, hence ``needed - 1``.
+        if self.kv.num_blocks_for(needed - 1) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt: needs {self.kv.num_blocks_for(needed - 1)} KV blocks but the cache "
+                f"has only {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens")
+        self.requests[request.request_id] = request
+        self._insert(self.waiting, request)
+
+    def _insert(self, queue: list[Request], request: Request) -> None:
+        bisect.insort(queue, request, key=self._key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish (stop, length, abort, error): leaves every queue, frees its blocks."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.metrics.finished_time = self.clock()
+        self.requests.pop(request.request_id, None)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """Build the next step. ``token_budget`` overrides ``max_num_batched_tokens`` for this
+        step (an online controller may shrink it); decodes are always served."""
+        budget = self.config.max_num_batched_tokens if token_budget is None else token_budget
+        out = SchedulerOutput(token_budget=budget)
+        if self.config.enable_chunked_prefill:
+            self._schedule_chunked(out, budget)
+        else:
+            self._schedule_unchunked(out, budget)
+        now = self.clock()
+        for chunk in out.prefills:
+            if chunk.request.metrics.first_scheduled_time is None:
+                chunk.request.metrics.first_scheduled_time = now
+        out.num_running = len(self.running)
+        out.num_waiting = len(self.waiting)
+        out.kv_usage = self.kv.usage
+        return out
+
+    def _schedule_chunked(self, out: SchedulerOutput, budget: int) -> None:
+        # 1. Running decodes, one token each, never dropped for prefill.
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or request.is_prefilling:
+                continue
+            if self._reserve(request, 1, out):
+                out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+        budget -= len(out.decodes)
+
+        # 2. Prefills in progress, in policy order.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or not request.is_prefilling:
+                continue
+            n = self._chunk_len(request, budget)
+            if self._reserve(request, n, out):
+                out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                budget -= n
+        # A preemption in (2) may have dropped an already scheduled chunk: recount.
+        budget = out.token_budget - out.num_batched_tokens
+
+        # 3. Waiting requests, while budget, sequence slots and free blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = self._chunk_len(request, budget)
+            if not self.kv.allocate_slots(request, n):
+                break  # head of line waits for blocks; no skipping (no starvation)
+            self._admit(request)
+            out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+
+    def _schedule_unchunked(self, out: SchedulerOutput, budget: int) -> None:
+        # Whole prompts first: a prefill-only step (decodes stall) whenever one fits.
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = request.num_uncomputed_tokens
+            if out.prefills and n > budget:
+                break  # the first prompt of a step is always taken whole
+            if not self.kv.allocate_slots(request, n):
+                break
+            self._admit(request)
+            out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+        if out.prefills:
+            return
+        for request in list(self.running):
+            if request.status == RequestStatus.RUNNING and self._reserve(request, 1, out):
+                out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        remaining = request.num_uncomputed_tokens
+        n = min(remaining, budget)
+        if n < remaining:
+            # Not the end of the prompt: end the chunk on a block boundary if one is in reach.
+            end = request.num_computed_tokens + n
+            aligned = end - end % self.config.block_size
+            if aligned > request.num_computed_tokens:
+                n = aligned - request.num_computed_tokens
+        return n
+
+    def _admit(self, request: Request) -> None:
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self._insert(self.running, request)
+
+    def _reserve(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for a running request's next tokens, preempting the least urgent
+        running requests until they fit. False if ``request`` itself was preempted."""
+        while not self.kv.allocate_slots(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free a running request's blocks; it recomputes everything when readmitted."""
+        out.decodes = [c for c in out.decodes if c.request is not request]
+        out.prefills = [c for c in out.prefills if c.request is not request]
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self._insert(self.waiting, request)
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters by the computed chunks and append sampled tokens.
+
+        ``sampled`` maps request id to the token sampled from that request's last row, for
+        every chunk with ``samples``. Returns the requests that got a new token this step
+        (finished ones included, already out of the queues)."""
+        now = self.clock()
+        produced = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            request.append_output_token(sampled[request.request_id])
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.token_times.append(now)
+            produced.append(request)
+            status = request.check_stop_token(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request, status)
+        return produced
+
+    def fail_requests(self, requests: Iterable[Request], error: str) -> None:
+        """Finish requests whose step raised (the engine keeps serving the rest)."""
+        for request in requests:
+            request.error = error
+            self.finish_request(request, RequestStatus.FINISHED_ERROR)

@@ -1,0 +1,87 @@
+"""Shared fixtures: the embedded model, an fp32 HF transformers reference of it (cached as an
+HF safetensors directory, which also exercises our safetensors loader), prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkserve.model.loader import embedded_model_path
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("CHUNKSERVE_TEST_CACHE", REPO / ".cache" / "tests"))
+
+NATURAL_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about rain.",
+    "def fibonacci(n):",
+    "List three uses of copper:",
+    "Translate to French: the cat sleeps on the warm windowsill.",
+    "Once upon a time, in a kingdom by the sea, there lived",
+]
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    """``n`` token ids of ordinary vocabulary (ids 100..48999, no special tokens)."""
+    return [rng.randrange(100, 49_000) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_dir(gguf_path: Path) -> Path:
+    """An HF-format copy of the embedded model (config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json), built once from the GGUF with transformers."""
+    out = CACHE / "smollm2-hf"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from chunkserve.model.loader import open_gguf
+    from chunkserve.tokenizer import Tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent),
+                                                 gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tok = Tokenizer.from_gguf(gguf_path, open_gguf(gguf_path))
+    tok._tk.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": tok.chat_template}))
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_dir: Path):
+    """HF transformers' LlamaForCausalLM in fp32: the numerical reference."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def assert_no_blocks_in_use(engine) -> None:
+    kv = engine.kv
+    assert kv.num_free_blocks == kv.num_blocks, (
+        f"{kv.num_blocks - kv.num_free_blocks} KV blocks still allocated")
+    kv.pool.check_invariants()
+    assert not engine.has_unfinished()

@@ -1,0 +1,109 @@
+"""Our Llama forward against HF transformers on the same weights, in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkserve import LLM, SamplingParams
+from chunkserve.engine import Engine
+from chunkserve.request import Request
+from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
+from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use
+
+KV_MEMORY = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(dtype="float32", max_model_len=1024, kv_cache_memory=KV_MEMORY)
+
+
+def all_row_logits(engine: Engine, token_ids: list[int], chunk: int) -> torch.Tensor:
+    """Run a prompt through the model in chunks of ``chunk`` tokens (each attending to the
+    cached earlier chunks) and return the logits of every row, [len, vocab]."""
+    req = Request("parity", token_ids, SamplingParams(max_tokens=1), max_tokens=1)
+    rows = []
+    try:
+        for start in range(0, len(token_ids), chunk):
+            n = min(chunk, len(token_ids) - start)
+            assert engine.kv.allocate_slots(req, n)
+            out = SchedulerOutput(prefills=[ScheduledChunk(req, start, n)])
+            with torch.inference_mode():
+                layout, _ = engine.runner.build_layout(out)
+                meta = engine.runner.attn.prepare(layout)
+                hidden = engine.model(layout, engine.runner.kv_caches, engine.runner.attn, meta)
+                rows.append(engine.model.compute_logits(hidden))
+            req.num_computed_tokens += n
+    finally:
+        engine.kv.free(req)
+    return torch.cat(rows)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("chunk", [10_000, 7, 16])
+def test_logits_match_hf(engine: Engine, hf_model, chunk: int) -> None:
+    for prompt in NATURAL_PROMPTS[:4]:
+        ids = engine.tokenizer.encode(prompt)
+        ours = all_row_logits(engine, ids, chunk)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].float()
+        err = relative_error(ours, ref)
+        assert err < 1e-4, f"{prompt!r} chunk={chunk}: relative error {err:.2e}"
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert_no_blocks_in_use(engine)
+
+
+def test_long_prompt_logits_match_hf(engine: Engine, hf_model) -> None:
+    text = " ".join(NATURAL_PROMPTS) * 6
+    ids = engine.tokenizer.encode(text)[:400]
+    ours = all_row_logits(engine, ids, 96)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert relative_error(ours, ref) < 1e-4
+
+
+def test_32_greedy_tokens_match_hf(engine: Engine, hf_model) -> None:
+    prompts = [engine.tokenizer.encode(p) for p in NATURAL_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    for rid, prompt in zip(ids, prompts):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32,
+                                    min_new_tokens=32, do_sample=False)[0, len(prompt):]
+        assert done[rid] == ref.tolist()
+    assert_no_blocks_in_use(engine)
+
+
+def test_hf_safetensors_dir_loads_and_matches_gguf(hf_dir: Path, engine: Engine) -> None:
+    llm = LLM(model=str(hf_dir), dtype="float32", max_model_len=1024,
+              kv_cache_memory=KV_MEMORY)
+    assert llm.engine.model_config.tie_word_embeddings
+    assert llm.engine.eos_token_ids == engine.eos_token_ids
+    ids = engine.tokenizer.encode(NATURAL_PROMPTS[0])
+    assert llm.tokenizer.encode(NATURAL_PROMPTS[0]) == ids
+    a = all_row_logits(llm.engine, ids, 4)
+    b = all_row_logits(engine, ids, 4)
+    assert relative_error(a, b) < 1e-5
+    messages = [{"role": "user", "content": "hi"}]
+    assert (llm.tokenizer.apply_chat_template(messages)
+            == engine.tokenizer.apply_chat_template(messages))
+
+
+def test_bf16_close_to_fp32(engine: Engine) -> None:
+    bf16 = Engine(dtype="bfloat16", max_model_len=1024, kv_cache_memory=KV_MEMORY)
+    assert bf16.dtype == torch.bfloat16
+    ids = engine.tokenizer.encode(NATURAL_PROMPTS[4])
+    a = all_row_logits(bf16, ids, 8)
+    b = all_row_logits(engine, ids, 8)
+    assert relative_error(a, b) < 5e-2

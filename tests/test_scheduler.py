@@ -1,0 +1,229 @@
+"""The scheduler alone, with a fake runner that records every step's chunks (no torch)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chunkserve.config import SchedulerConfig
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.request import Request, RequestStatus, SamplingParams
+from chunkserve.scheduler import Scheduler, SchedulerOutput
+
+EOS = 2
+
+
+class FakeRunner:
+    """Samples token 5 for every row (never EOS) and records [(id, start, n), ...] per step."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, int, int]]] = []
+        self.kinds: list[str] = []
+
+    def __call__(self, out: SchedulerOutput) -> dict[str, int]:
+        self.steps.append([(c.request.request_id, c.start, c.num_tokens) for c in out.chunks])
+        self.kinds.append(out.kind)
+        return {c.request.request_id: 5 for c in out.chunks if c.samples}
+
+    def chunks_of(self, request_id: str) -> list[tuple[int, int]]:
+        return [(s, n) for step in self.steps for rid, s, n in step if rid == request_id]
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0,
+                 priority: int = 0) -> Request:
+    return Request(rid, list(range(10, 10 + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                   max_tokens=max_tokens, eos_token_ids=[EOS], arrival_time=arrival,
+                   priority=priority)
+
+
+def make_scheduler(budget: int = 64, num_blocks: int = 1000, block_size: int = 4,
+                   max_num_seqs: int = 16, chunked: bool = True, max_model_len: int = 4096,
+                   policy: str = "fcfs") -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len, block_size=block_size,
+                             enable_chunked_prefill=chunked, policy=policy)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size), clock=lambda: 0.0)
+
+
+def run(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
+        on_step=None) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        assert len(outs) < max_steps, "scheduler made no progress"
+        out = sched.schedule()
+        outs.append(out)
+        sched.update(out, runner(out))
+        if on_step:
+            on_step(len(outs), out)
+    return outs
+
+
+def test_exact_chunk_sequence_block_aligned() -> None:
+    # Budget 10, blocks of 4: chunks end on block boundaries (8, then 16), the last chunk
+    # ends the prompt wherever it falls.
+    sched = make_scheduler(budget=10, block_size=4, max_num_seqs=2)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", 19, max_tokens=2))
+    run(sched, runner)
+    assert runner.chunks_of("a") == [(0, 8), (8, 8), (16, 3), (19, 1)]
+
+
+def test_decodes_first_then_partial_prefill_then_waiting() -> None:
+    sched = make_scheduler(budget=16, block_size=4, max_num_seqs=4)
+    runner = FakeRunner()
+    sched.add_request(make_request("short", 3, max_tokens=10, arrival=0.0))
+    out = sched.schedule()
+    sched.update(out, runner(out))  # "short" prefilled, now decoding
+    sched.add_request(make_request("long", 40, max_tokens=2, arrival=1.0))
+    sched.add_request(make_request("later", 5, max_tokens=2, arrival=2.0))
+    out = sched.schedule()
+    sched.update(out, runner(out))
+    # Decode of "short" (1 token) first; 15 tokens left: "long" gets 12 (cut back to a block
+    # boundary), "later" the last 3 (no boundary in reach, so not cut).
+    assert runner.steps[-1] == [("long", 0, 12), ("later", 0, 3), ("short", 3, 1)]
+    assert out.kind == "mixed"
+    out = sched.schedule()
+    sched.update(out, runner(out))
+    # Decode, then the prefills in progress in arrival order: "long" 15 -> 12 (boundary at
+    # 24), "later" its last 2 tokens.
+    assert runner.steps[-1] == [("long", 12, 12), ("later", 3, 2), ("short", 4, 1)]
+
+
+def test_budget_never_exceeded_and_every_decode_served() -> None:
+    rng = random.Random(0)
+    sched = make_scheduler(budget=32, block_size=4, max_num_seqs=8, num_blocks=10_000)
+    runner = FakeRunner()
+    for i in range(30):
+        sched.add_request(make_request(f"r{i}", rng.randint(1, 150), rng.randint(1, 20),
+                                       arrival=float(i)))
+
+    def check(step: int, out: SchedulerOutput) -> None:
+        assert out.num_batched_tokens <= 32
+        assert out.num_running <= 8
+
+    decoding_before: set[str] = set()
+    outs = []
+    while sched.has_unfinished():
+        decoding_before = {r.request_id for r in sched.running if not r.is_prefilling}
+        out = sched.schedule()
+        check(len(outs), out)
+        served = {c.request.request_id for c in out.decodes}
+        assert decoding_before <= served, "a running decode was skipped"
+        outs.append(out)
+        sched.update(out, runner(out))
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    sched.kv.pool.check_invariants()
+
+
+def test_unchunked_is_whole_prompt_and_stalls_decodes() -> None:
+    sched = make_scheduler(budget=16, chunked=False, block_size=4)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", 5, max_tokens=5, arrival=0.0))
+    out = sched.schedule()
+    sched.update(out, runner(out))
+    sched.add_request(make_request("b", 100, max_tokens=2, arrival=1.0))
+    out = sched.schedule()
+    sched.update(out, runner(out))
+    # The whole 100-token prompt runs alone (over the budget: the first prompt is whole),
+    # and the decode of "a" waits: the stall.
+    assert runner.steps[-1] == [("b", 0, 100)]
+    assert out.kind == "prefill"
+    run(sched, runner)
+    assert all(k in ("prefill", "decode") for k in runner.kinds)
+
+
+def test_chunked_steps_with_long_prompt_keep_decoding() -> None:
+    sched = make_scheduler(budget=8, block_size=4, max_num_seqs=4)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", 2, max_tokens=30, arrival=0.0))
+    out = sched.schedule()
+    sched.update(out, runner(out))
+    sched.add_request(make_request("b", 60, max_tokens=2, arrival=1.0))
+    run(sched, runner)
+    a_steps = [i for i, step in enumerate(runner.steps) if any(r == "a" for r, _, _ in step)]
+    # "a" decodes in every step until it finishes: no gap while "b" prefills.
+    assert a_steps == list(range(a_steps[0], a_steps[-1] + 1))
+    assert runner.chunks_of("b")[:3] == [(0, 4), (4, 4), (8, 4)]
+
+
+def test_preemption_newest_first_and_recompute() -> None:
+    # 6 blocks of 4 tokens = 24 slots; two requests growing to 16 tokens each cannot both fit.
+    sched = make_scheduler(budget=64, block_size=4, num_blocks=6, max_num_seqs=4)
+    runner = FakeRunner()
+    a = make_request("a", 8, max_tokens=8, arrival=0.0)
+    b = make_request("b", 8, max_tokens=8, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted: list[str] = []
+    run(sched, runner, on_step=lambda i, out: preempted.extend(
+        r.request_id for r in out.preempted))
+    assert preempted and set(preempted) == {"b"}  # the newest is the victim
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert b.metrics.num_preemptions >= 1
+    # After preemption "b" recomputes prompt + its outputs so far from position 0.
+    b_chunks = runner.chunks_of("b")
+    restarts = [s for s, n in b_chunks if s == 0]
+    assert len(restarts) == 1 + b.metrics.num_preemptions
+    assert sched.kv.num_free_blocks == 6
+    sched.kv.pool.check_invariants()
+
+
+def test_request_that_can_never_fit_is_rejected() -> None:
+    sched = make_scheduler(block_size=4, num_blocks=3, max_model_len=1000)
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(make_request("big", 20, max_tokens=4))
+    assert not sched.has_unfinished()
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_rejected() -> None:
+    sched = make_scheduler(max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request("x", 30, max_tokens=5))
+
+
+def test_no_request_starved_under_load() -> None:
+    # A stream of short requests must not starve an earlier long one (FCFS head of line).
+    sched = make_scheduler(budget=16, block_size=4, max_num_seqs=4, num_blocks=40)
+    runner = FakeRunner()
+    sched.add_request(make_request("long", 100, max_tokens=3, arrival=0.0))
+    step = 0
+    while sched.has_unfinished() and step < 500:
+        if step < 200 and step % 2 == 0:
+            sched.add_request(make_request(f"s{step}", 6, max_tokens=3, arrival=1.0 + step))
+        out = sched.schedule()
+        sched.update(out, runner(out))
+        step += 1
+    assert not sched.has_unfinished()
+    assert all(not r.is_finished or r.num_output_tokens for r in sched.requests.values())
+
+
+def test_abort_frees_blocks_in_any_state() -> None:
+    sched = make_scheduler(budget=8, block_size=4, max_num_seqs=4)
+    runner = FakeRunner()
+    for i, n in enumerate((30, 3, 12)):
+        sched.add_request(make_request(f"r{i}", n, max_tokens=5, arrival=float(i)))
+    out = sched.schedule()
+    sched.update(out, runner(out))
+    for rid in ("r0", "r1", "r2"):
+        req = sched.abort_request(rid)
+        assert req is not None and req.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.abort_request("r0") is None
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    sched = make_scheduler(budget=64, max_num_seqs=2)
+    runner = FakeRunner()
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", 4, arrival=float(i)))
+    outs = run(sched, runner)
+    assert max(o.num_running for o in outs) <= 2
+
+
+def test_config_rejects_budget_below_max_num_seqs() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16, max_model_len=64,
+                        block_size=4)
