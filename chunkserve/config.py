@@ -50,11 +50,22 @@ class ModelConfig:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             _require(getattr(self, name) > 0, name, "must be positive")
-        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-                 f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads",
+        )
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         """Bytes of K and V cache one token takes over all layers."""
@@ -77,14 +88,20 @@ class SchedulerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(self.block_size >= 1, "block_size", "must be >= 1")
-        _require(self.policy in SCHEDULING_POLICIES, "scheduling_policy",
-                 f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+        )
         if self.enable_chunked_prefill:
             # Stall-free batching serves every running decode every step, so the token
             # budget must cover a full batch of decodes (vLLM enforces the same).
-            _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
-                     f"({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                     f"({self.max_num_seqs}) when chunked prefill is on")
+            _require(
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                "max_num_batched_tokens",
+                f"({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) when chunked prefill is on",
+            )
 
 
 @dataclass(frozen=True)
@@ -122,21 +139,28 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.device in DEVICES, "device",
-                 f"must be one of {DEVICES}, got {self.device!r}")
-        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
-                 "must be >= 2")
-        _require(self.block_size >= 1 and self.block_size <= 1024, "block_size",
-                 "must be in [1, 1024]")
-        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
-                 "must be a positive number of bytes")
+        _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2"
+        )
+        _require(
+            self.block_size >= 1 and self.block_size <= 1024, "block_size", "must be in [1, 1024]"
+        )
+        _require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            "kv_cache_memory",
+            "must be a positive number of bytes",
+        )
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        _require(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs",
-                 "must be >= 1")
-        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
-                 "must be >= 1")
+        _require(
+            self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"
+        )
+        _require(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _require(self.log_stats_interval >= 1, "log_stats_interval", "must be >= 1")
 
     @classmethod

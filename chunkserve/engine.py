@@ -129,9 +129,12 @@ class Engine:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
-        self.model = LlamaModel(model_config, self.dtype, self.device,
-                                max_positions=max(max_model_len,
-                                                  model_config.max_position_embeddings))
+        self.model = LlamaModel(
+            model_config,
+            self.dtype,
+            self.device,
+            max_positions=max(max_model_len, model_config.max_position_embeddings),
+        )
         self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
         del reader
         load_time = time.perf_counter() - t0
@@ -147,7 +150,8 @@ class Engine:
                 f"kv_cache_memory: {kv_memory} bytes hold {capacity} tokens, fewer than "
                 f"max_model_len ({max_model_len}); raise kv_cache_memory to at least "
                 f"{-(-max_model_len // self.block_size) * bytes_per_block} or lower "
-                f"max_model_len")
+                f"max_model_len"
+            )
         self.num_blocks = num_blocks
         self.kv_cache_memory = num_blocks * bytes_per_block
 
@@ -162,15 +166,26 @@ class Engine:
         self.scheduler_config = sched_config
         self.kv = KVCacheManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(sched_config, self.kv)
-        attn = get_attention_backend(config.attention_backend, self.device,
-                                     model_config.num_heads, model_config.num_kv_heads,
-                                     model_config.head_dim)
-        kv_caches = allocate_kv_caches(model_config.num_layers, num_blocks, self.block_size,
-                                       model_config.num_kv_heads, model_config.head_dim,
-                                       self.dtype, self.device)
+        attn = get_attention_backend(
+            config.attention_backend,
+            self.device,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        kv_caches = allocate_kv_caches(
+            model_config.num_layers,
+            num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
-        self.runner = ModelRunner(self.model, attn, self.sampler, kv_caches, self.block_size,
-                                  self.device)
+        self.runner = ModelRunner(
+            self.model, attn, self.sampler, kv_caches, self.block_size, self.device
+        )
 
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
@@ -183,10 +198,22 @@ class Engine:
             "chunkserve engine: model=%s device=%s dtype=%s attention=%s weights loaded in "
             "%.1fs | KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB) | "
             "max_model_len=%d max_num_batched_tokens=%d max_num_seqs=%d chunked_prefill=%s "
-            "policy=%s", self.model_name, self.device, str(self.dtype).removeprefix("torch."),
-            attn.name, load_time, num_blocks, self.block_size, capacity,
-            self.kv_cache_memory / 2**20, max_model_len, sched_config.max_num_batched_tokens,
-            sched_config.max_num_seqs, sched_config.enable_chunked_prefill, sched_config.policy)
+            "policy=%s",
+            self.model_name,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            attn.name,
+            load_time,
+            num_blocks,
+            self.block_size,
+            capacity,
+            self.kv_cache_memory / 2**20,
+            max_model_len,
+            sched_config.max_num_batched_tokens,
+            sched_config.max_num_seqs,
+            sched_config.enable_chunked_prefill,
+            sched_config.policy,
+        )
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -217,26 +244,38 @@ class Engine:
         text, token_ids = self._tokenize_prompt(prompt, prompt_token_ids)
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens is too long; max_model_len is "
-                             f"{self.max_model_len} (prompt + at least one output token)")
+            raise ValueError(
+                f"prompt: {n} tokens is too long; max_model_len is "
+                f"{self.max_model_len} (prompt + at least one output token)"
+            )
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - n
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        request = Request(request_id, token_ids, params, max_tokens=max_tokens,
-                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                          priority=priority, prompt=text)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time,
+            priority=priority,
+            prompt=text,
+        )
         self.scheduler.add_request(request)  # may raise ValueError (length, capacity, id)
         max_stop = max((len(s) for s in params.stop), default=0)
         self._states[request_id] = _OutputState(
             detok=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-            stop=params.stop, holdback=max(0, max_stop - 1),
-            logprobs=[] if params.logprobs is not None else None)
+            stop=params.stop,
+            holdback=max(0, max_stop - 1),
+            logprobs=[] if params.logprobs is not None else None,
+        )
         return request_id
 
-    def _tokenize_prompt(self, prompt: str | Sequence[int] | None,
-                         prompt_token_ids: Sequence[int] | None) -> tuple[str | None, list[int]]:
+    def _tokenize_prompt(
+        self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None
+    ) -> tuple[str | None, list[int]]:
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
             prompt_token_ids, prompt = prompt, None
         if prompt_token_ids is not None:
@@ -246,12 +285,14 @@ class Engine:
             vocab = self.model_config.vocab_size
             for t in ids:
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
-                                     f"[0, {vocab})")
+                    raise ValueError(
+                        f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})"
+                    )
             return prompt, ids
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt: must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
+            raise ValueError(
+                f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not prompt:
             raise ValueError("prompt: must not be empty")
         ids = self.tokenizer.encode(prompt)
@@ -284,8 +325,9 @@ class Engine:
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # fail this step's requests, keep the engine alive
-            logger.exception("step %d failed; failing its %d request(s)", self.step_count,
-                             len(out.chunks))
+            logger.exception(
+                "step %d failed; failing its %d request(s)", self.step_count, len(out.chunks)
+            )
             return self._fail_step(out, f"{type(exc).__name__}: {exc}")
         t_fwd = time.perf_counter()
         produced = self.scheduler.update(out, result.sampled)
@@ -296,16 +338,27 @@ class Engine:
         t_end = time.perf_counter()
 
         stats = StepStats(
-            step=self.step_count, kind=out.kind, num_prefill_seqs=len(out.prefills),
+            step=self.step_count,
+            kind=out.kind,
+            num_prefill_seqs=len(out.prefills),
             num_new_seqs=sum(1 for c in out.prefills if c.start == c.request.num_cached_tokens),
-            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-            num_cached_tokens=sum(c.request.num_cached_tokens for c in out.prefills
-                                  if c.start == c.request.num_cached_tokens),
-            num_preempted=len(out.preempted), num_running=out.num_running,
-            num_waiting=out.num_waiting, kv_usage=out.kv_usage,
-            token_budget=out.token_budget, schedule_time=(t_sched - t_start) + (t_end - t_fwd),
-            forward_time=forward_time, wall_time=t_end - t_start,
-            num_finished=sum(1 for o in outputs if o.finished))
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_cached_tokens=sum(
+                c.request.num_cached_tokens
+                for c in out.prefills
+                if c.start == c.request.num_cached_tokens
+            ),
+            num_preempted=len(out.preempted),
+            num_running=out.num_running,
+            num_waiting=out.num_waiting,
+            kv_usage=out.kv_usage,
+            token_budget=out.token_budget,
+            schedule_time=(t_sched - t_start) + (t_end - t_fwd),
+            forward_time=forward_time,
+            wall_time=t_end - t_start,
+            num_finished=sum(1 for o in outputs if o.finished),
+        )
         self.step_count += 1
         self._log_step(stats)
         for listener in self.step_listeners:
@@ -320,11 +373,22 @@ class Engine:
             state = self._states.pop(r.request_id, None)
             self.sampler.forget(r.request_id)
             text = state.text if state else ""
-            outputs.append(RequestOutput(
-                request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-                text=text, token_ids=list(r.output_token_ids), delta_text="",
-                delta_token_ids=[], finished=True, finish_reason="error", metrics=r.metrics,
-                error=error, num_cached_tokens=r.num_cached_tokens))
+            outputs.append(
+                RequestOutput(
+                    request_id=r.request_id,
+                    prompt=r.prompt,
+                    prompt_token_ids=r.prompt_token_ids,
+                    text=text,
+                    token_ids=list(r.output_token_ids),
+                    delta_text="",
+                    delta_token_ids=[],
+                    finished=True,
+                    finish_reason="error",
+                    metrics=r.metrics,
+                    error=error,
+                    num_cached_tokens=r.num_cached_tokens,
+                )
+            )
         return outputs
 
     def _make_output(self, request: Request, logprob: tuple | None) -> RequestOutput:
@@ -340,8 +404,9 @@ class Engine:
             hit = self._find_stop(full, len(state.text), state.stop)
             if hit is not None:
                 idx, stop = hit
-                keep = idx + len(stop) if request.sampling_params.include_stop_str_in_output \
-                    else idx
+                keep = (
+                    idx + len(stop) if request.sampling_params.include_stop_str_in_output else idx
+                )
                 full = full[:keep]
                 request.stop_reason = stop
                 if request.is_finished:  # it also hit EOS or length on this token
@@ -351,25 +416,33 @@ class Engine:
         state.text = full
         finished = request.is_finished
         visible = len(full) if finished else max(state.sent_len, len(full) - state.holdback)
-        delta_text = full[state.sent_len:visible]
+        delta_text = full[state.sent_len : visible]
         state.sent_len = visible
-        delta_tokens = request.output_token_ids[state.sent_tokens:]
+        delta_tokens = request.output_token_ids[state.sent_tokens :]
         state.sent_tokens = request.num_output_tokens
         delta_logprobs = None
         if state.logprobs is not None:
-            delta_logprobs = state.logprobs[state.sent_logprobs:]
+            delta_logprobs = state.logprobs[state.sent_logprobs :]
             state.sent_logprobs = len(state.logprobs)
         if finished:
             self._states.pop(request.request_id, None)
             self.sampler.forget(request.request_id)
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids, text=full[:visible],
-            token_ids=list(request.output_token_ids), delta_text=delta_text,
-            delta_token_ids=delta_tokens, finished=finished,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            logprobs=state.logprobs, delta_logprobs=delta_logprobs,
-            num_cached_tokens=request.num_cached_tokens, metrics=request.metrics)
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=full[:visible],
+            token_ids=list(request.output_token_ids),
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=state.logprobs,
+            delta_logprobs=delta_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request.metrics,
+        )
 
     @staticmethod
     def _find_stop(text: str, checked_len: int, stops: list[str]) -> tuple[int, str] | None:
@@ -393,9 +466,13 @@ class Engine:
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                 "#queue-req: %d, gen throughput (token/s): %.1f, step: %.1f ms",
-                s.num_running, s.num_decode_tokens, s.kv_usage, s.num_waiting,
+                s.num_running,
+                s.num_decode_tokens,
+                s.kv_usage,
+                s.num_waiting,
                 self._decode_log_tokens / max(self._decode_log_time, 1e-9),
-                1e3 * self._decode_log_time / self._decode_log_steps)
+                1e3 * self._decode_log_time / self._decode_log_steps,
+            )
             self._decode_log_steps = self._decode_log_tokens = 0
             self._decode_log_time = 0.0
             return
@@ -403,7 +480,17 @@ class Engine:
             "%s batch. #new-seq: %d, #prefill-seq: %d, #new-token: %d, #cached-token: %d, "
             "#decode-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d, "
             "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)",
-            "Mixed" if s.kind == "mixed" else "Prefill", s.num_new_seqs, s.num_prefill_seqs,
-            s.num_prefill_tokens, s.num_cached_tokens, s.num_decode_tokens, s.kv_usage,
-            s.num_running, s.num_waiting, s.num_preempted, s.token_budget, 1e3 * s.wall_time,
-            1e3 * s.schedule_time)
+            "Mixed" if s.kind == "mixed" else "Prefill",
+            s.num_new_seqs,
+            s.num_prefill_seqs,
+            s.num_prefill_tokens,
+            s.num_cached_tokens,
+            s.num_decode_tokens,
+            s.kv_usage,
+            s.num_running,
+            s.num_waiting,
+            s.num_preempted,
+            s.token_budget,
+            1e3 * s.wall_time,
+            1e3 * s.schedule_time,
+        )

@@ -82,8 +82,9 @@ class BlockPool:
             if count < 0:
                 raise AssertionError(f"block {block_id} has ref_cnt {count}")
             if (count == 0) != (block_id in self._free):
-                raise AssertionError(f"block {block_id}: ref_cnt {count}, "
-                                     f"in free list: {block_id in self._free}")
+                raise AssertionError(
+                    f"block {block_id}: ref_cnt {count}, in free list: {block_id in self._free}"
+                )
 
 
 class KVCacheManager:

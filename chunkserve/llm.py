@@ -21,12 +21,16 @@ class LLM:
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in the prompts' order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
         if not prompts:
@@ -36,14 +40,18 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params_list)} given for "
-                                 f"{len(prompts)} prompts")
+                raise ValueError(
+                    f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"
+                )
         return self._run(prompts, params_list, use_tqdm)
 
-    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the model's chat template turns
         each into a prompt. Returns one output per conversation."""
         if messages and isinstance(messages[0], dict):
@@ -53,8 +61,9 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:

@@ -37,8 +37,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         dtype = _DTYPES[name]
         if device.type == "cpu" and dtype == torch.float16:
-            logger.warning("float16 on CPU is very slow (no native fp16 matmul); "
-                           "prefer bfloat16 or float32")
+            logger.warning(
+                "float16 on CPU is very slow (no native fp16 matmul); prefer bfloat16 or float32"
+            )
         return dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

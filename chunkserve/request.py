@@ -61,36 +61,72 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
-                                           and self.max_tokens >= 1),
-               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
-               f"must be >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
-               f"must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
-               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
-               f"must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed",
-               f"must be an integer, got {self.seed!r}")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2.0 <= value <= 2.0, name,
-                   f"must be in [-2, 2], got {value!r}")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
-               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative integers")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-               f"must be >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int)
-                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            _check(
+                _is_number(value) and -2.0 <= value <= 2.0,
+                name,
+                f"must be in [-2, 2], got {value!r}",
+            )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be >= 0, got {self.min_tokens!r}",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -98,8 +134,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _is_number(x: object) -> bool:
@@ -124,8 +163,12 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
 
 
 @dataclass
@@ -203,7 +246,8 @@ class Request:
         self.priority = priority
         self.arrival_seq = next(_request_counter)  # tie-break for equal arrival times
         self.metrics = RequestMetrics(
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time
+        )
 
         self.status = RequestStatus.WAITING
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + outputs
@@ -265,6 +309,8 @@ class Request:
         return None
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.value}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens}, "
-                f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens})"
+        )

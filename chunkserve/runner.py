@@ -22,20 +22,33 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device: torch.device
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed pool per layer for K and for V: [num_blocks, block_size, Hkv, hd] each.
     Zeroed, so padding a decode gathers is finite (it is masked, but 0 * NaN is NaN)."""
-    pool = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-                       dtype=dtype, device=device)
+    pool = torch.zeros(
+        (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+    )
     return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attn: AttentionBackend, sampler: Sampler,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        attn: AttentionBackend,
+        sampler: Sampler,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.attn = attn
         self.sampler = sampler
@@ -68,9 +81,9 @@ class ModelRunner:
                 slots[row] = table[s // bs] * bs + s % bs
             else:
                 pos = np.arange(s, s + n)
-                input_ids[row:row + n] = r.token_ids[s:s + n]
-                positions[row:row + n] = pos
-                slots[row:row + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+                input_ids[row : row + n] = r.token_ids[s : s + n]
+                positions[row : row + n] = pos
+                slots[row : row + n] = np.asarray(table)[pos // bs] * bs + pos % bs
             row += n
             query_start.append(row)
             context_start.append(s)
@@ -83,7 +96,7 @@ class ModelRunner:
         max_blocks = max((len(t) for t in tables), default=0)
         block_tables = np.zeros((len(tables), max(max_blocks, 1)), dtype=np.int32)
         for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
+            block_tables[i, : len(t)] = t
 
         dev = self.device
 

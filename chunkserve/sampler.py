@@ -53,8 +53,11 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), requests)
-        ban = [(i, r) for i, r in enumerate(requests)
-               if r.num_output_tokens < r.sampling_params.min_tokens]
+        ban = [
+            (i, r)
+            for i, r in enumerate(requests)
+            if r.num_output_tokens < r.sampling_params.min_tokens
+        ]
         if ban:
             logits = logits.clone() if not any(p.has_penalties for p in params) else logits
             for i, r in ban:
@@ -76,8 +79,7 @@ class Sampler:
         return result
 
     # ---- penalties -----------------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]
-                         ) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
         vocab = logits.shape[1]
         for i in rows:
@@ -90,8 +92,9 @@ class Sampler:
                 # negative multiplied.
                 seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
                 seen[torch.tensor(r.token_ids, dtype=torch.int64, device=logits.device)] = True
-                penalised = torch.where(row > 0, row / p.repetition_penalty,
-                                        row * p.repetition_penalty)
+                penalised = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
                 row.copy_(torch.where(seen, penalised, row))
             if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
                 counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
@@ -104,8 +107,11 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         device = logits.device
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             dtype=logits.dtype, device=device)
+        temps = torch.tensor(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params],
+            dtype=logits.dtype,
+            device=device,
+        )
         logits = logits / temps[:, None]
 
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -135,8 +141,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            draw = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype,
-                               device=device).exponential_(generator=self._generator)
+            draw = torch.empty(
+                (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
+            ).exponential_(generator=self._generator)
             noise[unseeded] = draw
         for i, r in enumerate(requests):
             if params[i].seed is not None:
@@ -146,8 +153,9 @@ class Sampler:
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod
-    def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: Sequence
-                         ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    def _gather_logprobs(
+        logprobs: torch.Tensor, tokens: torch.Tensor, params: Sequence
+    ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         max_n = max((p.logprobs or 0) for p in params)
         sampled = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         if max_n:

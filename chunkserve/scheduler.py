@@ -51,8 +51,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     """One step's batch. Batch order is ``prefills`` then ``decodes``::
 
-        tokens:  | chunk A (start 256, 128 tok) | chunk B (start 0, 37 tok) | dC | dD | dE |
-        sees:    | A[0 .. 256+i]                | B[0 .. i]                 | C  | D  | E  |
+    tokens:  | chunk A (start 256, 128 tok) | chunk B (start 0, 37 tok) | dC | dD | dE |
+    sees:    | A[0 .. 256+i]                | B[0 .. i]                 | C  | D  | E  |
     """
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
@@ -104,8 +104,12 @@ def _priority_key(r: Request) -> tuple:
 class Scheduler:
     """Owns the waiting and running queues and every request's status and counters."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if kv.block_size != config.block_size:
             raise ValueError("block_size: scheduler and KV cache disagree")
         self.config = config
@@ -126,12 +130,14 @@ class Scheduler:
             raise ValueError(
                 f"prompt: {request.num_prompt_tokens} prompt tokens + max_tokens "
                 f"{request.max_tokens} = {needed} exceeds max_model_len "
-                f"({self.config.max_model_len})")
+                f"({self.config.max_model_len})"
+            )
         # The last sampled token is never written to the cache, hence ``needed - 1``.
         if self.kv.num_blocks_for(needed - 1) > self.kv.num_blocks:
             raise ValueError(
                 f"prompt: needs {self.kv.num_blocks_for(needed - 1)} KV blocks but the cache "
-                f"has only {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens")
+                f"has only {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
         self.requests[request.request_id] = request
         self._insert(self.waiting, request)
 

@@ -16,8 +16,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from chunkserve.model.loader import ModelSource
 
 # llama.cpp's pre-tokenizer regexes for byte-level BPE vocabularies, by ``tokenizer.ggml.pre``.
-_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GGUF_TOKEN_CONTROL = 3
 _GGUF_TOKEN_USER_DEFINED = 4
 
@@ -25,15 +27,19 @@ _GGUF_TOKEN_USER_DEFINED = 4
 def _byte_level_pre_tokenizer(pre: str | None) -> Any:
     if pre == "smollm" or pre in ("starcoder", "refact"):
         # GPT-2 regex plus single digits (llama.cpp's "smollm"/"starcoder" pre-tokenizers).
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre in ("llama-bpe", "llama3", "smaug-bpe", "dbrx"):
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
@@ -47,15 +53,19 @@ def _gguf_bpe_tokenizer(reader: Any) -> HFTokenizer:
     tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tk.pre_tokenizer = _byte_level_pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
     tk.decoder = decoders.ByteLevel()
-    added = [AddedToken(tokens[i], special=(t == _GGUF_TOKEN_CONTROL), normalized=False)
-             for i, t in enumerate(types)
-             if t in (_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED)]
+    added = [
+        AddedToken(tokens[i], special=(t == _GGUF_TOKEN_CONTROL), normalized=False)
+        for i, t in enumerate(types)
+        if t in (_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED)
+    ]
     tk.add_tokens(added)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], int(bos))])
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], int(bos))],
+        )
     return tk
 
 
@@ -63,8 +73,14 @@ class Tokenizer:
     """Encode/decode through ``tokenizers``; chat templates rendered with Jinja2 the way HF
     transformers renders them."""
 
-    def __init__(self, tokenizer: HFTokenizer, *, eos_token_ids: Sequence[int],
-                 bos_token_id: int | None, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None,
+        chat_template: str | None,
+    ) -> None:
         self._tk = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
@@ -74,8 +90,9 @@ class Tokenizer:
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
-    def from_source(cls, source: ModelSource, reader: Any = None,
-                    tokenizer_path: str | None = None) -> Tokenizer:
+    def from_source(
+        cls, source: ModelSource, reader: Any = None, tokenizer_path: str | None = None
+    ) -> Tokenizer:
         if tokenizer_path is not None:
             return cls.from_hf_dir(Path(tokenizer_path))
         if source.kind == "hf":
@@ -97,12 +114,21 @@ class Tokenizer:
             tk = hf.backend_tokenizer
         else:
             raise ValueError(f"model: GGUF file {str(path)!r} carries no tokenizer")
-        eos = [int(t) for t in (_field(reader, "tokenizer.ggml.eos_token_id"),
-                                _field(reader, "tokenizer.ggml.eot_token_id")) if t is not None]
+        eos = [
+            int(t)
+            for t in (
+                _field(reader, "tokenizer.ggml.eos_token_id"),
+                _field(reader, "tokenizer.ggml.eot_token_id"),
+            )
+            if t is not None
+        ]
         bos = _field(reader, "tokenizer.ggml.bos_token_id")
-        return cls(tk, eos_token_ids=sorted(set(eos)),
-                   bos_token_id=None if bos is None else int(bos),
-                   chat_template=_field(reader, "tokenizer.chat_template"))
+        return cls(
+            tk,
+            eos_token_ids=sorted(set(eos)),
+            bos_token_id=None if bos is None else int(bos),
+            chat_template=_field(reader, "tokenizer.chat_template"),
+        )
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
@@ -117,8 +143,7 @@ class Tokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"),
-                            None)
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
 
         def token_id(value: Any) -> int | None:
             if isinstance(value, dict):
@@ -136,8 +161,12 @@ class Tokenizer:
         if not eos_ids and (path / "config.json").is_file():
             ce = json.loads((path / "config.json").read_text()).get("eos_token_id")
             eos_ids += ce if isinstance(ce, list) else ([ce] if ce is not None else [])
-        return cls(tk, eos_token_ids=sorted(set(eos_ids)),
-                   bos_token_id=token_id(cfg.get("bos_token")), chat_template=template)
+        return cls(
+            tk,
+            eos_token_ids=sorted(set(eos_ids)),
+            bos_token_id=token_id(cfg.get("bos_token")),
+            chat_template=template,
+        )
 
     # ---- encode / decode -----------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -154,23 +183,30 @@ class Tokenizer:
         return self._tk.decode([token_id], skip_special_tokens=False)
 
     # ---- chat ----------------------------------------------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template")
         _check_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         special = {}
-        for name, tid in (("bos_token", self.bos_token_id),
-                          ("eos_token", self.eos_token_ids[0] if self.eos_token_ids else None)):
+        for name, tid in (
+            ("bos_token", self.bos_token_id),
+            ("eos_token", self.eos_token_ids[0] if self.eos_token_ids else None),
+        ):
             special[name] = self.id_to_token(tid) if tid is not None else ""
         return self._compiled_template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            **special, **kwargs)
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **special,
+            **kwargs,
+        )
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt)
         # The template already writes BOS where the model wants it.
         return self.encode(text, add_special_tokens=False)
@@ -196,13 +232,20 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise ValueError(f"messages: {message}")
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -220,11 +263,15 @@ class IncrementalDetokenizer:
 
     _CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT:])
+        self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT :])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""
@@ -233,11 +280,12 @@ class IncrementalDetokenizer:
         """Append tokens; return the new stable text (may be empty)."""
         self._ids.extend(token_ids)
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset:self._read_offset],
-                        self.skip_special_tokens)
-        full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
+        )
+        full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self.text += delta
@@ -247,10 +295,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end: whatever is left, replacement characters included."""
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset:self._read_offset],
-                        self.skip_special_tokens)
-        full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
-        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
+        )
+        full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._prefix_offset = self._read_offset = len(self._ids)
         self.text += delta
         return delta

@@ -49,9 +49,9 @@ def hf_dir(gguf_path: Path) -> Path:
     from chunkserve.model.loader import open_gguf
     from chunkserve.tokenizer import Tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent),
-                                                 gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -62,9 +62,15 @@ def hf_dir(gguf_path: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tok = Tokenizer.from_gguf(gguf_path, open_gguf(gguf_path))
     tok._tk.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "chat_template": tok.chat_template}))
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": tok.chat_template,
+            }
+        )
+    )
     tmp.rename(out)
     return out
 
@@ -82,6 +88,7 @@ def hf_model(hf_dir: Path):
 def assert_no_blocks_in_use(engine) -> None:
     kv = engine.kv
     assert kv.num_free_blocks == kv.num_blocks, (
-        f"{kv.num_blocks - kv.num_free_blocks} KV blocks still allocated")
+        f"{kv.num_blocks - kv.num_free_blocks} KV blocks still allocated"
+    )
     kv.pool.check_invariants()
     assert not engine.has_unfinished()

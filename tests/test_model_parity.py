@@ -79,15 +79,15 @@ def test_32_greedy_tokens_match_hf(engine: Engine, hf_model) -> None:
                 done[out.request_id] = out.token_ids
     for rid, prompt in zip(ids, prompts):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32,
-                                    min_new_tokens=32, do_sample=False)[0, len(prompt):]
+            ref = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+            )[0, len(prompt) :]
         assert done[rid] == ref.tolist()
     assert_no_blocks_in_use(engine)
 
 
 def test_hf_safetensors_dir_loads_and_matches_gguf(hf_dir: Path, engine: Engine) -> None:
-    llm = LLM(model=str(hf_dir), dtype="float32", max_model_len=1024,
-              kv_cache_memory=KV_MEMORY)
+    llm = LLM(model=str(hf_dir), dtype="float32", max_model_len=1024, kv_cache_memory=KV_MEMORY)
     assert llm.engine.model_config.tie_word_embeddings
     assert llm.engine.eos_token_ids == engine.eos_token_ids
     ids = engine.tokenizer.encode(NATURAL_PROMPTS[0])
@@ -96,8 +96,9 @@ def test_hf_safetensors_dir_loads_and_matches_gguf(hf_dir: Path, engine: Engine)
     b = all_row_logits(engine, ids, 4)
     assert relative_error(a, b) < 1e-5
     messages = [{"role": "user", "content": "hi"}]
-    assert (llm.tokenizer.apply_chat_template(messages)
-            == engine.tokenizer.apply_chat_template(messages))
+    assert llm.tokenizer.apply_chat_template(messages) == engine.tokenizer.apply_chat_template(
+        messages
+    )
 
 
 def test_bf16_close_to_fp32(engine: Engine) -> None:

@@ -30,25 +30,43 @@ class FakeRunner:
         return [(s, n) for step in self.steps for rid, s, n in step if rid == request_id]
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0,
-                 priority: int = 0) -> Request:
-    return Request(rid, list(range(10, 10 + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                   max_tokens=max_tokens, eos_token_ids=[EOS], arrival_time=arrival,
-                   priority=priority)
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0, priority: int = 0
+) -> Request:
+    return Request(
+        rid,
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        max_tokens=max_tokens,
+        eos_token_ids=[EOS],
+        arrival_time=arrival,
+        priority=priority,
+    )
 
 
-def make_scheduler(budget: int = 64, num_blocks: int = 1000, block_size: int = 4,
-                   max_num_seqs: int = 16, chunked: bool = True, max_model_len: int = 4096,
-                   policy: str = "fcfs") -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, block_size=block_size,
-                             enable_chunked_prefill=chunked, policy=policy)
+def make_scheduler(
+    budget: int = 64,
+    num_blocks: int = 1000,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    chunked: bool = True,
+    max_model_len: int = 4096,
+    policy: str = "fcfs",
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size), clock=lambda: 0.0)
 
 
-def run(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
-        on_step=None) -> list[SchedulerOutput]:
+def run(
+    sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, on_step=None
+) -> list[SchedulerOutput]:
     outs = []
     while sched.has_unfinished():
         assert len(outs) < max_steps, "scheduler made no progress"
@@ -96,8 +114,9 @@ def test_budget_never_exceeded_and_every_decode_served() -> None:
     sched = make_scheduler(budget=32, block_size=4, max_num_seqs=8, num_blocks=10_000)
     runner = FakeRunner()
     for i in range(30):
-        sched.add_request(make_request(f"r{i}", rng.randint(1, 150), rng.randint(1, 20),
-                                       arrival=float(i)))
+        sched.add_request(
+            make_request(f"r{i}", rng.randint(1, 150), rng.randint(1, 20), arrival=float(i))
+        )
 
     def check(step: int, out: SchedulerOutput) -> None:
         assert out.num_batched_tokens <= 32
@@ -157,8 +176,7 @@ def test_preemption_newest_first_and_recompute() -> None:
     sched.add_request(a)
     sched.add_request(b)
     preempted: list[str] = []
-    run(sched, runner, on_step=lambda i, out: preempted.extend(
-        r.request_id for r in out.preempted))
+    run(sched, runner, on_step=lambda i, out: preempted.extend(r.request_id for r in out.preempted))
     assert preempted and set(preempted) == {"b"}  # the newest is the victim
     assert a.num_output_tokens == 8 and b.num_output_tokens == 8
     assert b.metrics.num_preemptions >= 1
@@ -225,5 +243,4 @@ def test_max_num_seqs_limits_admission() -> None:
 
 def test_config_rejects_budget_below_max_num_seqs() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16, max_model_len=64,
-                        block_size=4)
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16, max_model_len=64, block_size=4)

@@ -9,8 +9,9 @@ from chunkserve.attention.base import AttentionBackend, BatchLayout
 BACKENDS = ("auto", "torch")
 
 
-def get_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+) -> AttentionBackend:
     """Return the backend called ``name``; optional kernels are imported lazily here."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {name!r}")

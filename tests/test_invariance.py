@@ -1,0 +1,101 @@
+"""Chunked, unchunked and preempted runs produce the same greedy tokens (fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chunkserve.engine import Engine
+from chunkserve.request import SamplingParams
+from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
+
+MAX_TOKENS = 10
+
+
+def workload() -> list[list[int]]:
+    """10 prompts of mixed lengths; several are longer than the small budgets and than 512."""
+    rng = random.Random(1234)
+    lengths = [3, 17, 64, 150, 333, 530, 700, 41]
+    prompts = [random_prompt(rng, n) for n in lengths]
+    return prompts
+
+
+def natural_prompts(engine: Engine) -> list[list[int]]:
+    return [engine.tokenizer.encode(p) for p in NATURAL_PROMPTS[:2]]
+
+
+def run_staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Add half the prompts at once, the rest one every 3 steps while others decode."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0)
+    ids: list[str] = []
+    pending = list(prompts)
+    for _ in range(len(prompts) // 2):
+        ids.append(engine.add_request(pending.pop(0), params))
+    results: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished() or pending:
+        if pending and step % 3 == 0:
+            ids.append(engine.add_request(pending.pop(0), params))
+        for out in engine.step():
+            if out.finished:
+                assert out.finish_reason == "length"
+                results[out.request_id] = out.token_ids
+        step += 1
+    return [results[i] for i in ids]
+
+
+def make_engine(**kwargs) -> Engine:
+    base = dict(dtype="float32", max_model_len=1024, kv_cache_memory=96 << 20, block_size=16)
+    base.update(kwargs)
+    return Engine(**base)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[list[int]], list[list[int]]]:
+    """Unchunked run: whole prompts, the baseline."""
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    prompts = workload() + natural_prompts(engine)
+    tokens = run_staggered(engine, prompts)
+    assert_no_blocks_in_use(engine)
+    return prompts, tokens
+
+
+@pytest.mark.parametrize("budget", [16, 64, 100, 512])
+def test_chunked_matches_unchunked(reference, budget: int) -> None:
+    prompts, expected = reference
+    engine = make_engine(max_num_batched_tokens=budget)
+    chunk_steps = []
+    engine.step_listeners.append(lambda s: chunk_steps.append(s))
+    assert run_staggered(engine, prompts) == expected
+    assert all(s.num_batched_tokens <= budget for s in chunk_steps)
+    assert any(s.kind == "mixed" for s in chunk_steps)
+    assert_no_blocks_in_use(engine)
+
+
+def test_preemption_matches_unchunked(reference) -> None:
+    prompts, expected = reference
+    # 50 blocks of 16 = 800 tokens: the 700-token prompt fits alone, but not beside the
+    # others, so requests are preempted and recomputed.
+    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16
+    engine = make_engine(
+        max_num_batched_tokens=128, kv_cache_memory=50 * bytes_per_block, max_model_len=800
+    )
+    assert engine.num_blocks == 50
+    assert run_staggered(engine, prompts) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert_no_blocks_in_use(engine)
+
+
+def test_preemption_unchunked_matches(reference) -> None:
+    prompts, expected = reference
+    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16
+    engine = make_engine(
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=1024,
+        kv_cache_memory=50 * bytes_per_block,
+        max_model_len=800,
+    )
+    assert run_staggered(engine, prompts) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert_no_blocks_in_use(engine)

@@ -1,0 +1,118 @@
+"""Bad input raises ValueError naming the field, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkserve import LLM, EngineConfig, SamplingParams
+from chunkserve.engine import Engine
+from tests.conftest import assert_no_blocks_in_use
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs)
+
+
+def test_empty_prompt(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="^prompt:"):
+        engine.add_request("", SamplingParams())
+    with pytest.raises(ValueError, match="^prompt:"):
+        engine.add_request([], SamplingParams())
+    assert_no_blocks_in_use(engine)
+
+
+def test_prompt_longer_than_max_model_len(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(list(range(100, 400)), SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):  # prompt + max_tokens too long
+        engine.add_request(list(range(100, 300)), SamplingParams(max_tokens=100))
+    assert_no_blocks_in_use(engine)
+
+
+def test_token_ids_outside_vocabulary(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="^prompt: token id"):
+        engine.add_request([1, 2, 10**6], SamplingParams())
+
+
+def test_duplicate_request_id(engine: Engine) -> None:
+    engine.add_request("hello", SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("hello", SamplingParams(max_tokens=2), request_id="dup")
+    engine.abort_request("dup")
+    assert_no_blocks_in_use(engine)
+
+
+def test_generate_with_one_bad_prompt_queues_nothing(engine: Engine) -> None:
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer = engine, engine.tokenizer
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_no_blocks_in_use(engine)
+    assert engine.scheduler.num_waiting == 0
+
+
+def test_unknown_model_path() -> None:
+    with pytest.raises(ValueError, match="^model: no such file"):
+        LLM(model="/nonexistent/model.gguf")
+    with pytest.raises(ValueError, match="^model:"):
+        LLM(model=__file__)  # exists, not a model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"kv_cache_memory": -1}, "kv_cache_memory"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ],
+)
+def test_engine_config_errors(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_engine_option() -> None:
+    with pytest.raises(TypeError, match="bogus"):
+        EngineConfig.from_kwargs(bogus=1)
+
+
+def test_kv_cache_too_small_for_max_model_len() -> None:
+    with pytest.raises(ValueError, match="^kv_cache_memory:"):
+        Engine(dtype="float32", max_model_len=4096, kv_cache_memory=1 << 20)
+
+
+def test_max_num_seqs_above_budget_with_chunking() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Engine(
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory=16 << 20,
+            max_num_batched_tokens=16,
+            max_num_seqs=64,
+        )
