@@ -82,8 +82,25 @@ class SchedulerConfig:
     block_size: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # Admission control (SGLang's new_token_ratio): a waiting request is admitted only if the
+    # free blocks cover its whole prompt plus, for it and every running request, this
+    # fraction of the outputs still to come (clipped at ``output_estimate_clip`` tokens).
+    # The ratio decays to the minimum over ``new_token_ratio_decay_steps`` steps and jumps
+    # back after a preemption. 0 reserves prompts only (greedy admission, more preemption).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.15
+    new_token_ratio_decay_steps: int = 600
+    output_estimate_clip: int = 4096
 
     def __post_init__(self) -> None:
+        _require(
+            0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
+            "new_token_ratio",
+            "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
+        )
+        _require(
+            self.new_token_ratio_decay_steps >= 1, "new_token_ratio_decay_steps", "must be >= 1"
+        )
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")

@@ -26,7 +26,7 @@ from chunkserve.config import (
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import iter_weights, load_model_config, resolve_model
-from chunkserve.platform import resolve_device, resolve_dtype
+from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from chunkserve.runner import ModelRunner, allocate_kv_caches
 from chunkserve.sampler import Sampler
@@ -83,6 +83,7 @@ class StepStats:
     token_budget: int
     schedule_time: float  # seconds in Scheduler.schedule + update
     forward_time: float  # seconds in the runner (layout, forward, sampling)
+    layout_time: float  # of which building the BatchLayout and attention metadata
     wall_time: float  # whole step
     num_finished: int = 0
 
@@ -112,6 +113,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config or EngineConfig.from_kwargs(**kwargs)
         self.config = config
+        configure_cpu_runtime()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -143,7 +145,7 @@ class Engine:
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
         bytes_per_block = model_config.kv_bytes_per_token(dtype_size) * self.block_size
         kv_memory = self._kv_cache_memory()
-        num_blocks = kv_memory // bytes_per_block
+        num_blocks = kv_memory // bytes_per_block - 1  # one more is the null block
         capacity = num_blocks * self.block_size
         if capacity < max_model_len:
             raise ValueError(
@@ -153,7 +155,7 @@ class Engine:
                 f"max_model_len"
             )
         self.num_blocks = num_blocks
-        self.kv_cache_memory = num_blocks * bytes_per_block
+        self.kv_cache_memory = (num_blocks + 1) * bytes_per_block
 
         sched_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -356,6 +358,7 @@ class Engine:
             token_budget=out.token_budget,
             schedule_time=(t_sched - t_start) + (t_end - t_fwd),
             forward_time=forward_time,
+            layout_time=result.layout_time,
             wall_time=t_end - t_start,
             num_finished=sum(1 for o in outputs if o.finished),
         )

@@ -5,6 +5,10 @@ Pure Python: the tensors live in the model runner as one pool per layer,
 into those pools. Token ``pos`` of a request lives in slot
 ``block_ids[pos // block_size] * block_size + pos % block_size``.
 
+Block 0 is the null block: never handed out, it pads block tables and absorbs the KV writes
+of padding rows (the runner pads a step's token count to a few bucket sizes). Usable blocks
+are ``1..num_blocks``; the pools hold ``num_blocks + 1``.
+
 Invariants:
 - a block is in the free list iff its reference count is 0;
 - ``num_free_blocks + sum(blocks with ref_cnt > 0) == num_blocks``;
@@ -21,6 +25,9 @@ from collections import OrderedDict
 from chunkserve.request import Request
 
 
+NULL_BLOCK = 0
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -31,10 +38,13 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
+        self.num_blocks = num_blocks  # usable blocks, ids 1..num_blocks
+        self.ref_cnt = [0] * (num_blocks + 1)
+        self.ref_cnt[NULL_BLOCK] = 1  # permanently taken
         # Insertion order = eviction order. Values unused (an ordered set).
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(1, num_blocks + 1)
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,7 +88,9 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise if the free list and reference counts disagree (used by tests)."""
-        for block_id, count in enumerate(self.ref_cnt):
+        if self.ref_cnt[NULL_BLOCK] != 1 or NULL_BLOCK in self._free:
+            raise AssertionError("the null block was handed out or freed")
+        for block_id, count in enumerate(self.ref_cnt[1:], start=1):
             if count < 0:
                 raise AssertionError(f"block {block_id} has ref_cnt {count}")
             if (count == 0) != (block_id in self._free):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -44,3 +45,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def configure_cpu_runtime() -> None:
+    """Bound oneDNN's per-shape caches; call before the process's first matmul.
+
+    Every step has a different token count and context length, so the default caches (1,024
+    oneDNN primitives, 1,024 ideep entries) fill with one-off shapes: measured on the offline
+    benchmark, peak RSS 2.36 GiB, against 1.69 GiB at 64 and 16 entries with the same speed.
+    Users' own settings win."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "16")

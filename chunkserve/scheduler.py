@@ -120,6 +120,10 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by policy key
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.new_token_ratio = config.init_new_token_ratio
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / (
+            config.new_token_ratio_decay_steps
+        )
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -184,6 +188,12 @@ class Scheduler:
             self._schedule_chunked(out, budget)
         else:
             self._schedule_unchunked(out, budget)
+        if out.preempted:
+            self.new_token_ratio = self.config.init_new_token_ratio
+        else:
+            self.new_token_ratio = max(
+                self.config.min_new_token_ratio, self.new_token_ratio - self._ratio_decay
+            )
         now = self.clock()
         for chunk in out.prefills:
             if chunk.request.metrics.first_scheduled_time is None:
@@ -216,24 +226,30 @@ class Scheduler:
         budget = out.token_budget - out.num_batched_tokens
 
         # 3. Waiting requests, while budget, sequence slots and free blocks last.
+        headroom = self._admission_headroom()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             n = self._chunk_len(request, budget)
-            if not self.kv.allocate_slots(request, n):
+            need = self._future_tokens(request)
+            if (self.running and need > headroom) or not self.kv.allocate_slots(request, n):
                 break  # head of line waits for blocks; no skipping (no starvation)
+            headroom -= need
             self._admit(request)
             out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
 
     def _schedule_unchunked(self, out: SchedulerOutput, budget: int) -> None:
         # Whole prompts first: a prefill-only step (decodes stall) whenever one fits.
+        headroom = self._admission_headroom()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             n = request.num_uncomputed_tokens
             if out.prefills and n > budget:
                 break  # the first prompt of a step is always taken whole
-            if not self.kv.allocate_slots(request, n):
+            need = self._future_tokens(request)
+            if (self.running and need > headroom) or not self.kv.allocate_slots(request, n):
                 break
+            headroom -= need
             self._admit(request)
             out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
@@ -242,6 +258,20 @@ class Scheduler:
         for request in list(self.running):
             if request.status == RequestStatus.RUNNING and self._reserve(request, 1, out):
                 out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+
+    def _future_tokens(self, request: Request) -> float:
+        """KV slots a request will still need beyond the blocks it holds: its uncomputed
+        tokens plus ``new_token_ratio`` of the outputs it may still produce."""
+        outputs = min(
+            request.max_tokens - request.num_output_tokens, self.config.output_estimate_clip
+        )
+        room = len(request.block_ids) * self.kv.block_size - request.num_computed_tokens
+        return max(0.0, request.num_uncomputed_tokens + outputs * self.new_token_ratio - room)
+
+    def _admission_headroom(self) -> float:
+        """Free KV slots left after reserving the running requests' future tokens."""
+        reserved = sum(self._future_tokens(r) for r in self.running)
+        return self.kv.num_free_blocks * self.kv.block_size - reserved
 
     def _chunk_len(self, request: Request, budget: int) -> int:
         remaining = request.num_uncomputed_tokens

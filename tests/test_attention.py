@@ -63,13 +63,18 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
     num_blocks = 800 // block_size + 40  # room for the largest random batch
     kv = KVCacheManager(num_blocks, block_size)
     # Shuffle the free list so block tables are not contiguous.
-    order = list(range(num_blocks))
+    order = list(range(1, num_blocks + 1))
     rng.shuffle(order)
     kv.pool._free.clear()
     for b in order:
         kv.pool._free[b] = None
     ((k_cache, v_cache),) = allocate_kv_caches(1, num_blocks, block_size, HKV, HD, dtype, device)
     attn = get_attention_backend("torch", device, H, HKV, HD)
+    # Poison the pool: any read of a slot that was neither written nor zeroed turns into NaN.
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    k_cache[0].zero_()  # the null block, zeroed at allocation
+    v_cache[0].zero_()
     runner = ModelRunner(None, attn, None, [(k_cache, v_cache)], block_size, device)
 
     out = SchedulerOutput()
@@ -81,7 +86,11 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
         assert kv.allocate_slots(r, new)
         full_k[r.request_id] = torch.randn(total, HKV, HD).to(dtype)
         full_v[r.request_id] = torch.randn(total, HKV, HD).to(dtype)
-        # Write the cached prefix straight into the pool through the block table.
+        # Write the cached prefix straight into the pool through the block table, zeroing
+        # each block first as the engine does on a block's first write.
+        for b in r.block_ids[: -(-cached // block_size)]:
+            k_cache[b].zero_()
+            v_cache[b].zero_()
         for pos in range(cached):
             slot = r.block_ids[pos // block_size] * block_size + pos % block_size
             k_cache.view(-1, HKV, HD)[slot] = full_k[r.request_id][pos]
@@ -91,7 +100,7 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
         reqs.append(r)
 
     layout, _ = runner.build_layout(out)
-    t = layout.num_tokens
+    t = layout.input_ids.numel()  # padded
     q = torch.randn(t, H, HD).to(dtype)
     k_new = torch.empty(t, HKV, HD, dtype=dtype)
     v_new = torch.empty(t, HKV, HD, dtype=dtype)
@@ -103,6 +112,7 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
         row += c.num_tokens
     meta = attn.prepare(layout)
     got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta)
+    assert not got[layout.num_tokens :].any()  # padding rows stay zero
 
     row = 0
     tol = 2e-5 if dtype == torch.float32 else 3e-2

@@ -25,9 +25,11 @@ def natural_prompts(engine: Engine) -> list[list[int]]:
     return [engine.tokenizer.encode(p) for p in NATURAL_PROMPTS[:2]]
 
 
-def run_staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+def run_staggered(
+    engine: Engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[list[int]]:
     """Add half the prompts at once, the rest one every 3 steps while others decode."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
     ids: list[str] = []
     pending = list(prompts)
     for _ in range(len(prompts) // 2):
@@ -73,29 +75,35 @@ def test_chunked_matches_unchunked(reference, budget: int) -> None:
     assert_no_blocks_in_use(engine)
 
 
-def test_preemption_matches_unchunked(reference) -> None:
-    prompts, expected = reference
-    # 50 blocks of 16 = 800 tokens: the 700-token prompt fits alone, but not beside the
-    # others, so requests are preempted and recomputed.
-    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16
-    engine = make_engine(
-        max_num_batched_tokens=128, kv_cache_memory=50 * bytes_per_block, max_model_len=800
-    )
-    assert engine.num_blocks == 50
-    assert run_staggered(engine, prompts) == expected
-    assert engine.scheduler.num_preemptions > 0
-    assert_no_blocks_in_use(engine)
+def preemption_workload() -> list[list[int]]:
+    rng = random.Random(99)
+    return [random_prompt(rng, n) for n in (40, 90, 150, 200, 260, 33, 120)]
 
 
-def test_preemption_unchunked_matches(reference) -> None:
-    prompts, expected = reference
-    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16
+PREEMPT_TOKENS = 60
+BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # fp32 K+V of 16 tokens over 30 layers
+
+
+@pytest.fixture(scope="module")
+def preemption_reference() -> list[list[int]]:
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    tokens = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
+    assert engine.scheduler.num_preemptions == 0
+    return tokens
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_preemption_matches_unpreempted(preemption_reference, chunked: bool) -> None:
+    # 30 blocks of 16 = 480 slots for 7 requests that grow by 60 outputs each: admission
+    # under-estimates the outputs (new_token_ratio < 1), so the pool runs dry and requests
+    # are preempted and recomputed.
     engine = make_engine(
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=1024,
-        kv_cache_memory=50 * bytes_per_block,
-        max_model_len=800,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=128 if chunked else 1024,
+        kv_cache_memory=31 * BYTES_PER_BLOCK,
+        max_model_len=480,
     )
-    assert run_staggered(engine, prompts) == expected
+    assert engine.num_blocks == 30
+    assert run_staggered(engine, preemption_workload(), PREEMPT_TOKENS) == preemption_reference
     assert engine.scheduler.num_preemptions > 0
     assert_no_blocks_in_use(engine)

@@ -52,6 +52,7 @@ def make_scheduler(
     chunked: bool = True,
     max_model_len: int = 4096,
     policy: str = "fcfs",
+    new_token_ratio: float | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=budget,
@@ -60,6 +61,11 @@ def make_scheduler(
         block_size=block_size,
         enable_chunked_prefill=chunked,
         policy=policy,
+        **(
+            {}
+            if new_token_ratio is None
+            else {"init_new_token_ratio": new_token_ratio, "min_new_token_ratio": new_token_ratio}
+        ),
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size), clock=lambda: 0.0)
 
@@ -169,7 +175,10 @@ def test_chunked_steps_with_long_prompt_keep_decoding() -> None:
 
 def test_preemption_newest_first_and_recompute() -> None:
     # 6 blocks of 4 tokens = 24 slots; two requests growing to 16 tokens each cannot both fit.
-    sched = make_scheduler(budget=64, block_size=4, num_blocks=6, max_num_seqs=4)
+    # Admission reserves prompts only (ratio 0), so both start and the pool runs dry.
+    sched = make_scheduler(
+        budget=64, block_size=4, num_blocks=6, max_num_seqs=4, new_token_ratio=0.0
+    )
     runner = FakeRunner()
     a = make_request("a", 8, max_tokens=8, arrival=0.0)
     b = make_request("b", 8, max_tokens=8, arrival=1.0)
@@ -186,6 +195,26 @@ def test_preemption_newest_first_and_recompute() -> None:
     assert len(restarts) == 1 + b.metrics.num_preemptions
     assert sched.kv.num_free_blocks == 6
     sched.kv.pool.check_invariants()
+
+
+def test_admission_reserves_room_for_running_outputs() -> None:
+    # 12 blocks of 4 = 48 slots. "a" (8 prompt + 30 outputs) runs; "b" needs 38 slots too,
+    # which do not fit beside a's reservation (ratio 1: all outputs reserved), so it waits
+    # instead of being admitted and preempted later.
+    sched = make_scheduler(
+        budget=64, block_size=4, num_blocks=12, max_num_seqs=4, new_token_ratio=1.0
+    )
+    runner = FakeRunner()
+    a = make_request("a", 8, max_tokens=30, arrival=0.0)
+    b = make_request("b", 8, max_tokens=30, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    outs = run(sched, runner)
+    assert sum(len(o.preempted) for o in outs) == 0
+    assert runner.chunks_of("b")[0][0] == 0
+    first_b = next(i for i, st in enumerate(runner.steps) if any(r == "b" for r, _, _ in st))
+    assert first_b > 0  # b waited for room rather than starting beside a at once
+    assert a.num_output_tokens == 30 and b.num_output_tokens == 30
 
 
 def test_request_that_can_never_fit_is_rejected() -> None:

@@ -9,6 +9,11 @@ A step's tokens are one flat batch, prefill chunks first, then decodes::
 
 ``cu_seqlens_q`` = [0, 128, 165, 166, 167, 168]; ``seq_lens_k`` = [384, 37, 902, 78, 1201].
 Every row writes its K/V to ``slot_mapping[row]`` before attention reads the paged cache.
+
+The pool is allocated uninitialised (its pages cost memory only once written), so a block is
+zeroed when its first slot is written (``fresh_block_ids``): padded reads of a block's unwritten
+tail then see zeros, never garbage that could be NaN (masked weights are 0, but 0 * NaN is NaN).
+Block 0, the padding entry of block tables, is zeroed when the pool is created.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import torch
 class BatchLayout:
     """Per-step metadata, built once by the model runner. ``B = P + D`` sequences."""
 
+    # T = real rows, then padding rows up to a bucket size (token 0, position 0, writing the
+    # null block); attention leaves padding rows zero and nothing reads them back.
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each row in its request
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot each row writes
+    fresh_block_ids: torch.Tensor  # [F] int64, blocks whose first slot this step writes
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, row offsets of each sequence
     seq_lens_k: torch.Tensor  # [B] int32, keys each sequence sees after this step
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
@@ -43,6 +51,7 @@ class BatchLayout:
 
     @property
     def num_tokens(self) -> int:
+        """Real rows; the tensors may carry padding rows after them."""
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
@@ -73,6 +82,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, layout: BatchLayout) -> Any:
         """Per-step metadata shared by all layers (called once per step)."""
+
+    @staticmethod
+    def write_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layout: BatchLayout,
+    ) -> None:
+        """Zero blocks written for the first time, then scatter the step's K/V to its slots."""
+        if layout.fresh_block_ids.numel():
+            k_cache.index_fill_(0, layout.fresh_block_ids, 0)
+            v_cache.index_fill_(0, layout.fresh_block_ids, 0)
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, layout.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, layout.slot_mapping, v)
 
     @abstractmethod
     def forward(

@@ -1,0 +1,1 @@
+"""Benchmarks and load generation: prose corpus, datasets, ``chunkserve bench``."""
