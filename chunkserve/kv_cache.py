@@ -24,7 +24,6 @@ from collections import OrderedDict
 
 from chunkserve.request import Request
 
-
 NULL_BLOCK = 0
 
 
