@@ -46,10 +46,15 @@ def run_chunkserve(args: argparse.Namespace, chunked: bool) -> dict:
     from chunkserve.engine import Engine
 
     budget = args.budget if chunked else args.unchunked_budget
-    engine = Engine(max_num_batched_tokens=budget, max_num_seqs=args.num_prompts,
-                    enable_chunked_prefill=chunked, num_threads=args.threads)
-    prompts = make_prompts(engine.tokenizer, args.num_prompts, args.min_len, args.max_len,
-                           args.seed)
+    engine = Engine(
+        max_num_batched_tokens=budget,
+        max_num_seqs=args.num_prompts,
+        enable_chunked_prefill=chunked,
+        num_threads=args.threads,
+    )
+    prompts = make_prompts(
+        engine.tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed
+    )
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine.add_request(prompts[0][:32], SamplingParams(max_tokens=4))  # warm-up
     while engine.has_unfinished():
@@ -67,10 +72,7 @@ def run_chunkserve(args: argparse.Namespace, chunked: bool) -> dict:
 
     prefill_time = sum(s.wall_time * s.num_prefill_tokens / s.num_batched_tokens for s in stats)
     decode_time = sum(s.wall_time * s.num_decode_tokens / s.num_batched_tokens for s in stats)
-    full = [s for s in stats if s.num_running >= min(64, args.num_prompts)]
-    split_steps = full or stats
-    overhead = sum(s.schedule_time + s.layout_time for s in split_steps)
-    step_total = sum(s.wall_time for s in split_steps)
+    split = overhead_split(engine, prompts, args)
     num_prompt = sum(len(p) for p in prompts)
     return {
         "engine": "chunkserve " + ("chunked" if chunked else "unchunked"),
@@ -86,13 +88,34 @@ def run_chunkserve(args: argparse.Namespace, chunked: bool) -> dict:
         "peak_rss_mib": peak_rss_mib(),
         "num_steps": len(stats),
         "num_preemptions": engine.scheduler.num_preemptions,
-        "split_steps": len(split_steps),
-        "split_running": min(64, args.num_prompts) if full else "all steps",
-        "schedule_ms_per_step": 1e3 * sum(s.schedule_time for s in split_steps)
-        / len(split_steps),
-        "layout_ms_per_step": 1e3 * sum(s.layout_time for s in split_steps) / len(split_steps),
-        "step_ms": 1e3 * step_total / len(split_steps),
-        "overhead_fraction": overhead / step_total,
+        **split,
+    }
+
+
+def overhead_split(engine, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Scheduler and batch-building time against step time with 64 requests running: 64
+    short prompts (the first 64 tokens of each) decoding together."""
+    from chunkserve import SamplingParams
+
+    stats = []
+    engine.step_listeners.append(stats.append)
+    n = min(64, len(prompts))
+    for p in prompts[:n]:
+        engine.add_request(p[:64], SamplingParams(max_tokens=64, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.step_listeners.remove(stats.append)
+    full = [s for s in stats if s.num_running == n]
+    schedule = sum(s.schedule_time for s in full)
+    layout = sum(s.layout_time for s in full)
+    wall = sum(s.wall_time for s in full)
+    return {
+        "split_running": n,
+        "split_steps": len(full),
+        "schedule_ms_per_step": 1e3 * schedule / len(full),
+        "layout_ms_per_step": 1e3 * layout / len(full),
+        "step_ms": 1e3 * wall / len(full),
+        "overhead_fraction": (schedule + layout) / wall,
     }
 
 
@@ -110,8 +133,7 @@ def run_hf(args: argparse.Namespace) -> dict:
 
     tokenizer = Tokenizer.from_gguf(path, open_gguf(path))
     dtype = resolve_dtype("auto", torch.device("cpu"))
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     prompts = make_prompts(tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed)
     order = list(range(len(prompts)))
@@ -133,26 +155,33 @@ def run_hf(args: argparse.Namespace) -> dict:
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for j, p in enumerate(batch):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         return ids, mask
 
     with torch.inference_mode():  # warm-up
         ids, mask = batch_tensors([prompts[0][:32]])
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                       pad_token_id=pad)
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad
+        )
     prefill_time = 0.0
     num_out = 0
     t0 = time.perf_counter()
     for b in range(0, len(order), args.hf_batch_size):
-        batch = [prompts[i] for i in order[b:b + args.hf_batch_size]]
+        batch = [prompts[i] for i in order[b : b + args.hf_batch_size]]
         ids, mask = batch_tensors(batch)
         first = FirstCall()
         tb = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.output_len,
-                                 min_new_tokens=args.output_len, do_sample=False,
-                                 pad_token_id=pad, logits_processor=LogitsProcessorList([first]))
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=pad,
+                logits_processor=LogitsProcessorList([first]),
+            )
         prefill_time += first.t - tb
         num_out += (out.shape[1] - ids.shape[1]) * len(batch)
     total = time.perf_counter() - t0
@@ -199,25 +228,30 @@ def render(results: list[dict], args: argparse.Namespace, meta: dict) -> str:
         lines.append(
             f"| {r['engine']} | {r['total_tok_s']:.0f} | {r['output_tok_s']:.1f} | "
             f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['total_time_s']:.1f} | "
-            f"{r['peak_rss_mib']:.0f} |")
+            f"{r['peak_rss_mib']:.0f} |"
+        )
     hf = next((r for r in results if r["engine"].startswith("HF")), None)
     lines.append("")
     for r in results:
         if hf is not None and r is not hf:
-            lines.append(f"- {r['engine']}: {r['total_tok_s'] / hf['total_tok_s']:.2f}x HF's "
-                         f"total throughput.")
+            lines.append(
+                f"- {r['engine']}: {r['total_tok_s'] / hf['total_tok_s']:.2f}x HF's "
+                f"total throughput."
+            )
         if "overhead_fraction" in r:
             lines.append(
                 f"- {r['engine']} split over {r['split_steps']} steps with "
                 f"{r['split_running']} running: scheduler {r['schedule_ms_per_step']:.2f} ms + "
                 f"batch building {r['layout_ms_per_step']:.2f} ms of {r['step_ms']:.1f} ms per "
-                f"step = {100 * r['overhead_fraction']:.1f}%.")
+                f"step = {100 * r['overhead_fraction']:.1f}%."
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--modes", default="chunked,unchunked,hf")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-len", type=int, default=20)
@@ -227,8 +261,12 @@ def main() -> None:
     p.add_argument("--unchunked-budget", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
-                   help="sort prompts by length into HF batches (less padding: HF's best case)")
+    p.add_argument(
+        "--hf-sort",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sort prompts by length into HF batches (less padding: HF's best case)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="offline_throughput")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -238,7 +276,7 @@ def main() -> None:
         return
     results = []
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--child", mode] + sys.argv[1:]
+        cmd = [sys.executable, __file__, "--child", mode, *sys.argv[1:]]
         print(f"== {mode}: running in a subprocess", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -250,13 +288,13 @@ def main() -> None:
         results.append(result)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()} CPU, {_cpu_name()}, "
-        f"{__import__('os').cpu_count()} cores",
+        "machine": f"{platform.machine()} CPU, {_cpu_name()}, {__import__('os').cpu_count()} cores",
         "command": "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(
-        json.dumps({"meta": meta, "args": vars(args), "results": results}, indent=2))
+        json.dumps({"meta": meta, "args": vars(args), "results": results}, indent=2)
+    )
     report = render(results, args, meta)
     (RESULTS / f"{args.name}.md").write_text(report)
     print(report)

@@ -205,4 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the package module so commands register on the same registry.
+    from chunkserve.cli import main as package_main
+
+    sys.exit(package_main())

@@ -86,6 +86,7 @@ class StepStats:
     layout_time: float  # of which building the BatchLayout and attention metadata
     wall_time: float  # whole step
     num_finished: int = 0
+    num_generated_tokens: int = 0  # tokens sampled this step (decodes + finished prompts)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -193,6 +194,8 @@ class Engine:
         self._ids = itertools.count()
         self.step_count = 0
         self.step_listeners: list[Callable[[StepStats], None]] = []
+        # Called with the final output of every request that ends: stop, length, abort, error.
+        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
         self._decode_log_tokens = 0
         self._decode_log_time = 0.0
         self._decode_log_steps = 0
@@ -237,22 +240,9 @@ class Engine:
         priority: int = 0,
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` naming the bad field."""
+        text, token_ids = self.tokenize_prompt(prompt, prompt_token_ids)
         params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params: must be a SamplingParams")
-        params.validate()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
-        text, token_ids = self._tokenize_prompt(prompt, prompt_token_ids)
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {n} tokens is too long; max_model_len is "
-                f"{self.max_model_len} (prompt + at least one output token)"
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n
+        max_tokens = self.check_request(len(token_ids), params, priority)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request = Request(
@@ -275,9 +265,39 @@ class Engine:
         )
         return request_id
 
-    def _tokenize_prompt(
-        self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None
+    def check_request(
+        self, num_prompt_tokens: int, params: SamplingParams, priority: int = 0
+    ) -> int:
+        """Validate a request against this engine without queueing it; return its resolved
+        ``max_tokens``. Reads only immutable state, so any thread may call it."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        n = num_prompt_tokens
+        if n < 1:
+            raise ValueError("prompt: must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens is too long; max_model_len is "
+                f"{self.max_model_len} (prompt + at least one output token)"
+            )
+        if params.max_tokens is None:
+            return self.max_model_len - n
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {self.max_model_len} "
+                f"tokens, but {n + params.max_tokens} were requested ({n} in the prompt and "
+                f"{params.max_tokens} for the completion)"
+            )
+        return params.max_tokens
+
+    def tokenize_prompt(
+        self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None = None
     ) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text or ids; ids are range-checked. Uses
+        only the tokenizer and immutable config, so any thread may call it."""
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
             prompt_token_ids, prompt = prompt, None
         if prompt_token_ids is not None:
@@ -305,9 +325,10 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks at once. False if it was not in flight."""
         request = self.scheduler.abort_request(request_id)
-        self._states.pop(request_id, None)
-        self.sampler.forget(request_id)
-        return request is not None
+        if request is None:
+            return False
+        self._notify_finished([self._final_output(request)])
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -361,9 +382,11 @@ class Engine:
             layout_time=result.layout_time,
             wall_time=t_end - t_start,
             num_finished=sum(1 for o in outputs if o.finished),
+            num_generated_tokens=len(result.sampled),
         )
         self.step_count += 1
         self._log_step(stats)
+        self._notify_finished(outputs)
         for listener in self.step_listeners:
             listener(stats)
         return outputs
@@ -371,28 +394,34 @@ class Engine:
     def _fail_step(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
         requests = [c.request for c in out.chunks if not c.request.is_finished]
         self.scheduler.fail_requests(requests, error)
-        outputs = []
-        for r in requests:
-            state = self._states.pop(r.request_id, None)
-            self.sampler.forget(r.request_id)
-            text = state.text if state else ""
-            outputs.append(
-                RequestOutput(
-                    request_id=r.request_id,
-                    prompt=r.prompt,
-                    prompt_token_ids=r.prompt_token_ids,
-                    text=text,
-                    token_ids=list(r.output_token_ids),
-                    delta_text="",
-                    delta_token_ids=[],
-                    finished=True,
-                    finish_reason="error",
-                    metrics=r.metrics,
-                    error=error,
-                    num_cached_tokens=r.num_cached_tokens,
-                )
-            )
+        outputs = [self._final_output(r, error) for r in requests]
+        self._notify_finished(outputs)
         return outputs
+
+    def _final_output(self, request: Request, error: str | None = None) -> RequestOutput:
+        """The last output of a request that ends without a new token (abort, error)."""
+        state = self._states.pop(request.request_id, None)
+        self.sampler.forget(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=state.text if state else "",
+            token_ids=list(request.output_token_ids),
+            delta_text="",
+            delta_token_ids=[],
+            finished=True,
+            finish_reason=request.finish_reason,
+            metrics=request.metrics,
+            error=error,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _notify_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                for listener in self.finish_listeners:
+                    listener(out)
 
     def _make_output(self, request: Request, logprob: tuple | None) -> RequestOutput:
         state = self._states[request.request_id]

@@ -1,0 +1,258 @@
+"""AsyncEngine: the engine loop on its own thread, streams to asyncio.
+
+The event loop never runs model code. Requests, aborts and their results cross between the
+loop and the engine thread through a command queue (loop -> engine) and per-request asyncio
+queues fed with ``call_soon_threadsafe`` (engine -> loop). Every engine call happens on the
+engine thread, so ``Engine`` itself needs no locks.
+
+Failure model: a request whose step raises is finished with ``finish_reason="error"`` (the
+HTTP layer turns it into a 500) and the loop goes on; if the loop itself breaks, every
+request in flight fails and ``healthy`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from chunkserve.engine import Engine, RequestOutput
+from chunkserve.request import SamplingParams
+
+logger = logging.getLogger("chunkserve.async")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request's step raised inside the engine (the engine keeps serving others)."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stream:
+    """The loop-side end of one request's output stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Drives an ``Engine`` from a background thread; ``generate`` streams outputs."""
+
+    def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched on the engine thread only
+        self._lock = threading.Lock()  # guards the counters below
+        self._num_pending = 0  # added, not yet seen by the engine thread
+        self._num_waiting = 0
+        self._num_running = 0
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for the engine (accepted but not running yet)."""
+        with self._lock:
+            return self._num_waiting + self._num_pending
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return self._num_running
+
+    # ---- requests --------------------------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def check_capacity(self) -> None:
+        """Raise ``OverloadedError`` when the waiting queue is full."""
+        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+            raise OverloadedError(
+                f"server overloaded: {self.num_waiting} requests are waiting "
+                f"(max_waiting_requests={self.max_waiting_requests})"
+            )
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a (pre-validated) request and yield its outputs until it finishes.
+
+        Closing the iterator early (client gone, cancellation) aborts the request, which
+        frees its KV blocks within one step."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
+        request_id = request_id or self.new_request_id()
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            self._num_pending += 1
+        self._streams_register(request_id, stream)
+        self._commands.put(
+            _Add(request_id, list(prompt_token_ids), prompt, params, priority, time.monotonic())
+        )
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                    if item.finish_reason == "error":
+                        raise RequestFailedError(item.error or "request failed in the engine")
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wakeup.set()
+
+    def _streams_register(self, request_id: str, stream: _Stream) -> None:
+        # The dict is read on the engine thread; registering happens before the _Add
+        # command is queued, and the queue is a happens-before edge.
+        self._streams[request_id] = stream
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                if not self._drain_commands():
+                    break
+                if not engine.has_unfinished():
+                    self._update_counts()
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug outside the model runner: fail in-flight work
+                    logger.exception("engine step raised; failing all in-flight requests")
+                    self._fail_all(exc)
+                    continue
+                self._update_counts()
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:  # the loop itself broke: nothing can be served
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _drain_commands(self) -> bool:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+                self._streams.pop(cmd.request_id, None)
+                continue
+            with self._lock:
+                self._num_pending -= 1
+            stream = self._streams.get(cmd.request_id)
+            if stream is None:
+                continue  # aborted before it reached the engine
+            try:
+                self.engine.add_request(
+                    prompt_token_ids=cmd.prompt_token_ids,
+                    prompt=cmd.prompt,
+                    sampling_params=cmd.params,
+                    request_id=cmd.request_id,
+                    priority=cmd.priority,
+                    arrival_time=cmd.arrival_time,
+                )
+            except ValueError as exc:
+                self._streams.pop(cmd.request_id, None)
+                stream.put(exc)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        if stream is not None:
+            stream.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(
+                    RequestFailedError(str(exc)) if not isinstance(exc, EngineDeadError) else exc
+                )
+        self._update_counts()
+
+    def _update_counts(self) -> None:
+        sched = self.engine.scheduler
+        with self._lock:
+            self._num_waiting = sched.num_waiting
+            self._num_running = sched.num_running
+
+
+class OverloadedError(RuntimeError):
+    """Too many requests waiting; the client should retry later (HTTP 503)."""

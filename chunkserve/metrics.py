@@ -1,0 +1,180 @@
+"""Prometheus metrics, named in the spirit of vLLM's (``chunkserve:`` prefix).
+
+Fed from the engine thread: ``on_step`` with every ``StepStats`` and ``on_finish`` with every
+finished ``RequestOutput``. Each server owns its own ``CollectorRegistry``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from chunkserve.engine import Engine, RequestOutput, StepStats
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._labels = {"model_name": model_name}
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"chunkserve:{name}", doc, labels, buckets=buckets, registry=reg)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            _LATENCY_BUCKETS,
+        )
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
+        )
+        self.prefill_time = hist(
+            "request_prefill_time_seconds",
+            "Time in steps that computed the request's prompt.",
+            _REQUEST_BUCKETS,
+        )
+        self.step_tokens = hist(
+            "iteration_tokens_total", "Tokens (prefill + decode) per step.", _TOKEN_BUCKETS
+        )
+        self.step_time = hist(
+            "step_duration_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS
+        )
+        self.running = Gauge(
+            "chunkserve:num_requests_running", "Requests running.", labels, registry=reg
+        )
+        self.waiting = Gauge(
+            "chunkserve:num_requests_waiting", "Requests waiting.", labels, registry=reg
+        )
+        self.kv_usage = Gauge(
+            "chunkserve:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (0..1).",
+            labels,
+            registry=reg,
+        )
+        self.kv_blocks_used = Gauge(
+            "chunkserve:kv_cache_blocks_used", "KV blocks held by requests.", labels, registry=reg
+        )
+        self.kv_blocks_total = Gauge(
+            "chunkserve:kv_cache_blocks_total", "KV blocks in the pool.", labels, registry=reg
+        )
+        self.token_budget = Gauge(
+            "chunkserve:token_budget", "Token budget of the last step.", labels, registry=reg
+        )
+        self.prompt_tokens = Counter(
+            "chunkserve:prompt_tokens",
+            "Prompt tokens computed (prefill, recomputation included).",
+            labels,
+            registry=reg,
+        )
+        self.generation_tokens = Counter(
+            "chunkserve:generation_tokens", "Output tokens generated.", labels, registry=reg
+        )
+        self.request_success = Counter(
+            "chunkserve:request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.preemptions = Counter(
+            "chunkserve:num_preemptions",
+            "Requests preempted (recomputed later).",
+            labels,
+            registry=reg,
+        )
+        self.steps = Counter(
+            "chunkserve:steps", "Engine steps by kind.", [*labels, "kind"], registry=reg
+        )
+        # Gauges read the engine's state when scraped (plain len() reads: safe across
+        # threads), so they are never stale, idle engine included.
+        kv, sched, lab = engine.kv, engine.scheduler, self._labels
+        self.kv_blocks_total.labels(**lab).set(kv.num_blocks)
+        self.running.labels(**lab).set_function(lambda: sched.num_running)
+        self.waiting.labels(**lab).set_function(lambda: sched.num_waiting)
+        self.kv_usage.labels(**lab).set_function(lambda: kv.usage)
+        self.kv_blocks_used.labels(**lab).set_function(lambda: kv.num_blocks - kv.num_free_blocks)
+
+    def on_step(self, s: StepStats) -> None:
+        lab = self._labels
+        self.step_tokens.labels(**lab).observe(s.num_batched_tokens)
+        self.step_time.labels(**lab).observe(s.wall_time)
+        self.prompt_tokens.labels(**lab).inc(s.num_prefill_tokens)
+        self.generation_tokens.labels(**lab).inc(s.num_generated_tokens)
+        if s.num_preempted:
+            self.preemptions.labels(**lab).inc(s.num_preempted)
+        self.steps.labels(**lab, kind=s.kind).inc()
+        self.token_budget.labels(**lab).set(s.token_budget)
+
+    def on_finish(self, out: RequestOutput) -> None:
+        lab = self._labels
+        self.request_success.labels(**lab, finished_reason=out.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.labels(**lab).observe(m.ttft)
+        for gap in m.itls:
+            self.itl.labels(**lab).observe(gap)
+        if m.tpot is not None:
+            self.tpot.labels(**lab).observe(m.tpot)
+        if m.e2e_latency is not None:
+            self.e2e.labels(**lab).observe(m.e2e_latency)
+        if m.queue_time is not None:
+            self.queue_time.labels(**lab).observe(m.queue_time)
+        if m.first_token_time is not None:
+            self.prefill_time.labels(**lab).observe(m.prefill_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,477 @@
+"""The OpenAI-compatible server: a real server in a subprocess on a free loopback port, driven
+by the real ``openai`` client and by raw HTTP for the error paths."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import NATURAL_PROMPTS
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "chunkserve",
+            "serve",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-batched-tokens",
+            "64",
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + self.proc.stdout.read())
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = sample.name
+                reason = sample.labels.get("finished_reason")
+                if reason:
+                    key += f"{{{reason}}}"
+                out[key] = out.get(key, 0.0) + sample.value
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            idle = (
+                m["chunkserve:num_requests_running"] == 0
+                and m["chunkserve:num_requests_waiting"] == 0
+            )
+            if (idle and m["chunkserve:kv_cache_blocks_used"] == 0) or time.time() > deadline:
+                return m
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    s.stop()
+
+
+def greedy(**kw):
+    return dict(temperature=0.0, max_tokens=kw.pop("max_tokens", 16), **kw)
+
+
+def assert_alive(server: Server) -> None:
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+    r = server.client().completions.create(model=MODEL, prompt="Hi", **greedy(max_tokens=2))
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# ---- happy paths ---------------------------------------------------------------------------
+def test_completion_stream_equals_non_stream(server: Server) -> None:
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt=NATURAL_PROMPTS[0], **greedy())
+    assert full.choices[0].finish_reason in ("length", "stop")
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=NATURAL_PROMPTS[0],
+        stream=True,
+        stream_options={"include_usage": True},
+        **greedy(),
+    )
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == full.choices[0].text
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens > 0
+
+
+def test_chat_stream_equals_non_stream(server: Server) -> None:
+    client = server.client()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **greedy())
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **greedy())
+    parts = []
+    roles = []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        roles.append(delta.role)
+        parts.append(delta.content or "")
+    assert roles[0] == "assistant"
+    assert "".join(parts) == full.choices[0].message.content
+
+
+def test_concurrent_streams_match_solo(server: Server) -> None:
+    prompts = [f"{NATURAL_PROMPTS[i % len(NATURAL_PROMPTS)]} ({i})" for i in range(16)]
+    client = server.client()
+    solo = [
+        client.completions.create(model=MODEL, prompt=p, **greedy(max_tokens=12)).choices[0].text
+        for p in prompts
+    ]
+
+    def stream_one(p: str) -> str:
+        c = server.client()
+        chunks = c.completions.create(model=MODEL, prompt=p, stream=True, **greedy(max_tokens=12))
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(stream_one, prompts))
+    assert together == solo
+    m = server.wait_idle()
+    assert m["chunkserve:kv_cache_blocks_used"] == 0
+
+
+def test_n_logprobs_echo_and_token_prompts(server: Server) -> None:
+    client = server.client()
+    r = client.completions.create(
+        model=MODEL,
+        prompt=["Once upon", "The sky"],
+        n=2,
+        seed=3,
+        temperature=1.0,
+        max_tokens=5,
+        logprobs=2,
+        echo=True,
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text.startswith("Once upon") and r.choices[2].text.startswith("The sky")
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    ids = httpx.post(server.base + "/tokenize", json={"prompt": "The sky"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, **greedy(max_tokens=4))
+    by_text = client.completions.create(model=MODEL, prompt="The sky", **greedy(max_tokens=4))
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        **greedy(max_tokens=3),
+    )
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_stop_strings_over_http(server: Server) -> None:
+    client = server.client()
+    full = (
+        client.completions.create(model=MODEL, prompt=NATURAL_PROMPTS[1], **greedy(max_tokens=20))
+        .choices[0]
+        .text
+    )
+    stop = full[6:9]
+    r = client.completions.create(
+        model=MODEL, prompt=NATURAL_PROMPTS[1], stop=[stop], **greedy(max_tokens=20)
+    )
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_models_tokenize_detokenize_version(server: Server) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    tok = httpx.post(server.base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    text = httpx.post(server.base + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert text["prompt"] == "Hello world"
+    chat = httpx.post(
+        server.base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}
+    ).json()
+    assert chat["tokens"][0] == 1
+    assert httpx.get(server.base + "/version").json()["version"]
+
+
+def test_metrics_parse_and_move(server: Server) -> None:
+    before = server.wait_idle()
+    server.client().completions.create(
+        model=MODEL,
+        prompt="Count: 1, 2, 3,",
+        **greedy(max_tokens=6, extra_body={"ignore_eos": True}),
+    )
+    after = server.wait_idle()
+    assert after["chunkserve:generation_tokens_total"] >= (
+        before["chunkserve:generation_tokens_total"] + 6
+    )
+    assert after["chunkserve:prompt_tokens_total"] > before["chunkserve:prompt_tokens_total"]
+    assert after["chunkserve:request_success_total{length}"] == (
+        before.get("chunkserve:request_success_total{length}", 0) + 1
+    )
+    assert (
+        after["chunkserve:time_to_first_token_seconds_count"]
+        > (before["chunkserve:time_to_first_token_seconds_count"])
+    )
+    assert after["chunkserve:inter_token_latency_seconds_count"] >= (
+        before["chunkserve:inter_token_latency_seconds_count"] + 5
+    )
+    assert after["chunkserve:kv_cache_blocks_total"] > 0
+
+
+# ---- disconnects ---------------------------------------------------------------------------
+def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": NATURAL_PROMPTS[5],
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", server.base + "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = 0
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                lines += 1
+            if lines >= 3:
+                break  # leave: closing the response drops the connection
+    m = server.wait_idle()
+    assert m["chunkserve:kv_cache_blocks_used"] == 0
+    assert m["chunkserve:num_requests_running"] == 0
+    assert m.get("chunkserve:request_success_total{abort}", 0) >= 1
+    assert_alive(server)
+
+
+def test_client_disconnect_non_stream_frees_blocks(server: Server) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": NATURAL_PROMPTS[4],
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base + "/v1/completions", json=body, timeout=1.0)
+    m = server.wait_idle()
+    assert m["chunkserve:kv_cache_blocks_used"] == 0
+    assert_alive(server)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+def post(server: Server, path: str, **kw) -> httpx.Response:
+    return httpx.post(server.base + path, timeout=30, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": [1, 2, 10**7]}, "prompt"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
+    ],
+)
+def test_bad_completion_fields_are_400(server: Server, body: dict, param: str) -> None:
+    assert_error(post(server, "/v1/completions", json=body), 400, param)
+
+
+def test_malformed_json_and_wrong_shape(server: Server) -> None:
+    assert_error(
+        post(
+            server,
+            "/v1/completions",
+            content=b'{"prompt": ',
+            headers={"content-type": "application/json"},
+        ),
+        400,
+    )
+    assert_error(post(server, "/v1/completions", json=[1, 2]), 400)
+    assert_error(
+        post(server, "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400, "messages"
+    )
+    assert_error(
+        post(
+            server,
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"content": "no role"}]},
+        ),
+        400,
+    )
+    assert_alive(server)
+
+
+def test_too_long_is_400_with_numbers(server: Server) -> None:
+    err = assert_error(
+        post(
+            server,
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hello " * 100, "max_tokens": 450},
+        ),
+        400,
+        "max_tokens",
+    )
+    assert "512" in err["message"] and "450" in err["message"]
+    assert_error(
+        post(server, "/v1/completions", json={"model": MODEL, "prompt": "hello " * 600}),
+        400,
+        "prompt",
+    )
+    assert_alive(server)
+
+
+def test_unknown_model_is_404(server: Server) -> None:
+    err = assert_error(
+        post(server, "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model"
+    )
+    assert err["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "x"}]
+        )
+
+
+def test_body_size_is_bounded(server: Server) -> None:
+    huge = b'{"prompt": "' + b"a" * (33 << 20) + b'"}'
+    assert_error(
+        post(server, "/v1/completions", content=huge, headers={"content-type": "application/json"}),
+        413,
+    )
+    assert_alive(server)
+
+
+# ---- auth and overload ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Server]:
+    s = Server("--api-key", "sekret", "--max-waiting-requests", "2", "--max-num-seqs", "1")
+    yield s
+    s.stop()
+
+
+def test_api_key_required(guarded: Server) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert_error(post(guarded, "/v1/completions", json=body), 401)
+    assert_error(
+        post(guarded, "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
+    )
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").models.list()
+    ok = guarded.client("sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert ok.choices
+    assert httpx.get(guarded.base + "/health").status_code == 200  # open
+
+
+def test_overload_is_503_with_retry_after(guarded: Server) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a story.",
+        "max_tokens": 60,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+
+    def send(_: int) -> httpx.Response:
+        return httpx.post(guarded.base + "/v1/completions", json=body, headers=headers, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(send, range(8)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes, codes
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert rejected.headers["retry-after"]
+    assert rejected.json()["error"]["type"] == "service_unavailable_error"
+    m = guarded.wait_idle()
+    assert m["chunkserve:kv_cache_blocks_used"] == 0
+    ok = guarded.client("sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert ok.choices
+
+
+def test_metrics_text_is_valid(guarded: Server) -> None:
+    text = httpx.get(guarded.base + "/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for name in (
+        "chunkserve:time_to_first_token_seconds",
+        "chunkserve:inter_token_latency_seconds",
+        "chunkserve:time_per_output_token_seconds",
+        "chunkserve:e2e_request_latency_seconds",
+        "chunkserve:request_queue_time_seconds",
+        "chunkserve:request_prefill_time_seconds",
+        "chunkserve:iteration_tokens_total",
+        "chunkserve:num_requests_running",
+        "chunkserve:num_requests_waiting",
+        "chunkserve:kv_cache_usage_perc",
+        "chunkserve:prompt_tokens",
+        "chunkserve:generation_tokens",
+        "chunkserve:request_success",
+        "chunkserve:num_preemptions",
+    ):
+        assert name in names, name
+    assert json.loads(httpx.get(guarded.base + "/health").text)["status"] == "ok"
