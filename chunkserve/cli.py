@@ -73,6 +73,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="whole prompts in prefill-only steps (decodes stall): the baseline",
     )
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument(
+        "--schedule-conservativeness",
+        type=float,
+        default=1.0,
+        help="KV room kept for running requests' outputs when admitting (SGLang's flag)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument("--attention-backend", default="auto")
@@ -100,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=chunked,
         scheduling_policy=args.scheduling_policy,
+        schedule_conservativeness=args.schedule_conservativeness,
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,

@@ -146,6 +146,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     """False: whole prompts in prefill-only steps, which stall decodes (the baseline)."""
     scheduling_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    """Scales the KV room reserved for running requests' future outputs when admitting new
+    ones (SGLang's flag): higher admits later and preempts less; 0 admits as soon as the
+    prompt fits (vLLM-like: more preemption)."""
     seed: int = 0
     """Seed of the sampler for requests that carry no seed of their own."""
     num_threads: int | None = None

@@ -165,6 +165,8 @@ class Engine:
             block_size=self.block_size,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            init_new_token_ratio=min(1.0, 0.7 * config.schedule_conservativeness),
+            min_new_token_ratio=min(1.0, 0.15 * config.schedule_conservativeness),
         )
         self.scheduler_config = sched_config
         self.kv = KVCacheManager(num_blocks, self.block_size)

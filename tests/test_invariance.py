@@ -94,10 +94,11 @@ def preemption_reference() -> list[list[int]]:
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_preemption_matches_unpreempted(preemption_reference, chunked: bool) -> None:
-    # 30 blocks of 16 = 480 slots for 7 requests that grow by 60 outputs each: admission
-    # under-estimates the outputs (new_token_ratio < 1), so the pool runs dry and requests
-    # are preempted and recomputed.
+    # 30 blocks of 16 = 480 slots for 7 requests that grow by 60 outputs each, admitted as
+    # soon as their prompts fit (conservativeness 0): the pool runs dry and requests are
+    # preempted and recomputed.
     engine = make_engine(
+        schedule_conservativeness=0.0,
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=128 if chunked else 1024,
         kv_cache_memory=31 * BYTES_PER_BLOCK,

@@ -116,6 +116,29 @@ class BodyLimitMiddleware:
         await response(scope, receive, send)
 
 
+class APIKeyMiddleware:
+    """``Authorization: Bearer KEY`` on /v1 and the tokenizer routes, compared in constant
+    time. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client
+    disconnects from the endpoints."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and _needs_auth(scope.get("path", "")):
+            headers = dict(scope.get("headers") or [])
+            value = headers.get(b"authorization", b"")
+            token = value[7:] if value[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                response = _error_response(
+                    401, "invalid or missing API key", "authentication_error"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -150,15 +173,8 @@ def build_app(
     app.state.chunkserve = state
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable) -> Response:
-        if state.api_key is not None and _needs_auth(request.url.path):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                return _error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
-
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     _add_routes(app, state)
     return app
