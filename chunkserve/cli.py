@@ -74,6 +74,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV of shared prompt prefixes (default: on)",
+    )
+    g.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=None,
+        help="most prompts mid-prefill at once (default: no limit)",
+    )
+    g.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=None,
+        help="most long prompts mid-prefill at once; short ones may start first",
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="prompts with more tokens left are long (0: 4%% of max-model-len when "
+        "a partial-prefill limit is set)",
+    )
+    g.add_argument(
         "--schedule-conservativeness",
         type=float,
         default=1.0,
@@ -107,6 +132,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=chunked,
         scheduling_policy=args.scheduling_policy,
         schedule_conservativeness=args.schedule_conservativeness,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,

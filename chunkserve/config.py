@@ -87,6 +87,12 @@ class SchedulerConfig:
     # fraction of the outputs still to come (clipped at ``output_estimate_clip`` tokens).
     # The ratio decays to the minimum over ``new_token_ratio_decay_steps`` steps and jumps
     # back after a preemption. 0 reserves prompts only (greedy admission, more preemption).
+    # Fairness across long prefills (None/0: no limit). A prompt with more than
+    # long_prefill_token_threshold tokens left is "long": it gets at most that many tokens a
+    # step, and at most max_long_partial_prefills long prompts are mid-prefill at once.
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int = 0
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.15
     new_token_ratio_decay_steps: int = 600
@@ -100,6 +106,12 @@ class SchedulerConfig:
         )
         _require(
             self.new_token_ratio_decay_steps >= 1, "new_token_ratio_decay_steps", "must be >= 1"
+        )
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, "must be >= 1")
+        _require(
+            self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"
         )
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -146,6 +158,16 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     """False: whole prompts in prefill-only steps, which stall decodes (the baseline)."""
     scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose prefix was computed before (chained block hashes)."""
+    max_num_partial_prefills: int | None = None
+    """Most prompts mid-prefill at once (None: no limit)."""
+    max_long_partial_prefills: int | None = None
+    """Most long prompts mid-prefill at once; shorter prompts may start ahead of waiting long
+    ones (None: no limit)."""
+    long_prefill_token_threshold: int = 0
+    """A prompt with more tokens left than this is long, and gets at most this many tokens
+    per step. 0: 4% of max_model_len when a partial-prefill limit is set, else off."""
     schedule_conservativeness: float = 1.0
     """Scales the KV room reserved for running requests' future outputs when admitting new
     ones (SGLang's flag): higher admits later and preempts less; 0 admits as soon as the

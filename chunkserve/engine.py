@@ -87,6 +87,8 @@ class StepStats:
     wall_time: float  # whole step
     num_finished: int = 0
     num_generated_tokens: int = 0  # tokens sampled this step (decodes + finished prompts)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # of which found cached
 
     @property
     def num_batched_tokens(self) -> int:
@@ -165,11 +167,14 @@ class Engine:
             block_size=self.block_size,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+            max_long_partial_prefills=config.max_long_partial_prefills,
+            long_prefill_token_threshold=self._long_prefill_threshold(max_model_len),
             init_new_token_ratio=min(1.0, 0.7 * config.schedule_conservativeness),
             min_new_token_ratio=min(1.0, 0.15 * config.schedule_conservativeness),
         )
         self.scheduler_config = sched_config
-        self.kv = KVCacheManager(num_blocks, self.block_size)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_config, self.kv)
         attn = get_attention_backend(
             config.attention_backend,
@@ -221,6 +226,14 @@ class Engine:
             sched_config.enable_chunked_prefill,
             sched_config.policy,
         )
+
+    def _long_prefill_threshold(self, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.long_prefill_token_threshold or not (
+            cfg.max_num_partial_prefills or cfg.max_long_partial_prefills
+        ):
+            return cfg.long_prefill_token_threshold
+        return max(1, int(0.04 * max_model_len))  # vLLM's default
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -343,6 +356,7 @@ class Engine:
         """Run one iteration; return an output for every request that got a token (or
         finished) in it."""
         t_start = time.perf_counter()
+        queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
         out = self.scheduler.schedule(token_budget)
         t_sched = time.perf_counter()
         if out.is_empty:
@@ -385,6 +399,8 @@ class Engine:
             wall_time=t_end - t_start,
             num_finished=sum(1 for o in outputs if o.finished),
             num_generated_tokens=len(result.sampled),
+            prefix_cache_queries=self.kv.num_queried_tokens - queried,
+            prefix_cache_hits=self.kv.num_hit_tokens - hits,
         )
         self.step_count += 1
         self._log_step(stats)

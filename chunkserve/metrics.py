@@ -134,6 +134,18 @@ class Metrics:
             labels,
             registry=reg,
         )
+        self.prefix_queries = Counter(
+            "chunkserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "chunkserve:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            labels,
+            registry=reg,
+        )
         self.steps = Counter(
             "chunkserve:steps", "Engine steps by kind.", [*labels, "kind"], registry=reg
         )
@@ -152,6 +164,9 @@ class Metrics:
         self.step_time.labels(**lab).observe(s.wall_time)
         self.prompt_tokens.labels(**lab).inc(s.num_prefill_tokens)
         self.generation_tokens.labels(**lab).inc(s.num_generated_tokens)
+        if s.prefix_cache_queries:
+            self.prefix_queries.labels(**lab).inc(s.prefix_cache_queries)
+            self.prefix_hits.labels(**lab).inc(s.prefix_cache_hits)
         if s.num_preempted:
             self.preemptions.labels(**lab).inc(s.num_preempted)
         self.steps.labels(**lab, kind=s.kind).inc()

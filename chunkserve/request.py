@@ -255,6 +255,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.block_ids: list[int] = []  # this request's block table
+        # Prefix cache: chained hashes of the full blocks of token_ids computed so far, how
+        # many of this request's blocks are published, and what else keys its KV (LoRA...).
+        self.block_hashes: list[bytes] = []
+        self.num_published_blocks = 0
+        self.cache_key = b""
         self.stop_reason: int | str | None = None
         self.error: str | None = None
 

@@ -85,7 +85,7 @@ class ModelRunner:
         chunks = out.chunks
         num_tokens = out.num_batched_tokens
         padded = padded_num_tokens(num_tokens) if self.pad_batches else num_tokens
-        # Padding rows: token 0 at position 0, writing to the null block's slot 0.
+        # Padding rows: token 0 at position 0; they write no KV (see write_kv).
         input_ids = np.zeros(padded, dtype=np.int64)
         positions = np.zeros(padded, dtype=np.int64)
         slots = np.full(padded, NULL_BLOCK * bs, dtype=np.int64)

@@ -93,6 +93,10 @@ class SchedulerOutput:
         return "decode" if self.decodes else "idle"
 
 
+# Most waiting requests looked at per step when long ones are skipped (bounds the scan).
+MAX_WAITING_SCAN = 512
+
+
 def _fcfs_key(r: Request) -> tuple:
     return (r.arrival_time, r.arrival_seq)
 
@@ -204,60 +208,115 @@ class Scheduler:
         return out
 
     def _schedule_chunked(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
         # 1. Running decodes, one token each, never dropped for prefill.
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or request.is_prefilling:
                 continue
             if self._reserve(request, 1, out):
                 out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
-        budget -= len(out.decodes)
 
-        # 2. Prefills in progress, in policy order.
+        # 2. Prefills in progress, in policy order; a long prompt takes at most
+        # long_prefill_token_threshold tokens a step so others get a share of the budget.
         for request in list(self.running):
-            if budget <= 0:
+            left = out.token_budget - out.num_batched_tokens
+            if left <= 0:
                 break
             if request.status != RequestStatus.RUNNING or not request.is_prefilling:
                 continue
-            n = self._chunk_len(request, budget)
+            n = self._chunk_len(request, left)
             if self._reserve(request, n, out):
                 out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
-                budget -= n
-        # A preemption in (2) may have dropped an already scheduled chunk: recount.
-        budget = out.token_budget - out.num_batched_tokens
 
-        # 3. Waiting requests, while budget, sequence slots and free blocks last.
+        # 3. Waiting requests in policy order, while budget, sequence slots and blocks last,
+        # and while the partial-prefill limits allow: a long prompt over the long limit is
+        # skipped so that shorter ones behind it can start.
+        partial = sum(1 for r in self.running if r.is_prefilling)
+        long_partial = sum(1 for r in self.running if r.is_prefilling and self._is_long(r))
         headroom = self._admission_headroom()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            n = self._chunk_len(request, budget)
-            need = self._future_tokens(request)
-            if (self.running and need > headroom) or not self.kv.allocate_slots(request, n):
-                break  # head of line waits for blocks; no skipping (no starvation)
-            headroom -= need
-            self._admit(request)
-            out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
-            budget -= n
+        i = 0
+        while i < len(self.waiting) and i < MAX_WAITING_SCAN:
+            left = out.token_budget - out.num_batched_tokens
+            if left <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            if cfg.max_num_partial_prefills and partial >= cfg.max_num_partial_prefills:
+                break
+            request = self.waiting[i]
+            is_long = self._is_long(request)
+            if (
+                is_long
+                and cfg.max_long_partial_prefills
+                and (long_partial >= cfg.max_long_partial_prefills)
+            ):
+                i += 1
+                continue
+            admitted, headroom = self._try_admit(request, left, headroom, out)
+            if not admitted:
+                break  # out of blocks: later requests wait too (no starvation)
+            partial += 1
+            long_partial += is_long
 
     def _schedule_unchunked(self, out: SchedulerOutput, budget: int) -> None:
         # Whole prompts first: a prefill-only step (decodes stall) whenever one fits.
         headroom = self._admission_headroom()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = request.num_uncomputed_tokens
-            if out.prefills and n > budget:
+            left = out.token_budget - out.num_batched_tokens
+            if out.prefills and request.num_uncomputed_tokens > left:
                 break  # the first prompt of a step is always taken whole
-            need = self._future_tokens(request)
-            if (self.running and need > headroom) or not self.kv.allocate_slots(request, n):
+            admitted, headroom = self._try_admit(request, None, headroom, out)
+            if not admitted:
                 break
-            headroom -= need
-            self._admit(request)
-            out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
-            budget -= n
         if out.prefills:
             return
         for request in list(self.running):
             if request.status == RequestStatus.RUNNING and self._reserve(request, 1, out):
                 out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+
+    def _try_admit(
+        self, request: Request, budget: int | None, headroom: float, out: SchedulerOutput
+    ) -> tuple[bool, float]:
+        """Start a waiting request with its first chunk (``budget`` None: the whole prompt).
+
+        A prefix-cache hit is taken first, so only the uncached rest counts against budget
+        and blocks. Under the priority policy, less urgent running requests are preempted
+        to make room. Returns (admitted, headroom left)."""
+        kv = self.kv
+        blocks, hit = kv.match_prefix(request)
+        if blocks:
+            kv.acquire_prefix(request, blocks)
+        while True:
+            n = (
+                request.num_uncomputed_tokens
+                if budget is None
+                else self._chunk_len(request, budget)
+            )
+            need = self._future_tokens(request)
+            fits = not self.running or need <= headroom
+            if fits and kv.allocate_slots(request, n):
+                break
+            victim = self.running[-1] if self.running else None
+            if (
+                self.config.policy != "priority"
+                or victim is None
+                or victim.priority <= request.priority
+            ):
+                if blocks:  # give the hit back; it stays cached
+                    kv.free(request)
+                    request.num_computed_tokens = request.num_cached_tokens = 0
+                return False, headroom
+            self._preempt(victim, out)
+            headroom = self._admission_headroom()
+            if budget is not None:
+                budget = out.token_budget - out.num_batched_tokens
+        kv.record_query(request.num_tokens, hit)
+        self._admit(request)
+        out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
+        return True, headroom - need
+
+    def _is_long(self, request: Request) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return threshold > 0 and request.num_uncomputed_tokens > threshold
 
     def _future_tokens(self, request: Request) -> float:
         """KV slots a request will still need beyond the blocks it holds: its uncomputed
@@ -276,6 +335,8 @@ class Scheduler:
     def _chunk_len(self, request: Request, budget: int) -> int:
         remaining = request.num_uncomputed_tokens
         n = min(remaining, budget)
+        if self._is_long(request):
+            n = min(n, self.config.long_prefill_token_threshold)
         if n < remaining:
             # Not the end of the prompt: end the chunk on a block boundary if one is in reach.
             end = request.num_computed_tokens + n
@@ -327,6 +388,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request)
             if not chunk.samples:
                 continue
             request.append_output_token(sampled[request.request_id])

@@ -115,7 +115,7 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
     assert not got[layout.num_tokens :].any()  # padding rows stay zero
 
     row = 0
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    tol = 2e-5 if dtype == torch.float32 else 6e-2  # bf16 rounds scores and probabilities
     for c in out.chunks:
         rid = c.request.request_id
         rows = slice(row, row + c.num_tokens)

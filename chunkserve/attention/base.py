@@ -13,7 +13,8 @@ Every row writes its K/V to ``slot_mapping[row]`` before attention reads the pag
 The pool is allocated uninitialised (its pages cost memory only once written), so a block is
 zeroed when its first slot is written (``fresh_block_ids``): padded reads of a block's unwritten
 tail then see zeros, never garbage that could be NaN (masked weights are 0, but 0 * NaN is NaN).
-Block 0, the padding entry of block tables, is zeroed when the pool is created.
+Block 0 (the null block), the padding entry of block tables, is zeroed when the pool is
+created and never written.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import torch
 class BatchLayout:
     """Per-step metadata, built once by the model runner. ``B = P + D`` sequences."""
 
-    # T = real rows, then padding rows up to a bucket size (token 0, position 0, writing the
-    # null block); attention leaves padding rows zero and nothing reads them back.
+    # T = real rows, then padding rows up to a bucket size (token 0, position 0); padding
+    # rows write no KV, attention leaves them zero and nothing reads them back.
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each row in its request
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot each row writes
@@ -96,8 +97,10 @@ class AttentionBackend(ABC):
             k_cache.index_fill_(0, layout.fresh_block_ids, 0)
             v_cache.index_fill_(0, layout.fresh_block_ids, 0)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, layout.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, layout.slot_mapping, v)
+        t = layout.num_tokens  # padding rows write nothing: the null block stays zero
+        slots = layout.slot_mapping[:t]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:t])
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:t])
 
     @abstractmethod
     def forward(
