@@ -1,0 +1,243 @@
+"""Prefix caching: same greedy tokens with the cache on and off (at and off block boundaries,
+chunked, preempted), hits save the expected work, and the pool's reference counts hold under
+random add/abort/finish sequences (hypothesis)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkserve.config import SchedulerConfig
+from chunkserve.engine import Engine
+from chunkserve.kv_cache import KVCacheManager, hash_block
+from chunkserve.request import Request, RequestStatus, SamplingParams
+from chunkserve.scheduler import Scheduler
+from tests.conftest import assert_no_blocks_in_use, random_prompt
+
+BS = 16
+BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * BS  # fp32
+
+
+def make_engine(**kw) -> Engine:
+    base = dict(
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory=64 << 20,
+        block_size=BS,
+        max_num_batched_tokens=64,
+    )
+    base.update(kw)
+    return Engine(**base)
+
+
+def run(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    stagger: int = 0,
+    stats: list | None = None,
+) -> list[list[int]]:
+    """Greedy outputs; with ``stagger`` > 0 one prompt is added every ``stagger`` steps."""
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+    if stats is not None:
+        engine.step_listeners.append(stats.append)
+    pending, ids, done, step = list(prompts), [], {}, 0
+    while pending or engine.has_unfinished():
+        if pending and (stagger == 0 or step % stagger == 0):
+            batch = pending if stagger == 0 else pending[:1]
+            for p in list(batch):
+                ids.append(engine.add_request(p, params))
+                pending.remove(p)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        step += 1
+    if stats is not None:
+        engine.step_listeners.remove(stats.append)
+    return [done[i] for i in ids]
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    doc = random_prompt(rng, 300)
+    return [
+        doc + random_prompt(rng, 20),  # 320 = 20 full blocks
+        doc[:160] + random_prompt(rng, 40),  # shares exactly 10 blocks (at a boundary)
+        doc[:170] + random_prompt(rng, 33),  # shares 170 tokens: 10 blocks + 10 tokens
+        doc + random_prompt(rng, 5),
+        doc[:7] + random_prompt(rng, 50),  # shares less than a block
+        list(doc),  # the whole doc again: hit all but the last block
+    ]
+
+
+@pytest.fixture(scope="module")
+def uncached() -> list[list[int]]:
+    return run(make_engine(enable_prefix_caching=False), shared_prefix_prompts(), stagger=4)
+
+
+def test_cache_on_matches_off(uncached) -> None:
+    engine = make_engine()
+    stats: list = []
+    assert run(engine, shared_prefix_prompts(), stagger=4, stats=stats) == uncached
+    assert sum(s.prefix_cache_hits for s in stats) > 0
+    assert_no_blocks_in_use(engine)
+
+
+def test_cache_on_unchunked_matches(uncached) -> None:
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=1024)
+    assert run(engine, shared_prefix_prompts(), stagger=4) == uncached
+    assert engine.kv.num_hit_tokens > 0
+    assert_no_blocks_in_use(engine)
+
+
+def test_cache_under_preemption_matches(uncached) -> None:
+    engine = make_engine(
+        kv_cache_memory=26 * BYTES_PER_BLOCK, max_model_len=400, schedule_conservativeness=0.0
+    )
+    assert run(engine, shared_prefix_prompts(), stagger=1, max_tokens=8) == uncached
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.num_hit_tokens > 0
+    assert_no_blocks_in_use(engine)
+
+
+def prefill_tokens(engine: Engine, prompt: list[int]) -> tuple[int, int]:
+    stats: list = []
+    run(engine, [prompt], max_tokens=2, stats=stats)
+    return sum(s.num_prefill_tokens for s in stats), sum(s.prefix_cache_hits for s in stats)
+
+
+@pytest.mark.parametrize(("shared", "expected_hit"), [(160, 160), (170, 160), (7, 0)])
+def test_hit_lowers_computed_tokens(shared: int, expected_hit: int) -> None:
+    engine = make_engine()
+    rng = random.Random(11)
+    doc = random_prompt(rng, 300)
+    computed, hit = prefill_tokens(engine, doc)
+    assert (computed, hit) == (300, 0)
+    tail = random_prompt(rng, 40)
+    computed, hit = prefill_tokens(engine, doc[:shared] + tail)
+    assert hit == expected_hit
+    assert computed == shared + 40 - expected_hit
+
+
+@pytest.mark.parametrize(("n", "expected"), [(64, 16), (65, 1), (70, 6)])
+def test_whole_prompt_cached_still_computes_its_last_token(n: int, expected: int) -> None:
+    engine = make_engine()
+    prompt = random_prompt(random.Random(n), n)
+    prefill_tokens(engine, prompt)
+    computed, hit = prefill_tokens(engine, prompt)
+    assert computed == expected and hit == n - expected
+
+
+def test_reuse_while_first_request_is_still_prefilling() -> None:
+    rng = random.Random(3)
+    doc = random_prompt(rng, 600)
+    a, b = doc + [101], doc + [202, 203]
+    # Long prompts take at most 32 tokens a step, so B finds budget while A prefills.
+    engine = make_engine(max_num_batched_tokens=64, long_prefill_token_threshold=32)
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    ra = engine.add_request(a, params)
+    for _ in range(4):  # A computes 4 chunks of 32
+        engine.step()
+    assert engine.get_request(ra).is_prefilling
+    rb = engine.add_request(b, params)
+    engine.step()
+    req_b = engine.get_request(rb)
+    assert req_b.num_cached_tokens == 4 * 32  # B started from A's finished chunks
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_blocks_in_use(engine)
+
+
+def test_block_hash_chains_prefix_and_extra_key() -> None:
+    h1 = hash_block(None, [1, 2, 3])
+    assert hash_block(None, [1, 2, 3]) == h1
+    assert hash_block(h1, [4]) != hash_block(None, [4])
+    assert hash_block(None, [1, 2, 3], b"lora-1") != h1
+
+
+# ---- reference counts under random operations ------------------------------------------------
+PREFIXES = [list(range(100, 100 + n)) for n in (0, 4, 9, 16)]
+
+
+def _req(rid: str, prefix: int, tail: list[int], max_tokens: int) -> Request:
+    prompt = PREFIXES[prefix] + tail
+    return Request(
+        rid,
+        prompt or [7],
+        SamplingParams(max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        eos_token_ids=[2],
+    )
+
+
+op = st.one_of(
+    st.tuples(
+        st.just("add"),
+        st.integers(0, 3),
+        st.lists(st.integers(3, 60), max_size=12),
+        st.integers(1, 6),
+    ),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(op, min_size=1, max_size=40), chunked=st.booleans(), num_blocks=st.integers(12, 40)
+)
+def test_refcounts_hold_under_random_add_abort_finish(ops, chunked: bool, num_blocks: int) -> None:
+    config = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=48,
+        block_size=4,
+        enable_chunked_prefill=chunked,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+    )
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=True)
+    sched = Scheduler(config, kv, clock=lambda: 0.0)
+    added: list[Request] = []
+
+    def check() -> None:
+        kv.pool.check_invariants()
+        holders = [0] * (num_blocks + 1)
+        for r in added:
+            if not r.is_finished:
+                for b in r.block_ids:
+                    holders[b] += 1
+            else:
+                assert not r.block_ids
+        assert holders[1:] == kv.pool.ref_cnt[1:]
+
+    for item in ops:
+        if item[0] == "add":
+            _, prefix, tail, max_tokens = item
+            r = _req(f"r{len(added)}", prefix, tail, max_tokens)
+            try:
+                sched.add_request(r)
+            except ValueError:
+                continue  # too long for this pool: rejected, nothing held
+            added.append(r)
+        elif item[0] == "step":
+            for _ in range(item[1]):
+                out = sched.schedule()
+                sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+        elif added:
+            sched.abort_request(added[item[1] % len(added)].request_id)
+        check()
+    for _ in range(500):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+        check()
+    assert not sched.has_unfinished()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(
+        r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED) for r in added
+    )
