@@ -219,7 +219,7 @@ def _load_commands() -> None:
     """Import the modules that register further commands (each adds itself)."""
     import importlib
 
-    for module in ("chunkserve.server.cli",):
+    for module in ("chunkserve.server.cli", "chunkserve.bench.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -1,0 +1,243 @@
+"""``chunkserve bench sweep``: start a server per configuration (chunking off, then each
+budget, then peers), run the same seeded workload against each, and write
+``benchmarks/results/<name>/``: ``report.md``, ``results.json`` (everything, per-request
+data included) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+PEERS = ("llamacpp", "llamacpp-b64", "hf")
+
+
+@dataclass
+class Config:
+    name: str
+    label: str
+    budget: int | None  # None: chunking off or a peer
+    command: list[str]
+    engine: str = "chunkserve"
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    from chunkserve.bench.cli import add_workload_args
+
+    p.add_argument("--name", default="stall_sweep", help="results folder name")
+    p.add_argument("--results-dir", default="benchmarks/results")
+    p.add_argument(
+        "--budgets",
+        default="32,64,128,256,512,1024",
+        help="comma-separated max_num_batched_tokens values",
+    )
+    p.add_argument("--no-baseline", action="store_true", help="skip chunking off")
+    p.add_argument("--peers", default="", help=f"comma-separated from {PEERS}")
+    p.add_argument("--peers-dir", default="benchmarks/peers")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="compute threads of every server (1 leaves a core to the client)",
+    )
+    p.add_argument("--server-args", default="", help="extra flags for chunkserve serve")
+    p.add_argument(
+        "--itl-slo-ms", default="", help="comma-separated ITL targets: adds --itl-slo-ms servers"
+    )
+    p.add_argument("--max-duration", type=float, default=1800.0)
+    p.add_argument("--goodput", nargs="*", default=["ttft:2000", "itl:200"], metavar="KEY:MS")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    add_workload_args(p)
+    p.set_defaults(request_rate=1.0, num_prompts=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_configs(args: argparse.Namespace) -> list[Config]:
+    py = sys.executable
+    extra = args.server_args.split() if args.server_args else []
+    base = [
+        py,
+        "-m",
+        "chunkserve",
+        "serve",
+        "--num-threads",
+        str(args.threads),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    configs = []
+    if not args.no_baseline:
+        configs.append(Config("off", "chunking off", None, [*base, "--no-chunked-prefill"]))
+    for b in [int(x) for x in args.budgets.split(",") if x.strip()]:
+        configs.append(
+            Config(
+                f"budget-{b}",
+                f"chunked, budget {b}",
+                b,
+                [*base, "--max-num-batched-tokens", str(b)],
+            )
+        )
+    for slo in [x for x in args.itl_slo_ms.split(",") if x.strip()]:
+        configs.append(
+            Config(f"slo-{slo}ms", f"--itl-slo-ms {slo}", None, [*base, "--itl-slo-ms", slo])
+        )
+    peers_dir = Path(args.peers_dir)
+    for peer in [x for x in args.peers.split(",") if x.strip()]:
+        if peer not in PEERS:
+            raise ValueError(f"peers: unknown peer {peer!r} (known: {', '.join(PEERS)})")
+        if peer.startswith("llamacpp"):
+            script = peers_dir / "llamacpp_server.py"
+            cmd = [py, str(script), "--threads", str(args.threads)]
+            if peer == "llamacpp-b64":
+                cmd += ["--n-batch", "64", "--n-ubatch", "64"]
+                label = "llama.cpp -b 64 -ub 64"
+            else:
+                label = "llama.cpp defaults (-b 2048 -ub 512)"
+            configs.append(Config(peer, label, None, cmd, engine="llama.cpp"))
+        else:
+            script = peers_dir / "hf_static_server.py"
+            configs.append(
+                Config(
+                    peer,
+                    "HF transformers, static batches of 8",
+                    None,
+                    [py, str(script), "--threads", str(args.threads), "--batch-size", "8"],
+                    engine="transformers",
+                )
+            )
+        if not script.is_file():
+            raise ValueError(
+                f"peers: {script} not found (run from the repository root or pass --peers-dir)"
+            )
+    return configs
+
+
+class ServerProcess:
+    def __init__(self, command: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log.name}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not healthy after {timeout:.0f}s; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from chunkserve.bench.cli import workload_from_args
+    from chunkserve.bench.loadgen import (
+        GoodputSLO,
+        format_summary,
+        records_to_json,
+        run,
+        summarize,
+        summarize_by_kind,
+    )
+    from chunkserve.bench.report import write_report
+
+    slo = GoodputSLO.parse(args.goodput)
+    configs = build_configs(args)
+    requests, spec = workload_from_args(args)
+    out_dir = Path(args.results_dir) / args.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "command": "chunkserve bench sweep " + " ".join(sys.argv[3:]),
+        "threads": args.threads,
+        "workload": {k: v for k, v in vars(spec).items()},
+        "num_requests": len(requests),
+        "goodput_slo": args.goodput,
+    }
+    runs: list[dict[str, Any]] = []
+    for cfg in configs:
+        print(f"== {cfg.name}: {cfg.label}", flush=True)
+        server = ServerProcess(cfg.command, out_dir / f"{cfg.name}.log")
+        try:
+            server.wait_healthy()
+            records, duration = run(
+                server.base_url + "/v1",
+                requests,
+                endpoint=args.endpoint,
+                max_duration=args.max_duration,
+                progress=True,
+            )
+        finally:
+            server.stop()
+        result = summarize(records, duration, slo)
+        print(format_summary(result, cfg.name), flush=True)
+        runs.append(
+            {
+                "name": cfg.name,
+                "label": cfg.label,
+                "budget": cfg.budget,
+                "engine": cfg.engine,
+                "command": cfg.command,
+                **result,
+                "by_kind": summarize_by_kind(records, duration, slo),
+                **records_to_json(records),
+            }
+        )
+        (out_dir / "results.json").write_text(
+            json.dumps({"meta": meta, "runs": runs}, indent=1, default=str)
+        )
+    write_report(out_dir, meta, runs)
+    print(f"wrote {out_dir}/report.md")
+    return 0
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, CPU only"
