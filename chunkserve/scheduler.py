@@ -224,7 +224,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING or not request.is_prefilling:
                 continue
-            n = self._chunk_len(request, left)
+            n = self._chunk_len(request, left, out.token_budget)
             if self._reserve(request, n, out):
                 out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
 
@@ -255,6 +255,27 @@ class Scheduler:
                 break  # out of blocks: later requests wait too (no starvation)
             partial += 1
             long_partial += is_long
+        if cfg.long_prefill_token_threshold:
+            self._give_leftover_to_long(out)
+
+    def _give_leftover_to_long(self, out: SchedulerOutput) -> None:
+        """Budget nobody else took goes back to the long prompts capped in the first pass,
+        so the cap costs no throughput when no short prompt is waiting."""
+        for chunk in out.prefills:
+            left = out.token_budget - out.num_batched_tokens
+            if left <= 0:
+                return
+            r = chunk.request
+            remaining = r.num_tokens - chunk.end
+            if remaining <= 0 or chunk.num_tokens < self._long_cap(out.token_budget):
+                continue
+            extra = min(left, remaining)
+            end = chunk.end + extra
+            if end < r.num_tokens:  # still not the end of the prompt: keep block alignment
+                end -= end % self.config.block_size
+            extra = end - chunk.end
+            if extra > 0 and self.kv.allocate_slots(r, chunk.num_tokens + extra):
+                chunk.num_tokens += extra
 
     def _schedule_unchunked(self, out: SchedulerOutput, budget: int) -> None:
         # Whole prompts first: a prefill-only step (decodes stall) whenever one fits.
@@ -289,7 +310,7 @@ class Scheduler:
             n = (
                 request.num_uncomputed_tokens
                 if budget is None
-                else self._chunk_len(request, budget)
+                else self._chunk_len(request, budget, out.token_budget)
             )
             need = self._future_tokens(request)
             fits = not self.running or need <= headroom
@@ -332,11 +353,17 @@ class Scheduler:
         reserved = sum(self._future_tokens(r) for r in self.running)
         return self.kv.num_free_blocks * self.kv.block_size - reserved
 
-    def _chunk_len(self, request: Request, budget: int) -> int:
+    def _long_cap(self, token_budget: int) -> int:
+        """First-pass share of a long prompt: at most the threshold and at most half the
+        step's budget, so short prompts always find room; leftovers are handed back to long
+        prompts after admission (``_give_leftover_to_long``)."""
+        return max(1, min(self.config.long_prefill_token_threshold, token_budget // 2))
+
+    def _chunk_len(self, request: Request, budget: int, token_budget: int | None = None) -> int:
         remaining = request.num_uncomputed_tokens
         n = min(remaining, budget)
-        if self._is_long(request):
-            n = min(n, self.config.long_prefill_token_threshold)
+        if token_budget is not None and self._is_long(request):
+            n = min(n, self._long_cap(token_budget))
         if n < remaining:
             # Not the end of the prompt: end the chunk on a block boundary if one is in reach.
             end = request.num_computed_tokens + n
