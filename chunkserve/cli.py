@@ -82,21 +82,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-partial-prefills",
         type=int,
-        default=None,
-        help="most prompts mid-prefill at once (default: no limit)",
+        default=0,
+        help="most prompts mid-prefill at once (0: no limit)",
     )
     g.add_argument(
         "--max-long-partial-prefills",
         type=int,
-        default=None,
-        help="most long prompts mid-prefill at once; short ones may start first",
+        default=1,
+        help="most long prompts mid-prefill at once; short ones start first (0: no limit)",
     )
     g.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
-        help="prompts with more tokens left are long (0: 4%% of max-model-len when "
-        "a partial-prefill limit is set)",
+        default=None,
+        help="prompts with more tokens left are long: at most this many tokens and half the "
+        "budget per step before short ones start (default 4%% of max-model-len; 0: off)",
     )
     g.add_argument(
         "--schedule-conservativeness",

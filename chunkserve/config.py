@@ -87,11 +87,11 @@ class SchedulerConfig:
     # fraction of the outputs still to come (clipped at ``output_estimate_clip`` tokens).
     # The ratio decays to the minimum over ``new_token_ratio_decay_steps`` steps and jumps
     # back after a preemption. 0 reserves prompts only (greedy admission, more preemption).
-    # Fairness across long prefills (None/0: no limit). A prompt with more than
+    # Fairness across long prefills (0: no limit). A prompt with more than
     # long_prefill_token_threshold tokens left is "long": it gets at most that many tokens a
     # step, and at most max_long_partial_prefills long prompts are mid-prefill at once.
-    max_num_partial_prefills: int | None = None
-    max_long_partial_prefills: int | None = None
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
     long_prefill_token_threshold: int = 0
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.15
@@ -108,8 +108,7 @@ class SchedulerConfig:
             self.new_token_ratio_decay_steps >= 1, "new_token_ratio_decay_steps", "must be >= 1"
         )
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, name, "must be >= 1")
+            _require(getattr(self, name) >= 0, name, "must be >= 0 (0: no limit)")
         _require(
             self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"
         )
@@ -160,14 +159,16 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose prefix was computed before (chained block hashes)."""
-    max_num_partial_prefills: int | None = None
-    """Most prompts mid-prefill at once (None: no limit)."""
-    max_long_partial_prefills: int | None = None
-    """Most long prompts mid-prefill at once; shorter prompts may start ahead of waiting long
-    ones (None: no limit)."""
-    long_prefill_token_threshold: int = 0
-    """A prompt with more tokens left than this is long, and gets at most this many tokens
-    per step. 0: 4% of max_model_len when a partial-prefill limit is set, else off."""
+    max_num_partial_prefills: int = 0
+    """Most prompts mid-prefill at once (0: no limit)."""
+    max_long_partial_prefills: int = 1
+    """Most long prompts mid-prefill at once; shorter prompts start ahead of waiting long
+    ones (0: no limit)."""
+    long_prefill_token_threshold: int | None = None
+    """A prompt with more tokens left than this is long: it takes at most this many tokens,
+    and at most half the budget, per step before shorter prompts are admitted (leftover
+    budget goes back to it). None: 4% of max_model_len; 0: no prompt is long (limits on long
+    prompts off)."""
     schedule_conservativeness: float = 1.0
     """Scales the KV room reserved for running requests' future outputs when admitting new
     ones (SGLang's flag): higher admits later and preempts less; 0 admits as soon as the
@@ -205,6 +206,18 @@ class EngineConfig:
         )
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _require(self.log_stats_interval >= 1, "log_stats_interval", "must be >= 1")
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0 (0: no limit)")
+        _require(
+            self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            "must be >= 0",
+        )
+        _require(
+            0.0 <= self.schedule_conservativeness <= 10.0,
+            "schedule_conservativeness",
+            "must be in [0, 10]",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

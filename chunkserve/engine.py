@@ -228,12 +228,10 @@ class Engine:
         )
 
     def _long_prefill_threshold(self, max_model_len: int) -> int:
-        cfg = self.config
-        if cfg.long_prefill_token_threshold or not (
-            cfg.max_num_partial_prefills or cfg.max_long_partial_prefills
-        ):
-            return cfg.long_prefill_token_threshold
-        return max(1, int(0.04 * max_model_len))  # vLLM's default
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is None:
+            return max(1, int(0.04 * max_model_len))  # vLLM's default
+        return threshold
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
