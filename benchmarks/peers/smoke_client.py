@@ -21,11 +21,25 @@ def stream_completion(host: str, port: int, body: dict, timeout: float = 600.0) 
     """POST one streamed completion and collect its SSE events."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    conn.request("POST", "/v1/completions", body=json.dumps(body),
-                 headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
-    out = {"status": resp.status, "chunks": 0, "text": "", "usage": None, "finish_reason": None,
-           "ttft_s": None, "done": False, "t_start": t0, "events": 0, "extra_keys": set()}
+    out = {
+        "status": resp.status,
+        "chunks": 0,
+        "text": "",
+        "usage": None,
+        "finish_reason": None,
+        "ttft_s": None,
+        "done": False,
+        "t_start": t0,
+        "events": 0,
+        "extra_keys": set(),
+    }
     if resp.status != 200:
         out["error"] = resp.read().decode("utf-8", "replace")
         conn.close()
@@ -43,8 +57,9 @@ def stream_completion(host: str, port: int, body: dict, timeout: float = 600.0) 
             break
         ev = json.loads(payload)
         out["events"] += 1
-        out["extra_keys"].update(k for k in ev if k not in ("id", "object", "created", "model",
-                                                           "choices", "usage"))
+        out["extra_keys"].update(
+            k for k in ev if k not in ("id", "object", "created", "model", "choices", "usage")
+        )
         if ev.get("usage"):
             out["usage"] = ev["usage"]
         for ch in ev.get("choices") or []:
@@ -68,14 +83,21 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("-n", "--num", type=int, default=1, help="concurrent requests")
     ap.add_argument("--prompt", default="Once upon a time, in a small village by the sea,")
-    ap.add_argument("--prompt-ids", type=int, default=0,
-                    help="send a token-id list of this length instead of --prompt")
+    ap.add_argument(
+        "--prompt-ids",
+        type=int,
+        default=0,
+        help="send a token-id list of this length instead of --prompt",
+    )
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-ignore-eos", action="store_true")
     ap.add_argument("--no-usage", action="store_true")
-    ap.add_argument("--late", default=None,
-                    help="IDX:SECONDS - send request IDX (0-based) this many seconds late")
+    ap.add_argument(
+        "--late",
+        default=None,
+        help="IDX:SECONDS - send request IDX (0-based) this many seconds late",
+    )
     ap.add_argument("--show-text", action="store_true")
     args = ap.parse_args()
 
@@ -95,9 +117,14 @@ def main() -> None:
             prompt = [(1000 + 37 * k + 11 * i) % 40000 + 100 for k in range(args.prompt_ids)]
         else:
             prompt = args.prompt if args.num == 1 else f"{args.prompt} ({i})"
-        body = {"model": "peer", "prompt": prompt, "max_tokens": args.max_tokens,
-                "temperature": args.temperature, "stream": True,
-                "ignore_eos": not args.no_ignore_eos}
+        body = {
+            "model": "peer",
+            "prompt": prompt,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "stream": True,
+            "ignore_eos": not args.no_ignore_eos,
+        }
         if not args.no_usage:
             body["stream_options"] = {"include_usage": True}
         results[i] = stream_completion(args.host, args.port, body)
