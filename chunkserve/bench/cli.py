@@ -45,6 +45,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "--long-interval", type=float, default=10.0, help="stall: seconds between long documents"
     )
     g.add_argument(
+        "--num-long",
+        type=int,
+        default=0,
+        help="stall: long documents (default: enough to span the short arrivals; set it with "
+        "--max-concurrency, where the shorts all arrive at once)",
+    )
+    g.add_argument(
         "--tokenizer-model",
         default=None,
         help="model file whose tokenizer builds prompts (default: embedded)",
@@ -70,6 +77,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list, Any]:
         range_ratio=args.range_ratio,
         dataset_path=args.dataset_path,
         long_interval=args.long_interval,
+        stall_num_long=args.num_long,
     )
     return build_workload(spec, tokenizer), spec
 

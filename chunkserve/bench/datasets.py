@@ -63,6 +63,7 @@ class WorkloadSpec:
     long_output: int = 16
     long_interval: float = 10.0  # stall: seconds between long documents
     long_start: float = 3.0  # stall: first long document
+    stall_num_long: int = 0  # stall: long documents (0: enough to span the short arrivals)
     num_long: int = 8  # fairness: long prompts at t=0
     fairness_long_input: tuple[int, int] = (4000, 4200)
 
@@ -165,8 +166,11 @@ def _shorts(
 
 def _stall(spec: WorkloadSpec, rng: random.Random, tokenizer: Any) -> list[BenchRequest]:
     shorts = _shorts(spec, rng, tokenizer, spec.num_prompts, 0.0)
-    horizon = shorts[-1].arrival if shorts else 0.0
-    n_long = max(1, int((horizon - spec.long_start) // spec.long_interval) + 1)
+    if spec.stall_num_long:
+        n_long = spec.stall_num_long
+    else:  # cover the short stream's arrivals
+        horizon = shorts[-1].arrival if shorts else 0.0
+        n_long = max(1, int((horizon - spec.long_start) // spec.long_interval) + 1)
     lens = [rng.randint(*spec.long_input) for _ in range(n_long)]
     docs = prose_prompts(tokenizer, lens, rng)
     longs = [

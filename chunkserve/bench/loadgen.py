@@ -170,7 +170,11 @@ async def run_load(
     progress: bool = True,
     api_key: str | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every request at its arrival offset; returns the records and the duration."""
+    """Send every request at its arrival offset; returns the records and the duration.
+
+    ``max_concurrency`` bounds the requests in flight (a closed-loop population of users
+    when they all arrive at once); ``long`` requests of the stall and fairness workloads are
+    not counted against it."""
     if endpoint not in ("completions", "chat"):
         raise ValueError(f"endpoint: must be completions or chat, got {endpoint!r}")
     url = base_url.rstrip("/") + ("/chat/completions" if endpoint == "chat" else "/completions")
@@ -191,7 +195,7 @@ async def run_load(
         if delay > 0:
             await asyncio.sleep(delay)
         body = _request_body(req, endpoint, model, ignore_eos)
-        if sem is None:
+        if sem is None or req.kind == "long":  # long documents arrive on their own clock
             await _send(client, url, body, records[i], t0, endpoint == "chat")
         else:
             async with sem:

@@ -59,6 +59,12 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-duration", type=float, default=1800.0)
     p.add_argument("--goodput", nargs="*", default=["ttft:2000", "itl:200"], metavar="KEY:MS")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="short requests in flight at once (a steady population of users)",
+    )
     add_workload_args(p)
     p.set_defaults(request_rate=1.0, num_prompts=60)
 
@@ -205,6 +211,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                 requests,
                 endpoint=args.endpoint,
                 max_duration=args.max_duration,
+                max_concurrency=args.max_concurrency,
                 progress=True,
             )
         finally:
