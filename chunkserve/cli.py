@@ -35,7 +35,7 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> None:
     """Engine flags, named as vLLM names them (SGLang's spelling accepted where noted)."""
     g = p.add_argument_group("engine")
     g.add_argument(
@@ -99,12 +99,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "budget per step before short ones start (default 4%% of max-model-len; 0: off)",
     )
     g.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        help="inter-token latency target: choose each step's budget online to stay under it",
+    )
+    g.add_argument(
+        "--cost-profile",
+        default=None,
+        help="cost model JSON from `chunkserve profile` (default: the saved one)",
+    )
+    g.add_argument(
         "--schedule-conservativeness",
         type=float,
         default=1.0,
         help="KV room kept for running requests' outputs when admitting (SGLang's flag)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    if sampler_seed:
+        g.add_argument("--seed", type=int, default=0, help="sampler seed of unseeded requests")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -136,12 +148,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        seed=args.seed,
+        itl_slo_ms=args.itl_slo_ms,
+        cost_profile=args.cost_profile,
+        seed=getattr(args, "seed", 0),
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
     )
-    if budget is not None:
-        kwargs["max_num_batched_tokens"] = budget
+    kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)
 
 
@@ -152,6 +165,7 @@ def setup_logging(level: str) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -219,7 +233,7 @@ def _load_commands() -> None:
     """Import the modules that register further commands (each adds itself)."""
     import importlib
 
-    for module in ("chunkserve.server.cli", "chunkserve.bench.cli"):
+    for module in ("chunkserve.server.cli", "chunkserve.bench.cli", "chunkserve.tuning_cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -20,6 +20,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 # On a GPU the pool takes this fraction of the memory left free after the weights.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -150,8 +151,9 @@ class EngineConfig:
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None
     """Bytes for the KV pool; default 1 GiB on CPU, 90% of free memory on a GPU."""
-    max_num_batched_tokens: int = 512
-    """Token budget of one step (decodes plus prefill chunks)."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step, decodes plus prefill chunks (default 512). With
+    ``itl_slo_ms``: the most the controller may choose (default max_model_len)."""
     max_num_seqs: int | None = None
     """Most requests running at once; default 128, or the token budget if that is smaller."""
     enable_chunked_prefill: bool = True
@@ -178,6 +180,12 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads on CPU; default: torch's choice."""
     attention_backend: str = "auto"
+    itl_slo_ms: float | None = None
+    """Inter-token latency target: each step's budget is chosen online from a step-time cost
+    model so the step stays under it (decodes are never dropped)."""
+    cost_profile: str | None = None
+    """Profile JSON from ``chunkserve profile``; default: the one saved beside the model for
+    this device, dtype and thread count, if any (else the model starts safe and learns)."""
     log_stats_interval: int = 20
     """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
 
@@ -195,10 +203,15 @@ class EngineConfig:
             "kv_cache_memory",
             "must be a positive number of bytes",
         )
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "must be >= 1",
+        )
         _require(
             self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"
         )
+        _require(self.itl_slo_ms is None or self.itl_slo_ms > 0, "itl_slo_ms", "must be > 0 ms")
         _require(
             self.scheduling_policy in SCHEDULING_POLICIES,
             "scheduling_policy",
@@ -227,13 +240,32 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
-    @property
-    def effective_max_num_seqs(self) -> int:
-        if self.max_num_seqs is not None:
-            return self.max_num_seqs
-        if self.enable_chunked_prefill:
-            return min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
-        return DEFAULT_MAX_NUM_SEQS
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's slice, with every default resolved."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max_model_len if self.itl_slo_ms else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = DEFAULT_MAX_NUM_SEQS
+            if self.enable_chunked_prefill:
+                max_num_seqs = min(max_num_seqs, budget)
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            threshold = max(1, int(0.04 * max_model_len))  # vLLM's default
+        return SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_token_threshold=threshold,
+            init_new_token_ratio=min(1.0, 0.7 * self.schedule_conservativeness),
+            min_new_token_ratio=min(1.0, 0.15 * self.schedule_conservativeness),
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

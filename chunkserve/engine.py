@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from chunkserve.attention import get_attention_backend
+from chunkserve.budget import BudgetController
 from chunkserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
     ModelConfig,
-    SchedulerConfig,
 )
+from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import iter_weights, load_model_config, resolve_model
@@ -160,22 +161,11 @@ class Engine:
         self.num_blocks = num_blocks
         self.kv_cache_memory = (num_blocks + 1) * bytes_per_block
 
-        sched_config = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.effective_max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=self.block_size,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            max_num_partial_prefills=config.max_num_partial_prefills,
-            max_long_partial_prefills=config.max_long_partial_prefills,
-            long_prefill_token_threshold=self._long_prefill_threshold(max_model_len),
-            init_new_token_ratio=min(1.0, 0.7 * config.schedule_conservativeness),
-            min_new_token_ratio=min(1.0, 0.15 * config.schedule_conservativeness),
-        )
+        sched_config = config.scheduler_config(max_model_len)
         self.scheduler_config = sched_config
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_config, self.kv)
+        self.controller = self._make_controller() if config.itl_slo_ms else None
         attn = get_attention_backend(
             config.attention_backend,
             self.device,
@@ -227,11 +217,35 @@ class Engine:
             sched_config.policy,
         )
 
-    def _long_prefill_threshold(self, max_model_len: int) -> int:
-        threshold = self.config.long_prefill_token_threshold
-        if threshold is None:
-            return max(1, int(0.04 * max_model_len))  # vLLM's default
-        return threshold
+    def _make_controller(self) -> BudgetController:
+        """The online budget controller of ``itl_slo_ms``, primed from a profile if one
+        exists for this model, device, dtype and thread count."""
+        from chunkserve.profiler import find_profile
+
+        path = self.config.cost_profile or find_profile(self)
+        if path is not None:
+            model = CostModel.load(path)
+            online = OnlineCostModel(model.weights, prior_weight=1.0, meta=model.meta)
+            logger.info(
+                "ITL target %.0f ms: cost model from %s (measured %s on %s)",
+                self.config.itl_slo_ms,
+                path,
+                model.meta.get("date", "?"),
+                model.meta.get("hardware", "?"),
+            )
+        else:
+            online = OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0)
+            logger.info(
+                "ITL target %.0f ms: no profile (run `chunkserve profile`); starting "
+                "from a safe small budget and learning from measured steps",
+                self.config.itl_slo_ms,
+            )
+        return BudgetController(
+            online,
+            self.config.itl_slo_ms / 1e3,
+            self.scheduler_config.max_num_batched_tokens,
+            min_prefill_tokens=self.block_size,
+        )
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -355,6 +369,8 @@ class Engine:
         finished) in it."""
         t_start = time.perf_counter()
         queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
+        if token_budget is None and self.controller is not None:
+            token_budget = self.controller.decide(self.scheduler).token_budget
         out = self.scheduler.schedule(token_budget)
         t_sched = time.perf_counter()
         if out.is_empty:
@@ -401,6 +417,8 @@ class Engine:
             prefix_cache_hits=self.kv.num_hit_tokens - hits,
         )
         self.step_count += 1
+        if self.controller is not None:
+            self.controller.observe(out, stats.wall_time)
         self._log_step(stats)
         self._notify_finished(outputs)
         for listener in self.step_listeners:

@@ -1,0 +1,92 @@
+"""Online token budget from an inter-token-latency target (``--itl-slo-ms``).
+
+Each step: the running decodes are fixed (never dropped); the controller asks the cost model
+how many prefill tokens fit beside them so that the predicted step time stays under the
+target, and hands the scheduler that budget. After the step, the measured time corrects the
+model (recursive least squares), so a stale or missing profile converges.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from chunkserve.costmodel import StepShape
+from chunkserve.request import RequestStatus
+
+logger = logging.getLogger("chunkserve.budget")
+
+
+@dataclass
+class BudgetDecision:
+    token_budget: int
+    num_decodes: int
+    prefill_room: int  # prefill tokens predicted to fit under the target
+    predicted_s: float  # predicted time of the step at that budget
+    decode_only: bool  # the decodes alone are predicted over the target
+
+
+class BudgetController:
+    def __init__(
+        self,
+        model,
+        itl_slo_s: float,
+        max_prefill_tokens: int,
+        min_prefill_tokens: int = 16,
+        log_every: int = 50,
+    ) -> None:
+        if itl_slo_s <= 0:
+            raise ValueError("itl_slo_ms: must be > 0")
+        self.model = model  # an OnlineCostModel
+        self.itl_slo_s = itl_slo_s
+        self.max_prefill_tokens = max_prefill_tokens
+        self.min_prefill_tokens = min_prefill_tokens
+        self.log_every = log_every
+        self.num_decode_only = 0
+        self.last: BudgetDecision | None = None
+
+    def decide(self, scheduler) -> BudgetDecision:
+        """The budget for the scheduler's next step."""
+        decode_lens: list[int] = []
+        prefill_start = 0
+        for r in scheduler.running:
+            if r.status != RequestStatus.RUNNING:
+                continue
+            if r.is_prefilling:
+                prefill_start = max(prefill_start, r.num_computed_tokens)
+            else:
+                decode_lens.append(r.num_tokens)
+        if not any(r.is_prefilling for r in scheduler.running) and scheduler.waiting:
+            prefill_start = max(prefill_start, scheduler.waiting[0].num_computed_tokens)
+        room = self.model.max_prefill_tokens(
+            decode_lens, prefill_start, self.itl_slo_s, self.max_prefill_tokens
+        )
+        if room == 0 and not decode_lens:
+            room = self.min_prefill_tokens  # nothing else runs: always make progress
+        shape = StepShape(tuple(decode_lens), ((prefill_start, room),) if room else ())
+        predicted = self.model.predict(shape)
+        decode_only = room == 0 and bool(
+            scheduler.waiting or any(r.is_prefilling for r in scheduler.running)
+        )
+        if decode_only:
+            self.num_decode_only += 1
+            if self.num_decode_only % self.log_every == 1:
+                logger.info(
+                    "ITL target %.0f ms: %d decodes alone are predicted at %.0f ms; running "
+                    "decodes only (%d such steps so far)",
+                    1e3 * self.itl_slo_s,
+                    len(decode_lens),
+                    1e3 * predicted,
+                    self.num_decode_only,
+                )
+        self.last = BudgetDecision(
+            len(decode_lens) + room, len(decode_lens), room, predicted, decode_only
+        )
+        return self.last
+
+    def observe(self, out, measured_s: float) -> None:
+        """Correct the model with the step that ran (``out`` is its SchedulerOutput)."""
+        if not out.is_empty:
+            self.model.observe(StepShape.of(out), measured_s)

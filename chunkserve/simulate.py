@@ -1,0 +1,122 @@
+"""``chunkserve simulate``: the real ``Scheduler`` (same code, not a copy) driven by a cost
+model instead of a model, over the load generator's workloads and arrival processes.
+
+A discrete-event loop: requests join at their arrival times, each step's duration is the
+cost model's prediction for the step the scheduler built, and tokens are "sampled" at the
+end of the step. Per-request token times feed the same metrics as ``bench serve``, so a user
+can ask what happens at request rates or on hardware they don't have (a profile measured
+elsewhere, e.g. on a GPU).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from chunkserve.bench.datasets import BenchRequest
+from chunkserve.bench.loadgen import RequestRecord
+from chunkserve.budget import BudgetController
+from chunkserve.config import SchedulerConfig
+from chunkserve.costmodel import CostModel, OnlineCostModel, StepShape
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.request import Request, SamplingParams
+from chunkserve.scheduler import Scheduler
+
+SAMPLED_TOKEN = 5  # never EOS: outputs run to their requested length, as with ignore_eos
+
+
+def simulate(
+    requests: Sequence[BenchRequest],
+    config: SchedulerConfig,
+    num_blocks: int,
+    model: CostModel,
+    *,
+    enable_prefix_caching: bool = True,
+    itl_slo_s: float | None = None,
+    max_concurrency: int | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
+    max_steps: int = 10_000_000,
+) -> tuple[list[RequestRecord], float, dict[str, float]]:
+    """Returns the per-request records (as the load generator makes them), the simulated
+    duration, and step statistics."""
+    clock = [0.0]
+    kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching)
+    sched = Scheduler(config, kv, clock=lambda: clock[0])
+    controller = None
+    if itl_slo_s is not None:
+        online = OnlineCostModel(model.weights, prior_weight=1e4)  # the model is the truth here
+        controller = BudgetController(
+            online, itl_slo_s, config.max_num_batched_tokens, min_prefill_tokens=config.block_size
+        )
+    rng = random.Random(seed)
+    records = [RequestRecord(i, r.kind, r.prompt_len, r.arrival) for i, r in enumerate(requests)]
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    index_of: dict[str, int] = {}
+    next_i = 0
+    in_flight = 0  # closed-loop population: short requests counted against max_concurrency
+    held: list[int] = []  # arrived, waiting for a free slot of the population
+    steps = 0
+    busy = 0.0
+
+    def admit(i: int) -> None:
+        nonlocal in_flight
+        req = requests[i]
+        rid = f"sim-{i}"
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        r = Request(rid, req.prompt, params, max_tokens=req.output_len, arrival_time=clock[0])
+        sched.add_request(r)
+        index_of[rid] = i
+        records[i].start = clock[0]
+        if req.kind != "long":
+            in_flight += 1
+
+    def release_arrivals() -> None:
+        nonlocal next_i
+        while next_i < len(order) and requests[order[next_i]].arrival <= clock[0]:
+            held.append(order[next_i])
+            next_i += 1
+        while held and (
+            max_concurrency is None
+            or in_flight < max_concurrency
+            or requests[held[0]].kind == "long"
+        ):
+            admit(held.pop(0))
+
+    while True:
+        release_arrivals()
+        if not sched.has_unfinished():
+            if next_i >= len(order) and not held:
+                break
+            if next_i < len(order):
+                clock[0] = max(clock[0], requests[order[next_i]].arrival)
+            continue
+        budget = controller.decide(sched).token_budget if controller else None
+        out = sched.schedule(budget)
+        if out.is_empty:
+            raise RuntimeError("simulate: the scheduler made no progress")
+        duration = model.predict(StepShape.of(out))
+        if noise:
+            duration *= max(0.1, rng.gauss(1.0, noise))
+        clock[0] += duration
+        busy += duration
+        steps += 1
+        if steps > max_steps:
+            raise RuntimeError("simulate: step limit reached")
+        produced = sched.update(
+            out, {c.request.request_id: SAMPLED_TOKEN for c in out.chunks if c.samples}
+        )
+        if controller is not None:
+            controller.observe(out, duration)
+        for r in produced:
+            rec = records[index_of[r.request_id]]
+            if rec.ttft is None:
+                rec.ttft = clock[0] - rec.start
+            rec.chunk_times.append(clock[0])
+            if r.is_finished:
+                rec.end = clock[0]
+                rec.output_tokens = r.num_output_tokens
+                rec.success = True
+                if requests[rec.index].kind != "long":
+                    in_flight -= 1
+    return records, clock[0], {"steps": steps, "busy_s": busy, "preemptions": sched.num_preemptions}

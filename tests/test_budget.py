@@ -1,0 +1,221 @@
+"""The ITL-target budget controller with a fake runner whose step time is a known function,
+the cost model fit, and the simulator (the real scheduler against a cost model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chunkserve.bench.datasets import BenchRequest
+from chunkserve.bench.loadgen import summarize
+from chunkserve.budget import BudgetController
+from chunkserve.config import SchedulerConfig
+from chunkserve.costmodel import (
+    DEFAULT_PRIOR,
+    CostModel,
+    OnlineCostModel,
+    StepShape,
+    fit,
+    relative_errors,
+)
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.request import Request, SamplingParams
+from chunkserve.scheduler import Scheduler
+from chunkserve.simulate import simulate
+
+# The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms.
+TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4])
+SLO = 0.120
+
+
+def true_time(out) -> float:
+    return TRUE.predict(StepShape.of(out))
+
+
+def make_scheduler(num_blocks: int = 4000) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_batched_tokens=8192,
+        max_num_seqs=64,
+        max_model_len=8192,
+        block_size=16,
+        long_prefill_token_threshold=0,
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, 16), clock=lambda: 0.0)
+
+
+def feed(sched: Scheduler, rng: random.Random, n_long: int, n_short: int) -> None:
+    for i in range(n_long):
+        p = [rng.randrange(100, 40000) for _ in range(3000)]
+        sched.add_request(
+            Request(f"L{i}-{rng.random()}", p, SamplingParams(max_tokens=8), max_tokens=8)
+        )
+    for i in range(n_short):
+        p = [rng.randrange(100, 40000) for _ in range(30)]
+        sched.add_request(
+            Request(f"S{i}-{rng.random()}", p, SamplingParams(max_tokens=150), max_tokens=150)
+        )
+
+
+def drive(controller: BudgetController, steps: int, seed: int = 0):
+    """Run the scheduler with budgets from the controller; step time = the true model."""
+    rng = random.Random(seed)
+    sched = make_scheduler()
+    feed(sched, rng, 6, 12)
+    log = []
+    for _ in range(steps):
+        if not sched.has_unfinished():
+            break
+        decision = controller.decide(sched)
+        out = sched.schedule(decision.token_budget)
+        measured = true_time(out)
+        controller.observe(out, measured)
+        # The room the true model leaves for prefill beside these decodes, at the position
+        # the controller planned for:
+        decodes = [c.end for c in out.decodes]
+        start = max((c.start for c in out.prefills), default=0)
+        true_room = TRUE.max_prefill_tokens(decodes, start, SLO, 8192)
+        pending = (
+            sum(r.num_uncomputed_tokens for r in sched.running + sched.waiting if r.is_prefilling)
+            + out.num_prefill_tokens
+        )
+        log.append((decision, out, measured, true_room, pending))
+        sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    return log
+
+
+def test_with_an_exact_profile_budgets_meet_the_target_and_use_the_room() -> None:
+    model = OnlineCostModel(TRUE.weights, prior_weight=1e4)
+    log = drive(BudgetController(model, SLO, 8192), steps=300)
+    busy = [
+        (d, out, t, room, pending)
+        for d, out, t, room, pending in log
+        if out.prefills and pending > room + 64
+    ]
+    assert len(busy) > 50
+    for d, out, t, room, _ in busy:
+        assert d.predicted_s <= SLO + 1e-9
+        assert t <= SLO * 1.01
+        # At least 80% of the room is used (chunks are cut to 16-token blocks).
+        assert out.num_prefill_tokens >= 0.8 * room - 16
+
+
+def test_without_a_profile_it_starts_small_and_converges() -> None:
+    model = OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0)
+    log = drive(BudgetController(model, SLO, 8192), steps=400)
+    # A safe small start: the first budget is small and the learning steps stay in time.
+    assert log[0][1].num_prefill_tokens <= 32
+    assert all(t <= SLO * 1.05 for _, _, t, _, _ in log[:20])
+    late = [
+        (d, out, t, room, pending)
+        for d, out, t, room, pending in log[60:]
+        if out.prefills and pending > room + 64
+    ]
+    assert len(late) > 30
+    over = [t for _, _, t, _, _ in late if t > SLO * 1.05]
+    assert len(over) <= 0.05 * len(late)
+    used = [out.num_prefill_tokens / max(room, 1) for _, out, _, room, _ in late]
+    assert sorted(used)[len(used) // 2] >= 0.8
+
+
+def test_stale_profile_is_corrected() -> None:
+    stale = OnlineCostModel([w * 0.5 for w in TRUE.weights], prior_weight=1.0)  # 2x optimistic
+    log = drive(BudgetController(stale, SLO, 8192), steps=300)
+    late = [t for _, out, t, _, _ in log[80:] if out.prefills]
+    assert late and sum(t > SLO * 1.05 for t in late) <= 0.05 * len(late)
+
+
+def test_decodes_alone_over_target_run_decode_only() -> None:
+    model = OnlineCostModel(TRUE.weights, prior_weight=1e4)
+    controller = BudgetController(model, 0.030, 8192)  # below 25 ms + decode costs
+    sched = make_scheduler()
+    rng = random.Random(1)
+    feed(sched, rng, 0, 20)
+    for _ in range(2):  # all 20 shorts prefilled, now decoding
+        out = sched.schedule(1024)
+        sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    feed(sched, rng, 1, 0)
+    d = controller.decide(sched)
+    assert d.decode_only and d.prefill_room == 0
+    out = sched.schedule(d.token_budget)
+    assert not out.prefills and len(out.decodes) == 20  # decodes never dropped
+
+
+def test_fit_recovers_a_linear_model_and_reports_heldout_error() -> None:
+    rng = random.Random(0)
+    shapes = [
+        StepShape(
+            tuple(rng.choice([128, 1024]) for _ in range(rng.choice([0, 4, 16]))),
+            ((rng.choice([0, 1024]), rng.choice([16, 128, 512])),),
+        )
+        for _ in range(60)
+    ]
+    times = [TRUE.predict(s) * rng.uniform(0.97, 1.03) for s in shapes]
+    model = CostModel(fit(shapes[:48], times[:48]))
+    errs = relative_errors(model, shapes[48:], times[48:])
+    assert max(errs) < 0.08
+    assert all(w >= 0 for w in model.weights)
+
+
+def test_max_prefill_tokens_solves_the_quadratic() -> None:
+    for start in (0, 2000):
+        p = TRUE.max_prefill_tokens([500] * 8, start, SLO, 10**6)
+        at = TRUE.predict(StepShape((500,) * 8, ((start, p),)))
+        over = TRUE.predict(StepShape((500,) * 8, ((start, p + 1),)))
+        assert at <= SLO < over
+
+
+# ---- simulator ---------------------------------------------------------------------------------
+def workload(n_short: int = 30) -> list[BenchRequest]:
+    rng = random.Random(4)
+    reqs = [
+        BenchRequest([rng.randrange(100, 40000) for _ in range(40)], 50, i * 0.5, "short")
+        for i in range(n_short)
+    ]
+    reqs += [
+        BenchRequest([rng.randrange(100, 40000) for _ in range(2000)], 8, 2.0 + 5 * i, "long")
+        for i in range(3)
+    ]
+    return sorted(reqs, key=lambda r: r.arrival)
+
+
+def sim_config(budget: int, chunked: bool = True) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=min(64, budget),
+        max_model_len=4096,
+        block_size=16,
+        enable_chunked_prefill=chunked,
+    )
+
+
+def test_simulator_runs_the_real_scheduler_and_shows_the_stall() -> None:
+    off, dur_off, _ = simulate(workload(), sim_config(4096, chunked=False), 2000, TRUE)
+    on, dur_on, info = simulate(workload(), sim_config(128), 2000, TRUE)
+    r_off, r_on = summarize(off, dur_off), summarize(on, dur_on)
+    assert r_off["completed"] == r_on["completed"] == 33
+    assert all(rec.output_tokens == (50 if rec.kind == "short" else 8) for rec in on)
+    # Chunking off: a 2000-token prefill is one step of ~1.8 s+; chunked steps stay small.
+    assert r_off["max_itl_ms"] > 1500
+    assert r_on["max_itl_ms"] < r_off["max_itl_ms"] / 4
+    assert info["steps"] > 0
+
+
+def test_simulator_with_itl_target_keeps_steps_under_it() -> None:
+    recs, dur, _ = simulate(workload(), sim_config(4096), 2000, TRUE, itl_slo_s=SLO)
+    result = summarize(recs, dur)
+    assert result["completed"] == 33
+    assert result["max_itl_ms"] <= SLO * 1e3 * 1.02
+
+
+def test_simulator_population_limit() -> None:
+    reqs = [BenchRequest([100 + i] * 20, 10, 0.0, "short") for i in range(12)]
+    recs, _, _ = simulate(reqs, sim_config(256), 500, TRUE, max_concurrency=3)
+    starts = sorted(r.start for r in recs)
+    assert starts[:3] == [0.0, 0.0, 0.0] and starts[3] > 0.0
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_controller_rejects_bad_target(bad: float) -> None:
+    with pytest.raises(ValueError, match="itl_slo_ms"):
+        BudgetController(OnlineCostModel(TRUE.weights), bad, 512)
