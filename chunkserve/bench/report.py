@@ -76,7 +76,7 @@ def write_report(out_dir: Path, meta: dict[str, Any], runs: list[dict[str, Any]]
             f"{r['total_token_throughput']:.0f} | {r.get('request_goodput', 0):.3f} | "
             f"{r['failed']} |"
         )
-    lines += ["", *_targets(runs), ""]
+    lines += ["", *_targets(runs), *_fairness(runs, w), ""]
     for title, file in plots:
         lines += [f"## {title}", "", f"![{title}]({file})", ""]
     (out_dir / "report.md").write_text("\n".join(lines))
@@ -121,6 +121,25 @@ def _targets(runs: list[dict[str, Any]]) -> list[str]:
             f"{best_peer_tput:.1f} tok/s (target at least equal: "
             f"{mark(best['output_throughput'] >= best_peer_tput)}).",
         ]
+    return out
+
+
+def _fairness(runs: list[dict[str, Any]], workload: dict[str, Any]) -> list[str]:
+    """Fairness workload: short requests' TTFT of each config against the first."""
+    if workload.get("dataset") != "fairness" or len(runs) < 2:
+        return []
+    ref = runs[0]
+    out = ["", f"## Short requests behind long prompts (against {ref['label']})", ""]
+    ref_ttft = _kind(ref, "short", "median_ttft_ms") or 0.0
+    for r in runs[1:]:
+        ttft = _kind(r, "short", "median_ttft_ms") or 0.0
+        p99 = _kind(r, "short", "p99_ttft_ms") or 0.0
+        tput = r["total_token_throughput"] / max(ref["total_token_throughput"], 1e-9)
+        out.append(
+            f"- {r['label']}: median short TTFT {ttft:.0f} ms vs {ref_ttft:.0f} ms "
+            f"({ttft / max(ref_ttft, 1e-9):.1f}x), p99 {p99:.0f} ms vs "
+            f"{_kind(ref, 'short', 'p99_ttft_ms') or 0:.0f} ms; total throughput {tput:.2f}x."
+        )
     return out
 
 

@@ -56,6 +56,14 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--itl-slo-ms", default="", help="comma-separated ITL targets: adds --itl-slo-ms servers"
     )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="an extra chunkserve server, e.g. 'limits-off=--max-long-partial-prefills 0' "
+        "(repeatable)",
+    )
     p.add_argument("--max-duration", type=float, default=1800.0)
     p.add_argument("--goodput", nargs="*", default=["ttft:2000", "itl:200"], metavar="KEY:MS")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
@@ -104,6 +112,18 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
     for slo in [x for x in args.itl_slo_ms.split(",") if x.strip()]:
         configs.append(
             Config(f"slo-{slo}ms", f"--itl-slo-ms {slo}", None, [*base, "--itl-slo-ms", slo])
+        )
+    for spec in args.config:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"config: expected NAME=FLAGS, got {spec!r}")
+        configs.append(
+            Config(
+                name.strip(),
+                f"{name.strip()}: {flags.strip() or 'defaults'}",
+                None,
+                [*base, *flags.split()],
+            )
         )
     peers_dir = Path(args.peers_dir)
     for peer in [x for x in args.peers.split(",") if x.strip()]:

@@ -1,0 +1,144 @@
+"""Validate ``chunkserve simulate`` against real ``bench serve`` runs on this machine.
+
+For each budget: start ``chunkserve serve`` (1 torch thread, the load generator on the other
+core), run the seeded stall workload, then simulate the same workload with the same
+scheduler configuration and the cost-model profile of this machine; compare p50/p99 TTFT and
+ITL. Writes ``benchmarks/results/simulator_validation.{md,json}``.
+
+    chunkserve profile --num-threads 1 --output benchmarks/results/profile_cpu_t1.json
+    python benchmarks/simulator_validation.py --cost-profile benchmarks/results/profile_cpu_t1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--cost-profile", required=True)
+    p.add_argument("--budgets", default="64,256")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--request-rate", type=float, default=0.7)
+    p.add_argument("--long-interval", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--name", default="simulator_validation")
+    args = p.parse_args()
+
+    from chunkserve.bench.datasets import WorkloadSpec, build_workload
+    from chunkserve.bench.loadgen import run, summarize
+    from chunkserve.bench.sweep import ServerProcess, machine_description
+    from chunkserve.config import EngineConfig
+    from chunkserve.costmodel import CostModel
+    from chunkserve.model.loader import load_model_config, resolve_model
+    from chunkserve.simulate import simulate
+    from chunkserve.tokenizer import Tokenizer
+
+    model = CostModel.load(args.cost_profile)
+    source = resolve_model(None)
+    mc, reader = load_model_config(source)
+    tokenizer = Tokenizer.from_source(source, reader)
+    spec = WorkloadSpec(
+        dataset="stall",
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        long_interval=args.long_interval,
+        seed=args.seed,
+    )
+    requests = build_workload(spec, tokenizer)
+    per_block = mc.kv_bytes_per_token(2) * 16  # bf16, block 16: the server's defaults
+    num_blocks = (1 << 30) // per_block - 1
+    rows = []
+    logs = RESULTS / args.name
+    logs.mkdir(parents=True, exist_ok=True)
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "chunkserve",
+            "serve",
+            "--num-threads",
+            str(args.threads),
+            "--max-num-batched-tokens",
+            str(budget),
+            "--log-level",
+            "warning",
+        ]
+        print(f"== budget {budget}: real server", flush=True)
+        server = ServerProcess(cmd, logs / f"budget-{budget}.log")
+        try:
+            server.wait_healthy()
+            records, duration = run(server.base_url + "/v1", requests, progress=False)
+        finally:
+            server.stop()
+        real = summarize(records, duration)
+        config = EngineConfig(max_num_batched_tokens=budget).scheduler_config(
+            mc.max_position_embeddings
+        )
+        print(f"== budget {budget}: simulation", flush=True)
+        sim_records, sim_duration, info = simulate(
+            requests, config, num_blocks, model, seed=args.seed
+        )
+        sim = summarize(sim_records, sim_duration)
+        row = {
+            "budget": budget,
+            "real": {m: real[m] for m in METRICS},
+            "simulated": {m: sim[m] for m in METRICS},
+            "rel_error": {m: (sim[m] - real[m]) / real[m] for m in METRICS},
+            "real_failed": real["failed"],
+            "sim_steps": info["steps"],
+        }
+        print(json.dumps(row, indent=1), flush=True)
+        rows.append(row)
+    meta = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "threads": args.threads,
+        "profile": args.cost_profile,
+        "profile_meta": model.meta.get("fit"),
+        "workload": vars(spec),
+        "command": "python benchmarks/simulator_validation.py " + " ".join(sys.argv[1:]),
+    }
+    (RESULTS / f"{args.name}.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1, default=str)
+    )
+    lines = [
+        "# Simulator against the real server",
+        "",
+        f"{meta['date']}, {meta['machine']}; server with {args.threads} torch thread(s), load "
+        f"generator on the same machine. Workload: stall, {args.num_prompts} short requests "
+        f"at {args.request_rate} req/s, long documents every {args.long_interval} s, seed "
+        f"{args.seed}. Cost model: `{args.cost_profile}`.",
+        "",
+        f"Reproduce: `{meta['command']}`",
+        "",
+        "| budget | metric | real ms | simulated ms | error |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for m in METRICS:
+            lines.append(
+                f"| {row['budget']} | {m.removesuffix('_ms')} | {row['real'][m]:.0f} | "
+                f"{row['simulated'][m]:.0f} | {100 * row['rel_error'][m]:+.0f}% |"
+            )
+    worst = max(abs(e) for row in rows for e in row["rel_error"].values())
+    lines += [
+        "",
+        f"Largest error: {100 * worst:.0f}% (target: within 20% for p50/p99 TTFT and ITL).",
+    ]
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

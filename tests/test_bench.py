@@ -1,0 +1,261 @@
+"""Benchmark tooling: workloads, metrics, the sweep report, and the profile / tune /
+simulate / bench serve commands end to end (small sizes)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from chunkserve.bench.datasets import WorkloadSpec, arrival_times, build_workload
+from chunkserve.bench.loadgen import GoodputSLO, RequestRecord, percentile, summarize
+from chunkserve.bench.report import pick_best, write_report
+from chunkserve.cli import main
+from chunkserve.model.loader import embedded_model_path, open_gguf
+from chunkserve.tokenizer import Tokenizer
+from tests.test_server import Server
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    path = embedded_model_path()
+    return Tokenizer.from_gguf(path, open_gguf(path))
+
+
+def test_stall_workload_shape(tok: Tokenizer) -> None:
+    spec = WorkloadSpec(dataset="stall", num_prompts=40, request_rate=2.0, long_interval=5.0)
+    reqs = build_workload(spec, tok)
+    shorts = [r for r in reqs if r.kind == "short"]
+    longs = [r for r in reqs if r.kind == "long"]
+    assert len(shorts) == 40 and len(longs) >= 3
+    assert all(20 <= r.prompt_len <= 60 and 90 <= r.output_len <= 110 for r in shorts)
+    assert all(1500 <= r.prompt_len <= 4000 for r in longs)
+    assert [r.arrival for r in reqs] == sorted(r.arrival for r in reqs)
+    # Real prose, not repeated words.
+    text = tok.decode(longs[0].prompt)
+    words = text.split()
+    assert len(set(words)) > 0.3 * len(words)
+    assert build_workload(spec, tok)[5].prompt == reqs[5].prompt  # seeded
+
+
+def test_fairness_and_random_workloads(tok: Tokenizer) -> None:
+    reqs = build_workload(WorkloadSpec(dataset="fairness", num_prompts=10, request_rate=1.0), tok)
+    longs = [r for r in reqs if r.kind == "long"]
+    assert len(longs) == 8 and all(r.prompt_len >= 4000 and r.arrival == 0 for r in longs)
+    assert all(r.arrival > 0 for r in reqs if r.kind == "short")
+    rand = build_workload(
+        WorkloadSpec(dataset="random", num_prompts=5, input_len=100, output_len=7), tok
+    )
+    assert all(r.prompt_len == 100 and r.output_len == 7 for r in rand)
+
+
+def test_sharegpt_from_local_file(tok: Tokenizer, tmp_path: Path) -> None:
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Tell me about topic {i}, please."},
+                {"from": "gpt", "value": "Sure. " * (10 + i)},
+            ]
+        }
+        for i in range(5)
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    reqs = build_workload(
+        WorkloadSpec(dataset="sharegpt", num_prompts=8, dataset_path=str(path)), tok
+    )
+    assert len(reqs) == 8 and all(r.output_len >= 10 for r in reqs)
+    with pytest.raises(ValueError, match="dataset_path"):
+        build_workload(WorkloadSpec(dataset="sharegpt", dataset_path=str(tmp_path / "no")), tok)
+
+
+def test_arrival_processes() -> None:
+    rng = random.Random(0)
+    t = arrival_times(4000, 5.0, 1.0, rng)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert abs(statistics.fmean(gaps) - 0.2) < 0.01
+    bursty = arrival_times(4000, 5.0, 0.3, random.Random(0))
+    bgaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    assert abs(statistics.fmean(bgaps) - 0.2) < 0.02
+    assert statistics.pstdev(bgaps) > 1.5 * statistics.pstdev(gaps)  # gamma < 1: burstier
+    assert arrival_times(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
+
+
+def test_summary_metrics_and_goodput() -> None:
+    recs = []
+    for i in range(10):
+        r = RequestRecord(i, "short", 10, 0.0, start=0.0, ttft=0.1 * (i + 1))
+        r.chunk_times = [0.1 * (i + 1) + 0.05 * k for k in range(5)]
+        if i == 9:
+            r.chunk_times[-1] += 2.0  # one stall
+        r.end = r.chunk_times[-1]
+        r.output_tokens = 5
+        r.success = True
+        recs.append(r)
+    res = summarize(recs, 10.0, GoodputSLO.parse(["ttft:500", "itl:100"]))
+    assert res["completed"] == 10 and res["total_output_tokens"] == 50
+    assert res["median_ttft_ms"] == pytest.approx(550.0)
+    assert res["max_itl_ms"] == pytest.approx(2050.0)
+    assert res["request_goodput"] == pytest.approx(0.5)  # ttft <= 500 ms for 5, none stalled
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    with pytest.raises(ValueError, match="goodput"):
+        GoodputSLO.parse(["latency:5"])
+
+
+def _fake_run(name: str, budget, p99: float, tput: float, ttft: float) -> dict:
+    return {
+        "name": name,
+        "label": name,
+        "budget": budget,
+        "engine": "chunkserve",
+        "completed": 3,
+        "failed": 0,
+        "median_itl_ms": 50.0,
+        "p99_itl_ms": p99,
+        "max_itl_ms": 2 * p99,
+        "output_throughput": tput,
+        "total_token_throughput": 10 * tput,
+        "request_goodput": 0.1,
+        "median_ttft_ms": ttft,
+        "p99_ttft_ms": 2 * ttft,
+        "by_kind": {},
+        "kinds": ["short", "long", "short"],
+        "arrivals": [0.0, 1.0, 0.5],
+        "chunk_times": [[0.1, 0.2, 2.5, 2.6], [1.5, 1.6], [0.6, 0.7, 0.8]],
+        "itls": [[], [], []],
+    }
+
+
+def test_report_and_best_budget(tmp_path: Path) -> None:
+    runs = [
+        _fake_run("off", None, 2000.0, 80.0, 300.0),
+        _fake_run("budget-64", 64, 200.0, 70.0, 400.0),
+        _fake_run("budget-128", 128, 300.0, 79.0, 250.0),
+        _fake_run("budget-512", 512, 900.0, 80.0, 200.0),
+    ]
+    assert pick_best(runs)["name"] == "budget-128"  # meets all three targets
+    meta = {
+        "date": "today",
+        "machine": "test",
+        "command": "x",
+        "threads": 1,
+        "workload": {
+            "dataset": "stall",
+            "num_prompts": 2,
+            "request_rate": 1.0,
+            "long_input": [1500, 4000],
+            "long_interval": 5.0,
+            "seed": 0,
+        },
+        "num_requests": 3,
+        "goodput_slo": ["ttft:1000"],
+    }
+    write_report(tmp_path, meta, runs)
+    report = (tmp_path / "report.md").read_text()
+    assert "6.7x lower" in report and "budget-128" in report
+    for png in ("itl_timeline.png", "latency_vs_budget.png", "throughput_vs_budget.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
+    profile = tmp_path / "profile.json"
+    assert (
+        main(
+            [
+                "profile",
+                "--quick",
+                "--dtype",
+                "float32",
+                "--repeats",
+                "1",
+                "--max-model-len",
+                "1024",
+                "--output",
+                str(profile),
+            ]
+        )
+        == 0
+    )
+    doc = json.loads(profile.read_text())
+    assert len(doc["weights"]) == 6 and doc["fit"]["num_shapes"] >= 10
+    assert doc["dtype"] == "float32" and "heldout_mean_rel_error" in doc["fit"]
+    capsys.readouterr()
+    main(["tune", "--itl-slo-ms", "300", "--cost-profile", str(profile), "--num-decodes", "4"])
+    out = capsys.readouterr().out
+    assert "predicted ITL ms" in out and "recommended" in out or "no static budget" in out
+    result = tmp_path / "sim.json"
+    assert (
+        main(
+            [
+                "simulate",
+                "--cost-profile",
+                str(profile),
+                "--dataset",
+                "stall",
+                "--num-prompts",
+                "12",
+                "--request-rate",
+                "2",
+                "--max-num-batched-tokens",
+                "64",
+                "--result-json",
+                str(result),
+            ]
+        )
+        == 0
+    )
+    sim = json.loads(result.read_text())
+    assert sim["simulated"] and sim["completed"] == len(sim["input_lens"]) and sim["failed"] == 0
+    assert "short" in sim["by_kind"] and "long" in sim["by_kind"]
+
+
+def test_bench_serve_against_a_server(tmp_path: Path) -> None:
+    server = Server()
+    try:
+        out = tmp_path / "r.json"
+        assert (
+            main(
+                [
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    server.base + "/v1",
+                    "--dataset",
+                    "random",
+                    "--num-prompts",
+                    "4",
+                    "--input-len",
+                    "20",
+                    "--output-len",
+                    "6",
+                    "--result-json",
+                    str(out),
+                    "--no-progress",
+                    "--goodput",
+                    "ttft:60000",
+                ]
+            )
+            == 0
+        )
+        res = json.loads(out.read_text())
+        assert res["completed"] == 4 and res["total_output_tokens"] == 24
+        for key in (
+            "mean_ttft_ms",
+            "median_ttft_ms",
+            "p99_ttft_ms",
+            "mean_tpot_ms",
+            "p99_itl_ms",
+            "mean_e2el_ms",
+            "request_throughput",
+            "output_throughput",
+            "request_goodput",
+            "max_itl_ms",
+            "ttfts",
+            "itls",
+        ):
+            assert key in res
+    finally:
+        server.stop()
