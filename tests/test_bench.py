@@ -3,6 +3,7 @@ simulate / bench serve commands end to end (small sizes)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -75,10 +76,10 @@ def test_sharegpt_from_local_file(tok: Tokenizer, tmp_path: Path) -> None:
 def test_arrival_processes() -> None:
     rng = random.Random(0)
     t = arrival_times(4000, 5.0, 1.0, rng)
-    gaps = [b - a for a, b in zip(t, t[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(t)]
     assert abs(statistics.fmean(gaps) - 0.2) < 0.01
     bursty = arrival_times(4000, 5.0, 0.3, random.Random(0))
-    bgaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    bgaps = [b - a for a, b in itertools.pairwise(bursty)]
     assert abs(statistics.fmean(bgaps) - 0.2) < 0.02
     assert statistics.pstdev(bgaps) > 1.5 * statistics.pstdev(gaps)  # gamma < 1: burstier
     assert arrival_times(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
@@ -185,7 +186,7 @@ def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     main(["tune", "--itl-slo-ms", "300", "--cost-profile", str(profile), "--num-decodes", "4"])
     out = capsys.readouterr().out
-    assert "predicted ITL ms" in out and "recommended" in out or "no static budget" in out
+    assert ("predicted ITL ms" in out and "recommended" in out) or "no static budget" in out
     result = tmp_path / "sim.json"
     assert (
         main(
