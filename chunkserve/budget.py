@@ -11,12 +11,17 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from chunkserve.costmodel import StepShape
 from chunkserve.request import RequestStatus
 
 logger = logging.getLogger("chunkserve.budget")
+
+RATIO_WINDOW = 200
+MAX_PLANNED_CHUNKS = 4
+RATIO_QUANTILE = 0.98
 
 
 @dataclass
@@ -46,6 +51,18 @@ class BudgetController:
         self.log_every = log_every
         self.num_decode_only = 0
         self.last: BudgetDecision | None = None
+        # measured / predicted of recent steps: the plan aims below the target by their
+        # high quantile, so measured steps (with their noise) stay within it.
+        self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
+
+    def plan_target_s(self) -> float:
+        """The step time to plan for: the target shrunk by the model's recent
+        under-prediction at the ``RATIO_QUANTILE`` (10% margin until enough steps ran)."""
+        if len(self._ratios) < 20:
+            return self.itl_slo_s * 0.9
+        ratios = sorted(self._ratios)
+        q = ratios[int(RATIO_QUANTILE * (len(ratios) - 1))]
+        return self.itl_slo_s / max(q, 1.0)
 
     def decide(self, scheduler) -> BudgetDecision:
         """The budget for the scheduler's next step."""
@@ -60,8 +77,17 @@ class BudgetController:
                 decode_lens.append(r.num_tokens)
         if not any(r.is_prefilling for r in scheduler.running) and scheduler.waiting:
             prefill_start = max(prefill_start, scheduler.waiting[0].num_computed_tokens)
+        # Prefills that may share the step: those in progress and the waiting head.
+        num_chunks = min(
+            MAX_PLANNED_CHUNKS,
+            sum(1 for r in scheduler.running if r.is_prefilling) + bool(scheduler.waiting),
+        )
         room = self.model.max_prefill_tokens(
-            decode_lens, prefill_start, self.itl_slo_s, self.max_prefill_tokens
+            decode_lens,
+            prefill_start,
+            self.plan_target_s(),
+            self.max_prefill_tokens,
+            num_chunks,
         )
         if room == 0 and not decode_lens:
             room = self.min_prefill_tokens  # nothing else runs: always make progress
@@ -88,5 +114,10 @@ class BudgetController:
 
     def observe(self, out, measured_s: float) -> None:
         """Correct the model with the step that ran (``out`` is its SchedulerOutput)."""
-        if not out.is_empty:
-            self.model.observe(StepShape.of(out), measured_s)
+        if out.is_empty:
+            return
+        shape = StepShape.of(out)
+        predicted = self.model.predict(shape)
+        if predicted > 0:
+            self._ratios.append(measured_s / predicted)
+        self.model.observe(shape, measured_s)

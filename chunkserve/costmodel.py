@@ -88,14 +88,20 @@ class CostModel:
         return dot(self.weights, shape.features())
 
     def max_prefill_tokens(
-        self, decode_context_lens: Sequence[int], prefill_start: int, target_s: float, limit: int
+        self,
+        decode_context_lens: Sequence[int],
+        prefill_start: int,
+        target_s: float,
+        limit: int,
+        num_chunks: int = 1,
     ) -> int:
-        """Most prefill tokens ``p`` (one chunk starting at ``prefill_start``) that keep the
-        predicted step time within ``target_s`` beside these decodes; 0 if the decodes
-        alone take that long. Solves the model's quadratic in ``p``."""
+        """Most prefill tokens ``p`` (starting at ``prefill_start``, split over
+        ``num_chunks`` chunks) that keep the predicted step time within ``target_s`` beside
+        these decodes; 0 if the decodes alone take that long. Solves the model's quadratic
+        in ``p`` (conservatively: as if all tokens were one chunk at ``prefill_start``)."""
         w = self.weights
         base = dot(w, StepShape(tuple(decode_context_lens)).features())
-        room = target_s - base - w[5]  # a chunk's fixed cost
+        room = target_s - base - w[5] * max(1, num_chunks)  # the chunks' fixed costs
         if room <= 0:
             return 0
         # room >= w1 p + w4 (p * start + p^2 / 2) / 1e6
