@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import resource
 import subprocess
@@ -249,6 +248,8 @@ def render(results: list[dict], args: argparse.Namespace, meta: dict) -> str:
 
 
 def main() -> None:
+    from chunkserve.platform import cpu_description
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -288,7 +289,7 @@ def main() -> None:
         results.append(result)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()} CPU, {_cpu_name()}, {__import__('os').cpu_count()} cores",
+        "machine": cpu_description() + ", CPU only",
         "command": "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -298,16 +299,6 @@ def main() -> None:
     report = render(results, args, meta)
     (RESULTS / f"{args.name}.md").write_text(report)
     print(report)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

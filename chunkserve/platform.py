@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -56,3 +57,16 @@ def configure_cpu_runtime() -> None:
     Users' own settings win."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
+
+
+def cpu_description() -> str:
+    """``x86_64 AMD EPYC, 2 cores``: what benchmark results and profiles say they ran on."""
+    name = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {name}, {os.cpu_count()} cores"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -27,6 +26,7 @@ import torch
 from chunkserve.costmodel import CostModel, StepShape, fit, relative_errors
 from chunkserve.engine import Engine
 from chunkserve.kv_cache import cdiv
+from chunkserve.platform import cpu_description
 from chunkserve.request import Request, SamplingParams
 from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -62,15 +62,7 @@ def grid_shapes(grid: dict[str, tuple[int, ...]]) -> list[StepShape]:
 def hardware_description(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} ({os.cpu_count()} cores)"
+    return cpu_description()
 
 
 def default_profile_path(engine: Engine) -> Path:

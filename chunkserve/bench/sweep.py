@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -259,12 +258,6 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def machine_description() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, CPU only"
+    from chunkserve.platform import cpu_description
+
+    return f"{cpu_description()}, CPU only"

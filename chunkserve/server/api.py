@@ -535,7 +535,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         )
 
 
-async def _stream_completion(
+async def _sse_stream(
+    h: _Handler,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[tuple[str | None, list[int]]],
+    choices: list[_Choice],
+    envelope: dict[str, Any],
+    include_usage: bool,
+    render: Callable[[int, RequestOutput], dict[str, Any] | None],
+    prelude: list[dict[str, Any]] | None = None,
+) -> AsyncIterator[str]:
+    """SSE plumbing shared by both endpoints: the ``prelude`` choices, then one chunk per
+    output that ``render`` makes a choice of (None: nothing to send yet), the usage chunk
+    if asked, an error event if the engine failed the request, and ``[DONE]``."""
+    counts = dict.fromkeys(range(len(choices)), 0)
+    try:
+        for choice in prelude or []:
+            yield _sse({**envelope, "choices": [choice]})
+        async for index, out in _merge(h.streams(choices, envelope["id"], body.priority)):
+            counts[index] = len(out.token_ids)
+            choice = render(index, out)
+            if choice is not None:
+                yield _sse({**envelope, "choices": [choice]})
+        if include_usage:
+            usage = h.usage(prompts, list(counts.values()))
+            yield _sse({**envelope, "choices": [], "usage": usage})
+    except (RequestFailedError, EngineDeadError, ValueError) as exc:
+        yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
+    yield _sse("[DONE]")
+
+
+def _stream_completion(
     h: _Handler,
     body: CompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
@@ -546,56 +576,37 @@ async def _stream_completion(
 ) -> AsyncIterator[str]:
     echoed: set[int] = set()
     sent_chars = dict.fromkeys(range(len(choices)), 0)
-    counts = dict.fromkeys(range(len(choices)), 0)
-    model = h.state.model_name
-    try:
-        async for index, out in _merge(h.streams(choices, base_id, body.priority)):
-            counts[index] = len(out.token_ids)
-            text = out.delta_text
-            if body.echo and index not in echoed:
-                echoed.add(index)
-                text = (choices[index].prompt_text or "") + text
-            if not text and not out.finished:
-                continue
-            logprobs = None
-            if out.delta_logprobs is not None:
-                texts = [h.token_str(e.token_id) for e in out.delta_logprobs]
-                logprobs = h.completion_logprobs(out.delta_logprobs, sent_chars[index], texts)
-            sent_chars[index] += len(text)
-            yield _sse(
-                {
-                    "id": base_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": out.finish_reason if out.finished else None,
-                            "stop_reason": out.stop_reason if out.finished else None,
-                        }
-                    ],
-                }
-            )
-        if include_usage:
-            yield _sse(
-                {
-                    "id": base_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": h.usage(prompts, list(counts.values())),
-                }
-            )
-    except (RequestFailedError, EngineDeadError, ValueError) as exc:
-        yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
-    yield _sse("[DONE]")
+
+    def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
+        text = out.delta_text
+        if body.echo and index not in echoed:
+            echoed.add(index)
+            text = (choices[index].prompt_text or "") + text
+        if not text and not out.finished:
+            return None
+        logprobs = None
+        if out.delta_logprobs is not None:
+            texts = [h.token_str(e.token_id) for e in out.delta_logprobs]
+            logprobs = h.completion_logprobs(out.delta_logprobs, sent_chars[index], texts)
+        sent_chars[index] += len(text)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason if out.finished else None,
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
+
+    envelope = {
+        "id": base_id,
+        "object": "text_completion",
+        "created": created,
+        "model": h.state.model_name,
+    }
+    return _sse_stream(h, body, prompts, choices, envelope, include_usage, render)
 
 
-async def _stream_chat(
+def _stream_chat(
     h: _Handler,
     body: ChatCompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
@@ -604,52 +615,29 @@ async def _stream_chat(
     created: int,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    model = h.state.model_name
-    counts = dict.fromkeys(range(len(choices)), 0)
+    def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not out.delta_text and not out.finished:
+            return None
+        return {
+            "index": index,
+            "delta": {"content": out.delta_text} if out.delta_text else {},
+            "logprobs": h.chat_logprobs(out.delta_logprobs),
+            "finish_reason": out.finish_reason if out.finished else None,
+        }
 
-    def chunk(
-        index: int,
-        delta: dict[str, Any],
-        finish: str | None = None,
-        logprobs: dict[str, Any] | None = None,
-    ) -> str:
-        return _sse(
-            {
-                "id": base_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                ],
-            }
-        )
-
-    try:
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
-        async for index, out in _merge(h.streams(choices, base_id, body.priority)):
-            counts[index] = len(out.token_ids)
-            if not out.delta_text and not out.finished:
-                continue
-            delta = {"content": out.delta_text} if out.delta_text else {}
-            yield chunk(
-                index,
-                delta,
-                out.finish_reason if out.finished else None,
-                h.chat_logprobs(out.delta_logprobs),
-            )
-        if include_usage:
-            yield _sse(
-                {
-                    "id": base_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": h.usage(prompts, list(counts.values())),
-                }
-            )
-    except (RequestFailedError, EngineDeadError, ValueError) as exc:
-        yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
-    yield _sse("[DONE]")
+    envelope = {
+        "id": base_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": h.state.model_name,
+    }
+    prelude = [
+        {
+            "index": c.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for c in choices
+    ]
+    return _sse_stream(h, body, prompts, choices, envelope, include_usage, render, prelude)
