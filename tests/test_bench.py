@@ -161,6 +161,23 @@ def test_report_and_best_budget(tmp_path: Path) -> None:
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_sweep_resume_keeps_matching_runs(tmp_path: Path) -> None:
+    from chunkserve.bench.sweep import resumed_runs
+
+    workload = {"dataset": "stall", "long_input": (1500, 4000), "seed": 0}
+    old_meta = {"date": "monday", "workload": json.loads(json.dumps(workload))}
+    runs = [{"name": "off"}, {"name": "budget-64"}, {"name": "dropped"}]
+    path = tmp_path / "results.json"
+    assert resumed_runs(path, {"date": "tuesday", "workload": workload}, {"off"}) == []
+    path.write_text(json.dumps({"meta": old_meta, "runs": runs}))
+    meta = {"date": "tuesday", "workload": workload}
+    kept = resumed_runs(path, meta, {"off", "budget-64", "budget-128"})
+    assert [r["name"] for r in kept] == ["off", "budget-64"]
+    assert meta["date"] == "monday (resumed tuesday)"
+    with pytest.raises(ValueError, match="different workload"):
+        resumed_runs(path, {"date": "x", "workload": {**workload, "seed": 1}}, {"off"})
+
+
 def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
     profile = tmp_path / "profile.json"
     assert (

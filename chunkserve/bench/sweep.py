@@ -43,6 +43,12 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated max_num_batched_tokens values",
     )
     p.add_argument("--no-baseline", action="store_true", help="skip chunking off")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in the folder's results.json (same workload) and run "
+        "only the missing configs",
+    )
     p.add_argument("--peers", default="", help=f"comma-separated from {PEERS}")
     p.add_argument("--peers-dir", default="benchmarks/peers")
     p.add_argument(
@@ -220,7 +226,13 @@ def run_sweep(args: argparse.Namespace) -> int:
         "goodput_slo": args.goodput,
     }
     runs: list[dict[str, Any]] = []
+    if args.resume:
+        runs = resumed_runs(out_dir / "results.json", meta, {c.name for c in configs})
+    done = {r["name"] for r in runs}
     for cfg in configs:
+        if cfg.name in done:
+            print(f"== {cfg.name}: kept from results.json", flush=True)
+            continue
         print(f"== {cfg.name}: {cfg.label}", flush=True)
         server = ServerProcess(cfg.command, out_dir / f"{cfg.name}.log")
         try:
@@ -255,6 +267,19 @@ def run_sweep(args: argparse.Namespace) -> int:
     write_report(out_dir, meta, runs)
     print(f"wrote {out_dir}/report.md")
     return 0
+
+
+def resumed_runs(path: Path, meta: dict[str, Any], names: set[str]) -> list[dict[str, Any]]:
+    """The runs of an earlier, interrupted sweep into the same folder that this sweep would
+    repeat; refuses to mix in runs made against a different workload. Keeps the earlier
+    date in ``meta`` (the table's rows span both) and notes the resume."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old["meta"].get("workload") != json.loads(json.dumps(meta["workload"], default=str)):
+        raise ValueError(f"resume: {path} was made with a different workload")
+    meta["date"] = f"{old['meta']['date']} (resumed {meta['date']})"
+    return [r for r in old["runs"] if r["name"] in names]
 
 
 def machine_description() -> str:
