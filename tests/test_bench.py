@@ -161,6 +161,19 @@ def test_report_and_best_budget(tmp_path: Path) -> None:
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_fairness_report_marks_its_targets(tmp_path: Path) -> None:
+    off = _fake_run("limits-off", None, 900.0, 60.0, 0.0)
+    on = _fake_run("limits-on", None, 1400.0, 53.0, 0.0)
+    off["by_kind"] = {"short": {"median_ttft_ms": 30000.0, "p99_ttft_ms": 50000.0}}
+    on["by_kind"] = {"short": {"median_ttft_ms": 1000.0, "p99_ttft_ms": 2000.0}}
+    meta = {"date": "today", "machine": "test", "command": "x", "threads": 1}
+    meta |= {"workload": vars(WorkloadSpec(dataset="fairness")), "num_requests": 3}
+    write_report(tmp_path, {**meta, "goodput_slo": []}, [off, on])
+    report = (tmp_path / "report.md").read_text()
+    assert "30.0x better; target >= 3x: met" in report
+    assert "total throughput 0.883x (target >= 0.9x: NOT met)" in report
+
+
 def test_sweep_resume_keeps_matching_runs(tmp_path: Path) -> None:
     from chunkserve.bench.sweep import resumed_runs
 
