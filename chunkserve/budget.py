@@ -22,6 +22,9 @@ logger = logging.getLogger("chunkserve.budget")
 RATIO_WINDOW = 200
 MAX_PLANNED_CHUNKS = 4
 RATIO_QUANTILE = 0.98
+# An overshoot shrinks the plan at once for this many steps (the window quantile alone
+# would let a run of under-predicted steps, e.g. the deep end of a long prompt, repeat it).
+RECENT_STEPS = 4
 
 
 @dataclass
@@ -54,15 +57,18 @@ class BudgetController:
         # measured / predicted of recent steps: the plan aims below the target by their
         # high quantile, so measured steps (with their noise) stay within it.
         self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def plan_target_s(self) -> float:
-        """The step time to plan for: the target shrunk by the model's recent
-        under-prediction at the ``RATIO_QUANTILE`` (10% margin until enough steps ran)."""
+        """The step time to plan for: the target shrunk by the model's under-prediction,
+        the ``RATIO_QUANTILE`` of the window or the worst of the last few steps, whichever
+        is larger (10% margin until enough steps ran)."""
+        latest = max(self._recent, default=1.0)
         if len(self._ratios) < 20:
-            return self.itl_slo_s * 0.9
+            return self.itl_slo_s / max(latest, 1.0 / 0.9)
         ratios = sorted(self._ratios)
         q = ratios[int(RATIO_QUANTILE * (len(ratios) - 1))]
-        return self.itl_slo_s / max(q, 1.0)
+        return self.itl_slo_s / max(q, latest, 1.0)
 
     def decide(self, scheduler) -> BudgetDecision:
         """The budget for the scheduler's next step."""
@@ -112,12 +118,18 @@ class BudgetController:
         )
         return self.last
 
-    def observe(self, out, measured_s: float) -> None:
-        """Correct the model with the step that ran (``out`` is its SchedulerOutput)."""
+    def observe(self, out, measured_s: float, interval_s: float | None = None) -> None:
+        """Correct the model with the step that ran (``out`` is its SchedulerOutput).
+        ``interval_s``: the time since the previous step ended, when the decodes waited
+        that long: the gap they saw, the step plus the engine loop's work between steps
+        (new requests, handing out tokens). The margin is planned on that gap; the model
+        is fit on the step alone."""
         if out.is_empty:
             return
         shape = StepShape.of(out)
         predicted = self.model.predict(shape)
         if predicted > 0:
-            self._ratios.append(measured_s / predicted)
+            ratio = max(measured_s, interval_s or 0.0) / predicted
+            self._ratios.append(ratio)
+            self._recent.append(ratio)
         self.model.observe(shape, measured_s)

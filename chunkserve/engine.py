@@ -166,6 +166,7 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_config, self.kv)
         self.controller = self._make_controller() if config.itl_slo_ms else None
+        self._prev_step_end: float | None = None
         attn = get_attention_backend(
             config.attention_backend,
             self.device,
@@ -374,6 +375,7 @@ class Engine:
         out = self.scheduler.schedule(token_budget)
         t_sched = time.perf_counter()
         if out.is_empty:
+            self._prev_step_end = None  # idle: the next gap starts afresh
             return []
         try:
             result = self.runner.execute(out)
@@ -418,7 +420,11 @@ class Engine:
         )
         self.step_count += 1
         if self.controller is not None:
-            self.controller.observe(out, stats.wall_time)
+            # A step with decodes follows the previous one without idling in between (its
+            # requests were running): the time since that one ended is their token gap.
+            interval = t_end - self._prev_step_end if out.decodes and self._prev_step_end else None
+            self.controller.observe(out, stats.wall_time, interval)
+        self._prev_step_end = t_end
         self._log_step(stats)
         self._notify_finished(outputs)
         for listener in self.step_listeners:

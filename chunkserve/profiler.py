@@ -34,7 +34,9 @@ FULL_GRID = {
     "decodes": (0, 1, 4, 16, 32),
     "decode_context": (256, 1536),
     "prefill_tokens": (0, 16, 64, 128, 256, 512),
-    "prefill_start": (0, 1536),
+    # Up to the long documents chunked prefill exists for: attention over a deep prefix is
+    # the term a short-context grid would leave to extrapolation.
+    "prefill_start": (0, 1536, 3584),
 }
 QUICK_GRID = {
     "decodes": (0, 4, 16),
@@ -44,7 +46,10 @@ QUICK_GRID = {
 }
 
 
-def grid_shapes(grid: dict[str, tuple[int, ...]]) -> list[StepShape]:
+def grid_shapes(
+    grid: dict[str, tuple[int, ...]], max_model_len: int | None = None
+) -> list[StepShape]:
+    """The step shapes of ``grid`` (those that fit ``max_model_len``)."""
     shapes = []
     for d, ctx, p, start in itertools.product(
         grid["decodes"], grid["decode_context"], grid["prefill_tokens"], grid["prefill_start"]
@@ -54,6 +59,8 @@ def grid_shapes(grid: dict[str, tuple[int, ...]]) -> list[StepShape]:
         if p == 0 and start != grid["prefill_start"][0]:
             continue  # the start does not matter without a prefill chunk
         if d == 0 and ctx != grid["decode_context"][0]:
+            continue
+        if max_model_len is not None and max(ctx, start + p) > max_model_len:
             continue
         shapes.append(StepShape((ctx,) * d, ((start, p),) if p else ()))
     return shapes
@@ -168,7 +175,7 @@ def run_profile(
 ) -> dict[str, Any]:
     """Measure every shape of ``grid``; fit on most, check on the held-out rest; return the
     profile document (the saved model is fit on all shapes)."""
-    shapes = grid_shapes(grid)
+    shapes = grid_shapes(grid, engine.max_model_len)
     runner = _ShapeRunner(engine)
     times = []
     for i, shape in enumerate(shapes):
