@@ -57,6 +57,37 @@ def configure_cpu_runtime() -> None:
     Users' own settings win."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
+    _keep_large_allocations_mapped()
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def _keep_large_allocations_mapped() -> bool:
+    """Serve the attention's multi-MB temporaries from the heap instead of fresh mmaps.
+
+    A prefill chunk deep into a long prompt allocates score matrices of 10-40 MB per layer.
+    Above glibc's mmap threshold (dynamic, at most 32 MB) each one is a fresh mapping that
+    page-faults on first touch and is unmapped on free: measured at 1 thread, a 128-token
+    chunk at position 3,584 took 420-555 ms a step, and 260-270 ms with large blocks kept in
+    the heap (shallow chunks and decodes unchanged). Users' MALLOC_*_THRESHOLD_ settings
+    win; elsewhere than glibc this does nothing."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 128 << 20) == 1
+        ok = libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20) == 1 and ok
+    except (OSError, AttributeError):
+        return False
+    return ok
 
 
 def cpu_description() -> str:
