@@ -160,13 +160,7 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
 )
 def _simulate(args: argparse.Namespace) -> int:
     from chunkserve.bench.cli import workload_from_args
-    from chunkserve.bench.loadgen import (
-        GoodputSLO,
-        format_summary,
-        records_to_json,
-        summarize,
-        summarize_by_kind,
-    )
+    from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document
     from chunkserve.model.loader import load_model_config, resolve_model
     from chunkserve.simulate import simulate
 
@@ -192,10 +186,9 @@ def _simulate(args: argparse.Namespace) -> int:
         noise=args.noise,
         seed=args.seed,
     )
-    result = summarize(records, duration, slo)
+    result = result_document(records, duration, slo)
     print(format_summary(result, "Simulated serving benchmark"))
-    by_kind = summarize_by_kind(records, duration, slo)
-    for kind, r in by_kind.items():
+    for kind, r in result["by_kind"].items():
         print(format_summary(r, f"{kind} requests (simulated)"))
     print(
         f"{info['steps']} steps, {info['preemptions']} preemptions, busy "
@@ -210,8 +203,6 @@ def _simulate(args: argparse.Namespace) -> int:
                     "simulated": True,
                     "workload": vars(spec),
                     **result,
-                    "by_kind": by_kind,
-                    **records_to_json(records),
                 },
                 indent=1,
                 default=str,

@@ -123,14 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def bench_serve(args: argparse.Namespace) -> int:
-    from chunkserve.bench.loadgen import (
-        GoodputSLO,
-        format_summary,
-        records_to_json,
-        run,
-        summarize,
-        summarize_by_kind,
-    )
+    from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document, run
 
     slo = GoodputSLO.parse(args.goodput)
     requests, spec = workload_from_args(args)
@@ -144,10 +137,9 @@ def bench_serve(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         api_key=args.api_key,
     )
-    result = summarize(records, duration, slo)
+    result = result_document(records, duration, slo)
     print(format_summary(result))
-    by_kind = summarize_by_kind(records, duration, slo)
-    for kind, r in by_kind.items():
+    for kind, r in result["by_kind"].items():
         print(format_summary(r, f"{kind} requests"))
     errors = [r.error for r in records if r.error]
     if errors:
@@ -156,10 +148,8 @@ def bench_serve(args: argparse.Namespace) -> int:
         out = {
             "base_url": args.base_url,
             "endpoint": args.endpoint,
-            "workload": {k: v for k, v in vars(spec).items()},
+            "workload": vars(spec),
             **result,
-            "by_kind": by_kind,
-            **records_to_json(records),
         }
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_json).write_text(json.dumps(out, indent=1, default=str))

@@ -295,6 +295,18 @@ def records_to_json(records: Sequence[RequestRecord]) -> dict[str, list]:
     }
 
 
+def result_document(
+    records: Sequence[RequestRecord], duration: float, goodput: GoodputSLO | None = None
+) -> dict[str, Any]:
+    """What a benchmark run saves: the summary, the same per request kind, and the
+    per-request lists."""
+    return {
+        **summarize(records, duration, goodput),
+        "by_kind": summarize_by_kind(records, duration, goodput),
+        **records_to_json(records),
+    }
+
+
 def format_summary(result: dict[str, Any], title: str = "Serving benchmark") -> str:
     lines = [f"{'=' * 20} {title} {'=' * 20}"]
     keys = [

@@ -201,14 +201,7 @@ class ServerProcess:
 
 def run_sweep(args: argparse.Namespace) -> int:
     from chunkserve.bench.cli import workload_from_args
-    from chunkserve.bench.loadgen import (
-        GoodputSLO,
-        format_summary,
-        records_to_json,
-        run,
-        summarize,
-        summarize_by_kind,
-    )
+    from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document, run
     from chunkserve.bench.report import write_report
 
     slo = GoodputSLO.parse(args.goodput)
@@ -221,7 +214,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         "machine": machine_description(),
         "command": "chunkserve bench sweep " + " ".join(sys.argv[3:]),
         "threads": args.threads,
-        "workload": {k: v for k, v in vars(spec).items()},
+        "workload": dict(vars(spec)),
         "num_requests": len(requests),
         "goodput_slo": args.goodput,
     }
@@ -247,7 +240,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             )
         finally:
             server.stop()
-        result = summarize(records, duration, slo)
+        result = result_document(records, duration, slo)
         print(format_summary(result, cfg.name), flush=True)
         runs.append(
             {
@@ -257,8 +250,6 @@ def run_sweep(args: argparse.Namespace) -> int:
                 "engine": cfg.engine,
                 "command": cfg.command,
                 **result,
-                "by_kind": summarize_by_kind(records, duration, slo),
-                **records_to_json(records),
             }
         )
         (out_dir / "results.json").write_text(
