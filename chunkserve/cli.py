@@ -118,7 +118,14 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
     if sampler_seed:
         g.add_argument("--seed", type=int, default=0, help="sampler seed of unseeded requests")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs (CUDA only)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -153,6 +160,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=getattr(args, "seed", 0),
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)

@@ -13,6 +13,8 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 # Default KV-cache budget on CPU. The embedded model needs 23,040 bytes per token in bf16,
 # so 1 GiB holds ~46k tokens, and the whole process stays under 2 GiB.
@@ -145,6 +147,10 @@ class EngineConfig:
     dtype: str = "auto"
     """auto: bf16 on GPUs and on CPUs with native bf16, else fp32."""
     device: str = "auto"
+    load_format: str = "auto"
+    """auto: read the weights from the model; dummy: random weights of the model's shapes,
+    made on the device (benchmarks of shapes whose weights are not at hand; a directory with
+    only config.json and a tokenizer is then enough)."""
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's context length."""
     block_size: int = 16
@@ -180,6 +186,10 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads on CPU; default: torch's choice."""
     attention_backend: str = "auto"
+    """auto: triton on CUDA when Triton is installed, else torch (the reference)."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
+    padded batch sizes)."""
     itl_slo_ms: float | None = None
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
     model so the step stays under it (decodes are never dropped)."""
@@ -192,6 +202,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _require(
+            self.load_format in LOAD_FORMATS,
+            "load_format",
+            f"must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2"
         )

@@ -24,17 +24,20 @@ from chunkserve.config import (
     ModelConfig,
 )
 from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel
-from chunkserve.kv_cache import KVCacheManager
+from chunkserve.kv_cache import NULL_BLOCK, KVCacheManager
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import iter_weights, load_model_config, resolve_model
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from chunkserve.runner import ModelRunner, allocate_kv_caches
 from chunkserve.sampler import Sampler
-from chunkserve.scheduler import Scheduler, SchedulerOutput
+from chunkserve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from chunkserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("chunkserve")
+
+# Decode-only steps with more requests than this run eagerly (graph memory grows with size).
+MAX_GRAPH_BATCH_SIZE = 256
 
 
 @dataclass
@@ -123,7 +126,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
 
-        source = resolve_model(config.model)
+        dummy = config.load_format == "dummy"
+        source = resolve_model(config.model, weights=not dummy)
         self.model_name = source.name
         self.model_path = str(source.path)
         model_config, reader = load_model_config(source)
@@ -141,7 +145,10 @@ class Engine:
             self.device,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
         )
-        self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
+        if dummy:
+            self.model.init_dummy_weights(config.seed)
+        else:
+            self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
         del reader
         load_time = time.perf_counter() - t0
 
@@ -184,9 +191,28 @@ class Engine:
             self.device,
         )
         self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
+        # Padding token counts to a few sizes helps oneDNN's caches on a CPU; on a GPU
+        # eager steps run at their exact size and decode-only steps replay CUDA graphs.
+        on_cuda = self.device.type == "cuda"
         self.runner = ModelRunner(
-            self.model, attn, self.sampler, kv_caches, self.block_size, self.device
+            self.model,
+            attn,
+            self.sampler,
+            kv_caches,
+            self.block_size,
+            self.device,
+            pad_batches=not on_cuda,
         )
+        self.cuda_graphs = on_cuda and not config.enforce_eager and attn.supports_cuda_graphs
+        if on_cuda and not config.enforce_eager and not attn.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s attention backend cannot be captured", attn.name)
+        if self.cuda_graphs:
+            self.runner.enable_decode_graphs(
+                min(sched_config.max_num_seqs, MAX_GRAPH_BATCH_SIZE), max_model_len
+            )
+
+        if on_cuda:
+            self._warm_up()
 
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
@@ -198,7 +224,8 @@ class Engine:
         self._decode_log_time = 0.0
         self._decode_log_steps = 0
         logger.info(
-            "chunkserve engine: model=%s device=%s dtype=%s attention=%s weights loaded in "
+            "chunkserve engine: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
+            "weights loaded in "
             "%.1fs | KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB) | "
             "max_model_len=%d max_num_batched_tokens=%d max_num_seqs=%d chunked_prefill=%s "
             "policy=%s",
@@ -206,6 +233,7 @@ class Engine:
             self.device,
             str(self.dtype).removeprefix("torch."),
             attn.name,
+            self.cuda_graphs,
             load_time,
             num_blocks,
             self.block_size,
@@ -217,6 +245,30 @@ class Engine:
             sched_config.enable_chunked_prefill,
             sched_config.policy,
         )
+
+    def _warm_up(self) -> None:
+        """Run a prefill step and a mixed step (a two-block chunk beside a decode) over the
+        null block, so GPU kernels compile and libraries initialise before the first request
+        pays for it. Allocates no block; the null block is zeroed again after."""
+        bs = self.block_size
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        prompt = Request("warm-up-0", [0] * (2 * bs), params, max_tokens=1)
+        decode = Request("warm-up-1", [0] * (bs + 1), params, max_tokens=1)
+        for r in (prompt, decode):
+            r.block_ids = [NULL_BLOCK, NULL_BLOCK]
+        t0 = time.perf_counter()
+        self.runner.execute(SchedulerOutput(prefills=[ScheduledChunk(prompt, 0, 2 * bs)]))
+        self.runner.execute(
+            SchedulerOutput(
+                prefills=[ScheduledChunk(prompt, 0, 2 * bs)],
+                decodes=[ScheduledChunk(decode, bs, 1)],
+            )
+        )
+        for k_cache, v_cache in self.runner.kv_caches:
+            k_cache[NULL_BLOCK].zero_()
+            v_cache[NULL_BLOCK].zero_()
+        torch.cuda.synchronize(self.device)
+        logger.info("warm-up steps: %.1fs", time.perf_counter() - t0)
 
     def _make_controller(self) -> BudgetController:
         """The online budget controller of ``itl_slo_ms``, primed from a profile if one

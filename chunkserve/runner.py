@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from chunkserve.attention import AttentionBackend, BatchLayout
+from chunkserve.cuda_graphs import DecodeGraphs
 from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
 from chunkserve.request import Request
@@ -77,6 +78,32 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.pad_batches = pad_batches
+        # Pinned staging buffers for the per-step metadata (CUDA), used in turn so a buffer
+        # is never refilled while its previous copy may still be in flight.
+        self._pinned: list[torch.Tensor] = []
+        self._pinned_next = 0
+        self.graphs: DecodeGraphs | None = None
+
+    def transfer(self, host: np.ndarray) -> torch.Tensor:
+        """One int64 host array to the device: on CUDA through pinned memory, one
+        non-blocking copy; on the CPU, no copy at all."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        if len(self._pinned) < 2 or self._pinned[self._pinned_next].numel() < host.size:
+            size = max(1 << 16, 2 * host.size)
+            while len(self._pinned) < 2:
+                self._pinned.append(torch.empty(0, dtype=torch.int64))
+            self._pinned[self._pinned_next] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        buf = self._pinned[self._pinned_next][: host.size]
+        self._pinned_next ^= 1
+        buf.numpy()[:] = host
+        return buf.to(self.device, non_blocking=True)
+
+    def enable_decode_graphs(self, max_batch_size: int, max_model_len: int) -> DecodeGraphs:
+        """Capture CUDA graphs of the forward pass for decode-only steps (see cuda_graphs)."""
+        self.graphs = DecodeGraphs(self, max_batch_size, max_model_len)
+        self.graphs.capture()
+        return self.graphs
 
     def build_layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[Request]]:
         """Flatten the step's chunks (prefills, then decodes) into one batch; also return
@@ -121,24 +148,34 @@ class ModelRunner:
                 sampled_requests.append(r)
 
         max_blocks = max((len(t) for t in tables), default=0)
-        block_tables = np.zeros((len(tables), max(max_blocks, 1)), dtype=np.int32)
+        width = max(max_blocks, 1)
+        block_tables = np.zeros((len(tables), width), dtype=np.int64)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
 
-        dev = self.device
-
-        def to_dev(a: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)
+        # Every per-step array in one int64 buffer: one host-to-device copy per step.
+        parts = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "fresh_block_ids": fresh_blocks,
+            "cu_seqlens_q": query_start,
+            "seq_lens_k": seq_lens,
+            "block_tables": block_tables.ravel(),
+            "logits_indices": logits_rows,
+        }
+        # Sections start at even offsets (16-byte aligned), as GPU kernels load best.
+        sizes = [len(a) for a in parts.values()]
+        starts = np.cumsum([0] + [n + n % 2 for n in sizes])
+        host = np.zeros(int(starts[-1]), dtype=np.int64)
+        for a, start, n in zip(parts.values(), starts, sizes):
+            host[start : start + n] = a
+        dev = self.transfer(host)
+        views = {name: dev[start : start + n] for name, start, n in zip(parts, starts, sizes)}
+        views["block_tables"] = views["block_tables"].view(len(tables), width)
 
         layout = BatchLayout(
-            input_ids=to_dev(input_ids, torch.int64),
-            positions=to_dev(positions, torch.int64),
-            slot_mapping=to_dev(slots, torch.int64),
-            fresh_block_ids=to_dev(fresh_blocks, torch.int64),
-            cu_seqlens_q=to_dev(query_start, torch.int32),
-            seq_lens_k=to_dev(seq_lens, torch.int32),
-            block_tables=to_dev(block_tables, torch.int32),
-            logits_indices=to_dev(logits_rows, torch.int64),
+            **views,
             num_prefill_seqs=len(out.prefills),
             num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens,
@@ -153,13 +190,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        layout, sampled_requests = self.build_layout(out)
-        meta = self.attn.prepare(layout)
-        layout_time = time.perf_counter() - t0
-        hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
+        if self.graphs is not None and self.graphs.fits(out):
+            # Decode-only: every row is sampled, in order.
+            hidden, sampled_requests = self.graphs.run(out)
+            layout_time = self.graphs.last_layout_time
+        else:
+            layout, sampled_requests = self.build_layout(out)
+            meta = self.attn.prepare(layout)
+            layout_time = time.perf_counter() - t0
+            hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
+            hidden = hidden[layout.logits_indices]
         if not sampled_requests:
             return RunnerOutput({}, {}, layout_time)
-        logits = self.model.compute_logits(hidden[layout.logits_indices])  # [S, V] fp32
+        logits = self.model.compute_logits(hidden)  # [S, V] fp32
         result: SampleResult = self.sampler(logits, sampled_requests)
         sampled = {r.request_id: t for r, t in zip(sampled_requests, result.token_ids)}
         logprobs = {}

@@ -13,6 +13,33 @@ import torch
 
 from chunkserve.model.loader import embedded_model_path
 
+# Without CUDA, the Triton attention kernels run under Triton's interpreter (numpy on the
+# CPU): set before any kernel module is imported, since @triton.jit reads it then.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_triton_interpreter_scalars() -> None:
+    """Triton's interpreter (3.6) holds scalars as 1-element arrays and converts them for
+    ``range()`` with ``int(array)``, which numpy 2.4 rejects: kernels whose loop bound is
+    loaded from memory fail under it (compiled kernels are unaffected)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # another Triton version: nothing to fix, or fixed upstream
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_fix_triton_interpreter_scalars()
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("CHUNKSERVE_TEST_CACHE", REPO / ".cache" / "tests"))
 

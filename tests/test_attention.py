@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from chunkserve.attention import get_attention_backend
+from chunkserve.attention import get_attention_backend, triton_usable
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.request import Request, SamplingParams
 from chunkserve.runner import ModelRunner, allocate_kv_caches
@@ -47,18 +47,34 @@ def random_batch(rng: random.Random, block_size: int):
     return prefills, decodes
 
 
+# The GPU backend runs on CUDA when present, else under Triton's interpreter (conftest sets
+# TRITON_INTERPRET=1 on machines without CUDA); skipped where Triton is not installed.
+GPU_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(
+    not triton_usable(GPU_DEVICE), reason="triton not installed (or no CUDA and no interpreter)"
+)
+BACKEND_DEVICES = [
+    pytest.param("torch", torch.device("cpu"), id="torch-cpu"),
+    pytest.param("triton", GPU_DEVICE, id=f"triton-{GPU_DEVICE.type}", marks=needs_triton),
+]
+if torch.cuda.is_available():
+    BACKEND_DEVICES.append(pytest.param("torch", GPU_DEVICE, id="torch-cuda"))
+
+
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_matches_dense(block_size: int, dtype: torch.dtype) -> None:
+def test_backend_matches_dense(
+    backend: str, device: torch.device, block_size: int, dtype: torch.dtype
+) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    device = torch.device("cpu")
     for _ in range(4):
-        _check_random_batch(rng, block_size, dtype, device, seed)
+        _check_random_batch(rng, block_size, dtype, device, seed, backend)
 
 
-def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
+def _check_random_batch(rng, block_size, dtype, device, seed, backend="torch") -> None:
     prefills, decodes = random_batch(rng, block_size)
     num_blocks = 800 // block_size + 40  # room for the largest random batch
     kv = KVCacheManager(num_blocks, block_size)
@@ -69,7 +85,7 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
     for b in order:
         kv.pool._free[b] = None
     ((k_cache, v_cache),) = allocate_kv_caches(1, num_blocks, block_size, HKV, HD, dtype, device)
-    attn = get_attention_backend("torch", device, H, HKV, HD)
+    attn = get_attention_backend(backend, device, H, HKV, HD)
     # Poison the pool: any read of a slot that was neither written nor zeroed turns into NaN.
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
@@ -84,8 +100,8 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
         r = Request(f"r{i}", list(range(1, total + 1)), SamplingParams(), max_tokens=1)
         r.num_computed_tokens = cached
         assert kv.allocate_slots(r, new)
-        full_k[r.request_id] = torch.randn(total, HKV, HD).to(dtype)
-        full_v[r.request_id] = torch.randn(total, HKV, HD).to(dtype)
+        full_k[r.request_id] = torch.randn(total, HKV, HD).to(dtype).to(device)
+        full_v[r.request_id] = torch.randn(total, HKV, HD).to(dtype).to(device)
         # Write the cached prefix straight into the pool through the block table, zeroing
         # each block first as the engine does on a block's first write.
         for b in r.block_ids[: -(-cached // block_size)]:
@@ -101,9 +117,9 @@ def _check_random_batch(rng, block_size, dtype, device, seed) -> None:
 
     layout, _ = runner.build_layout(out)
     t = layout.input_ids.numel()  # padded
-    q = torch.randn(t, H, HD).to(dtype)
-    k_new = torch.empty(t, HKV, HD, dtype=dtype)
-    v_new = torch.empty(t, HKV, HD, dtype=dtype)
+    q = torch.randn(t, H, HD).to(dtype).to(device)
+    k_new = torch.randn(t, HKV, HD).to(dtype).to(device)  # padding rows: any values
+    v_new = torch.randn(t, HKV, HD).to(dtype).to(device)
     row = 0
     for c in out.chunks:
         rid = c.request.request_id

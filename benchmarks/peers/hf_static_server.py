@@ -63,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fill before starting it (0 = start with whatever is waiting)",
     )
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    ap.add_argument(
+        "--hf-config",
+        default=None,
+        help="HF directory with config.json and tokenizer.json: random weights of those "
+        "shapes made on --device (GPU benchmarks of shapes whose weights are not at hand; "
+        "--model is then ignored)",
+    )
     ap.add_argument(
         "--served-model-name",
         default=None,
@@ -70,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--log-batches", action="store_true", help="print one line per batch")
     args = ap.parse_args(argv)
-    if args.model is None:
+    if args.hf_config is not None:
+        args.model = args.hf_config
+    elif args.model is None:
         args.model = default_model_path()
     if args.served_model_name is None:
         args.served_model_name = Path(args.model).stem
@@ -245,14 +255,16 @@ class StaticBatcher(threading.Thread):
         n = len(batch)
         lens = [len(r.prompt_ids) for r in batch]
         width = max(lens)
+        dev = self.model.device
         input_ids = torch.full((n, width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
         for i, r in enumerate(batch):
             input_ids[i, width - lens[i] :] = torch.tensor(r.prompt_ids, dtype=torch.long)
             mask[i, width - lens[i] :] = 1
         # positions count real tokens only, so a left-padded row sees 0, 1, 2, ... like unpadded
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        temps = torch.tensor([r.temperature for r in batch], dtype=torch.float32)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0).to(dev)
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        temps = torch.tensor([r.temperature for r in batch], dtype=torch.float32, device=dev)
         streams = [TextStream(self.tok) for _ in batch]
         live = [True] * n
         steps = 0
@@ -309,7 +321,8 @@ class StaticBatcher(threading.Thread):
                 feed = torch.tensor(
                     [token_list[i] if live[i] else PAD_ID for i in range(n)], dtype=torch.long
                 ).unsqueeze(-1)
-                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=-1)
+                feed = feed.to(dev)
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=dev)], dim=-1)
                 out = self.model(
                     input_ids=feed,
                     attention_mask=mask,
@@ -531,22 +544,33 @@ def build_app(args: argparse.Namespace, model, tokenizer, batcher: StaticBatcher
     return app
 
 
-def load_model(path: str, dtype_name: str):
+def load_model(path: str, dtype_name: str, device: str = "cpu", random_weights: bool = False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if random_weights:
+        from transformers import AutoConfig, PreTrainedTokenizerFast
+
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(path) / "tokenizer.json"))
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name))
+        model.eval()
+        return model, tokenizer
 
     folder, name = str(Path(path).parent), Path(path).name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=getattr(torch, dtype_name)
     )
+    model.to(device)
     model.eval()
     return model, tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not os.path.isfile(args.model):
+    if args.hf_config is None and not os.path.isfile(args.model):
         print(f"model not found: {args.model}", file=sys.stderr)
         return 2
     # Thread counts must be fixed before torch starts its pools.
@@ -572,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.dtype)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, args.hf_config is not None)
     print(f"[hf_static_server] model loaded in {time.perf_counter() - t0:.1f}s", flush=True)
 
     import uvicorn

@@ -32,13 +32,14 @@ class BatchLayout:
 
     # T = real rows, then padding rows up to a bucket size (token 0, position 0); padding
     # rows write no KV, attention leaves them zero and nothing reads them back.
+    # All index tensors are int64 views of one buffer copied to the device once per step.
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each row in its request
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot each row writes
     fresh_block_ids: torch.Tensor  # [F] int64, blocks whose first slot this step writes
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32, row offsets of each sequence
-    seq_lens_k: torch.Tensor  # [B] int32, keys each sequence sees after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    cu_seqlens_q: torch.Tensor  # [B + 1] int64, row offsets of each sequence
+    seq_lens_k: torch.Tensor  # [B] int64, keys each sequence sees after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [S] int64, rows whose logits are sampled
     num_prefill_seqs: int  # P: the first P sequences are prefill chunks
     num_prefill_tokens: int
@@ -73,6 +74,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # True when forward launches only fixed-shape work for a decode-only layout (no host
+    # values that change between steps), so the step can be captured as a CUDA graph.
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads

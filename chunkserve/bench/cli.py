@@ -63,7 +63,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list, Any]:
     from chunkserve.model.loader import load_model_config, resolve_model
     from chunkserve.tokenizer import Tokenizer
 
-    source = resolve_model(args.tokenizer_model)
+    source = resolve_model(args.tokenizer_model, weights=False)
     _, reader = load_model_config(source)
     tokenizer = Tokenizer.from_source(source, reader)
     spec = WorkloadSpec(

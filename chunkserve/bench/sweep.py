@@ -52,6 +52,11 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="", help=f"comma-separated from {PEERS}")
     p.add_argument("--peers-dir", default="benchmarks/peers")
     p.add_argument(
+        "--hf-peer-args",
+        default="",
+        help="extra flags for the HF static peer, e.g. '--device cuda --hf-config DIR'",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -150,7 +155,15 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
                     peer,
                     "HF transformers, static batches of 8",
                     None,
-                    [py, str(script), "--threads", str(args.threads), "--batch-size", "8"],
+                    [
+                        py,
+                        str(script),
+                        "--threads",
+                        str(args.threads),
+                        "--batch-size",
+                        "8",
+                        *args.hf_peer_args.split(),
+                    ],
                     engine="transformers",
                 )
             )

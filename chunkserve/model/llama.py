@@ -202,6 +202,20 @@ class LlamaModel(nn.Module):
         return targets
 
     @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, drawn on the model's device (``load_format
+        dummy``): norms 1, biases 0, the rest N(0, 0.02) as HF initialises Llama."""
+        gen = torch.Generator(device=self.embed.device)
+        gen.manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into the
         fused parameters as they stream in, so peak memory is the model plus one tensor."""

@@ -68,8 +68,9 @@ def embedded_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None) -> ModelSource:
-    """Find the model: None (embedded), a ``.gguf`` file, or an HF directory."""
+def resolve_model(model: str | os.PathLike | None, weights: bool = True) -> ModelSource:
+    """Find the model: None (embedded), a ``.gguf`` file, or an HF directory. ``weights``
+    False (random weights) accepts a directory with a config.json and no weight files."""
     if model is None:
         return ModelSource("gguf", embedded_model_path(), EMBEDDED_NAME)
     path = Path(model).expanduser()
@@ -81,7 +82,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         )
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        if (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors"))):
             return ModelSource("hf", path, path.name)
         if len(ggufs) == 1:
             return ModelSource("gguf", ggufs[0], ggufs[0].stem)
