@@ -126,6 +126,12 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         help="dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
     )
     g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs (CUDA only)")
+    g.add_argument(
+        "--no-fused-ops",
+        dest="fused_ops",
+        action="store_false",
+        help="plain torch ops instead of the fused Triton norm/rotary/SiLU kernels (CUDA only)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -162,6 +168,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
+        fused_ops=args.fused_ops,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)

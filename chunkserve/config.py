@@ -187,6 +187,9 @@ class EngineConfig:
     """torch intra-op threads on CPU; default: torch's choice."""
     attention_backend: str = "auto"
     """auto: triton on CUDA when Triton is installed, else torch (the reference)."""
+    fused_ops: bool = True
+    """On CUDA with Triton: fused RMSNorm(+residual), rotary and SiLU-mul kernels (False:
+    plain torch ops)."""
     enforce_eager: bool = False
     """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
     padded batch sizes)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from chunkserve.attention import get_attention_backend
+from chunkserve.attention import get_attention_backend, triton_usable
 from chunkserve.budget import BudgetController
 from chunkserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
@@ -174,6 +174,7 @@ class Engine:
         self.scheduler = Scheduler(sched_config, self.kv)
         self.controller = self._make_controller() if config.itl_slo_ms else None
         self._prev_step_end: float | None = None
+        on_cuda = self.device.type == "cuda"
         attn = get_attention_backend(
             config.attention_backend,
             self.device,
@@ -191,9 +192,9 @@ class Engine:
             self.device,
         )
         self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
+        self.model.fused_ops = config.fused_ops and on_cuda and triton_usable(self.device)
         # Padding token counts to a few sizes helps oneDNN's caches on a CPU; on a GPU
         # eager steps run at their exact size and decode-only steps replay CUDA graphs.
-        on_cuda = self.device.type == "cuda"
         self.runner = ModelRunner(
             self.model,
             attn,
@@ -225,6 +226,7 @@ class Engine:
         self._decode_log_steps = 0
         logger.info(
             "chunkserve engine: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
+            "fused_ops=%s "
             "weights loaded in "
             "%.1fs | KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB) | "
             "max_model_len=%d max_num_batched_tokens=%d max_num_seqs=%d chunked_prefill=%s "
@@ -234,6 +236,7 @@ class Engine:
             str(self.dtype).removeprefix("torch."),
             attn.name,
             self.cuda_graphs,
+            self.model.fused_ops,
             load_time,
             num_blocks,
             self.block_size,

@@ -131,6 +131,36 @@ class DecoderLayer(nn.Module):
         gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, self.down_proj)
 
+    def forward_fused(
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        layout: BatchLayout,
+        attn_meta: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with fused kernels (see ``fused_ops``): the hidden state is carried as
+        ``residual + delta`` so each residual add is fused into the next norm. The first
+        layer gets the embeddings as ``delta`` and no residual."""
+        from chunkserve.model import fused_ops as ops
+
+        t = delta.shape[0]
+        x, residual = ops.add_rms_norm(delta, residual, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = ops.rotary_qkv(
+            qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads, self.head_dim
+        )
+        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
+        x, residual = ops.add_rms_norm(
+            F.linear(o.view(t, self.q_size), self.o_proj), residual, self.post_norm, self.eps
+        )
+        delta = F.linear(ops.silu_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return delta, residual
+
 
 class LlamaModel(nn.Module):
     """``forward`` maps a BatchLayout to hidden states [T, hidden]; ``compute_logits`` maps the
@@ -161,6 +191,8 @@ class LlamaModel(nn.Module):
             )
         )
         self.rotary = RotaryEmbedding(config, max_positions, device)
+        # Fused elementwise kernels (Triton; see fused_ops). The engine turns them on on CUDA.
+        self.fused_ops = False
 
     def forward(
         self,
@@ -170,6 +202,21 @@ class LlamaModel(nn.Module):
         attn_meta: object,
     ) -> torch.Tensor:
         hidden = F.embedding(layout.input_ids, self.embed)  # [T, hidden]
+        if self.fused_ops:
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer.forward_fused(
+                    hidden,
+                    residual,
+                    layout.positions,
+                    self.rotary,
+                    k_cache,
+                    v_cache,
+                    attn,
+                    layout,
+                    attn_meta,
+                )
+            return hidden if residual is None else residual + hidden
         cos, sin = self.rotary(layout.positions, self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
