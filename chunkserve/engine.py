@@ -93,6 +93,10 @@ class StepStats:
     num_generated_tokens: int = 0  # tokens sampled this step (decodes + finished prompts)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0  # of which found cached
+    # Seconds from the previous step's end to this step's start when no idling came between
+    # (requests were running): the serving loop's own work per step (streaming outputs,
+    # admitting requests). None after an idle engine.
+    loop_gap: float | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -472,6 +476,7 @@ class Engine:
             num_generated_tokens=len(result.sampled),
             prefix_cache_queries=self.kv.num_queried_tokens - queried,
             prefix_cache_hits=self.kv.num_hit_tokens - hits,
+            loop_gap=None if self._prev_step_end is None else t_start - self._prev_step_end,
         )
         self.step_count += 1
         if self.controller is not None:

@@ -146,6 +146,12 @@ class Metrics:
             labels,
             registry=reg,
         )
+        self.step_gap = hist(
+            "step_gap_seconds",
+            "Time from one engine step's end to the next one's start while requests run "
+            "(the serving loop's own work per step).",
+            _LATENCY_BUCKETS,
+        )
         self.steps = Counter(
             "chunkserve:steps", "Engine steps by kind.", [*labels, "kind"], registry=reg
         )
@@ -162,6 +168,8 @@ class Metrics:
         lab = self._labels
         self.step_tokens.labels(**lab).observe(s.num_batched_tokens)
         self.step_time.labels(**lab).observe(s.wall_time)
+        if s.loop_gap is not None:
+            self.step_gap.labels(**lab).observe(s.loop_gap)
         self.prompt_tokens.labels(**lab).inc(s.num_prefill_tokens)
         self.generation_tokens.labels(**lab).inc(s.num_generated_tokens)
         if s.prefix_cache_queries:

@@ -2,10 +2,10 @@
 model instead of a model, over the load generator's workloads and arrival processes.
 
 A discrete-event loop: requests join at their arrival times, each step's duration is the
-cost model's prediction for the step the scheduler built, and tokens are "sampled" at the
-end of the step. Per-request token times feed the same metrics as ``bench serve``, so a user
-can ask what happens at request rates or on hardware they don't have (a profile measured
-elsewhere, e.g. on a GPU).
+cost model's prediction for the step the scheduler built (plus a fixed per-step serving
+overhead, if given), and tokens are "sampled" at the end of the step. Per-request token
+times feed the same metrics as ``bench serve``, so a user can ask what happens at request
+rates or on hardware they don't have (a profile measured elsewhere, e.g. on a GPU).
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ def simulate(
     itl_slo_s: float | None = None,
     max_concurrency: int | None = None,
     noise: float = 0.0,
+    step_overhead_s: float = 0.0,
     seed: int = 0,
     max_steps: int = 10_000_000,
 ) -> tuple[list[RequestRecord], float, dict[str, float]]:
     """Returns the per-request records (as the load generator makes them), the simulated
-    duration, and step statistics."""
+    duration, and step statistics. ``step_overhead_s`` is added to every step: the serving
+    loop's own work between steps (a server reports it as ``chunkserve:step_gap_seconds``);
+    0 models the engine alone."""
     clock = [0.0]
     kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching)
     sched = Scheduler(config, kv, clock=lambda: clock[0])
@@ -98,6 +101,7 @@ def simulate(
         duration = model.predict(StepShape.of(out))
         if noise:
             duration *= max(0.1, rng.gauss(1.0, noise))
+        duration += step_overhead_s
         clock[0] += duration
         busy += duration
         steps += 1

@@ -148,6 +148,13 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="relative standard deviation of simulated step times",
     )
+    p.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="serving-loop time added to every step (a server's mean "
+        "chunkserve:step_gap_seconds; 0: the engine alone)",
+    )
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS")
     p.add_argument("--result-json", default=None)
     add_workload_args(p)
@@ -184,6 +191,7 @@ def _simulate(args: argparse.Namespace) -> int:
         itl_slo_s=config.itl_slo_ms / 1e3 if config.itl_slo_ms else None,
         max_concurrency=args.max_concurrency,
         noise=args.noise,
+        step_overhead_s=args.step_overhead_ms / 1e3,
         seed=args.seed,
     )
     result = result_document(records, duration, slo)

@@ -248,3 +248,15 @@ def test_simulator_population_limit() -> None:
 def test_controller_rejects_bad_target(bad: float) -> None:
     with pytest.raises(ValueError, match="itl_slo_ms"):
         BudgetController(OnlineCostModel(TRUE.weights), bad, 512)
+
+
+def test_simulator_step_overhead_is_added_to_every_step() -> None:
+    """A fixed serving-loop overhead lengthens every gap by exactly that much."""
+    reqs = [BenchRequest([100 + i] * 20, 10, 0.0, "short") for i in range(4)]
+    base, _, info = simulate(reqs, sim_config(256), 500, TRUE)
+    slow, _, info_slow = simulate(reqs, sim_config(256), 500, TRUE, step_overhead_s=0.02)
+    assert info["steps"] == info_slow["steps"]
+    for a, b in zip(base, slow):
+        gaps_a = [y - x for x, y in zip(a.chunk_times, a.chunk_times[1:])]
+        gaps_b = [y - x for x, y in zip(b.chunk_times, b.chunk_times[1:])]
+        assert gaps_b == pytest.approx([g + 0.02 for g in gaps_a])

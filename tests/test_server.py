@@ -255,6 +255,10 @@ def test_metrics_parse_and_move(server: Server) -> None:
         before["chunkserve:generation_tokens_total"] + 6
     )
     assert after["chunkserve:prompt_tokens_total"] > before["chunkserve:prompt_tokens_total"]
+    # 6 tokens: the steps after the first follow one another, each gap observed.
+    assert after["chunkserve:step_gap_seconds_count"] >= (
+        before.get("chunkserve:step_gap_seconds_count", 0) + 4
+    )
     assert after["chunkserve:request_success_total{length}"] == (
         before.get("chunkserve:request_success_total{length}", 0) + 1
     )
@@ -465,6 +469,7 @@ def test_metrics_text_is_valid(guarded: Server) -> None:
         "chunkserve:request_queue_time_seconds",
         "chunkserve:request_prefill_time_seconds",
         "chunkserve:iteration_tokens_total",
+        "chunkserve:step_gap_seconds",
         "chunkserve:num_requests_running",
         "chunkserve:num_requests_waiting",
         "chunkserve:kv_cache_usage_perc",
