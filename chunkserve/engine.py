@@ -482,7 +482,8 @@ class Engine:
         if self.controller is not None:
             # A step with decodes follows the previous one without idling in between (its
             # requests were running): the time since that one ended is their token gap.
-            interval = t_end - self._prev_step_end if out.decodes and self._prev_step_end else None
+            gap = stats.loop_gap
+            interval = gap + stats.wall_time if out.decodes and gap is not None else None
             self.controller.observe(out, stats.wall_time, interval)
         self._prev_step_end = t_end
         self._log_step(stats)

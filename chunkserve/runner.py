@@ -80,7 +80,7 @@ class ModelRunner:
         self.pad_batches = pad_batches
         # Pinned staging buffers for the per-step metadata (CUDA), used in turn so a buffer
         # is never refilled while its previous copy may still be in flight.
-        self._pinned: list[torch.Tensor] = []
+        self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pinned_next = 0
         self.graphs: DecodeGraphs | None = None
 
@@ -89,10 +89,8 @@ class ModelRunner:
         non-blocking copy; on the CPU, no copy at all."""
         if self.device.type != "cuda":
             return torch.from_numpy(host)
-        if len(self._pinned) < 2 or self._pinned[self._pinned_next].numel() < host.size:
+        if self._pinned[self._pinned_next].numel() < host.size:
             size = max(1 << 16, 2 * host.size)
-            while len(self._pinned) < 2:
-                self._pinned.append(torch.empty(0, dtype=torch.int64))
             self._pinned[self._pinned_next] = torch.empty(size, dtype=torch.int64, pin_memory=True)
         buf = self._pinned[self._pinned_next][: host.size]
         self._pinned_next ^= 1
