@@ -97,7 +97,9 @@ class BudgetController:
         )
         if room == 0 and not decode_lens:
             room = self.min_prefill_tokens  # nothing else runs: always make progress
-        shape = StepShape(tuple(decode_lens), ((prefill_start, room),) if room else ())
+        shape = StepShape(
+            tuple(decode_lens), ((prefill_start, room),) if room else (), prefill_samples=1
+        )
         predicted = self.model.predict(shape)
         decode_only = room == 0 and bool(
             scheduler.waiting or any(r.is_prefilling for r in scheduler.running)

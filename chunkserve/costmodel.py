@@ -11,6 +11,8 @@ Features of a step (all known before it runs):
     decode_context / 1e3    keys the decodes attend to (sum of their context lengths)
     prefill_pairs / 1e6     query-key pairs of the prefill chunks: sum n * (start + n / 2)
     prefill_chunks          per-chunk overhead (gathers, masks)
+    logits                  1 if the step samples any row: the LM head's weights are read
+                            (a decode always samples; a prefill chunk when it ends its prompt)
 
 The weights are seconds per unit. ``OnlineCostModel`` corrects them from measured step times
 by recursive least squares with forgetting, so a stale or missing profile converges.
@@ -32,17 +34,24 @@ FEATURES = (
     "decode_context_k",
     "prefill_pairs_m",
     "prefill_chunks",
+    "logits",
 )
 NUM_FEATURES = len(FEATURES)
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step computes: its decodes' context lengths and its prefill chunks as
-    (start position, number of tokens)."""
+    """What a step computes: its decodes' context lengths, its prefill chunks as
+    (start position, number of tokens), and how many of those chunks end their prompt
+    (their last row is sampled)."""
 
     decode_context_lens: tuple[int, ...] = ()
     prefill_chunks: tuple[tuple[int, int], ...] = ()
+    prefill_samples: int = 0
+
+    @property
+    def samples(self) -> bool:
+        return bool(self.decode_context_lens) or self.prefill_samples > 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,13 +70,16 @@ class StepShape:
             sum(self.decode_context_lens) / 1e3,
             pairs / 1e6,
             float(len(self.prefill_chunks)),
+            float(self.samples),
         ]
 
     @classmethod
     def of(cls, out: Any) -> StepShape:
         """From a ``SchedulerOutput``."""
         return cls(
-            tuple(c.end for c in out.decodes), tuple((c.start, c.num_tokens) for c in out.prefills)
+            tuple(c.end for c in out.decodes),
+            tuple((c.start, c.num_tokens) for c in out.prefills),
+            sum(1 for c in out.prefills if c.samples),
         )
 
 
@@ -98,9 +110,10 @@ class CostModel:
         """Most prefill tokens ``p`` (starting at ``prefill_start``, split over
         ``num_chunks`` chunks) that keep the predicted step time within ``target_s`` beside
         these decodes; 0 if the decodes alone take that long. Solves the model's quadratic
-        in ``p`` (conservatively: as if all tokens were one chunk at ``prefill_start``)."""
+        in ``p`` (conservatively: as if all tokens were one chunk at ``prefill_start``, and
+        the step samples)."""
         w = self.weights
-        base = dot(w, StepShape(tuple(decode_context_lens)).features())
+        base = dot(w, StepShape(tuple(decode_context_lens), prefill_samples=1).features())
         room = target_s - base - w[5] * max(1, num_chunks)  # the chunks' fixed costs
         if room <= 0:
             return 0
@@ -173,7 +186,7 @@ def relative_errors(
 
 
 # Typical magnitude of each feature (a mid-sized step), for the ridge prior.
-FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0)
+FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 1.0)
 
 
 class OnlineCostModel(CostModel):
@@ -214,4 +227,4 @@ class OnlineCostModel(CostModel):
 
 # A deliberately pessimistic guess for when no profile exists: prefill tokens look
 # expensive, so the first budgets are small; measurements then raise them.
-DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3)
+DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3)

@@ -283,8 +283,17 @@ class Engine:
         from chunkserve.profiler import find_profile
 
         path = self.config.cost_profile or find_profile(self)
+        model = None
         if path is not None:
-            model = CostModel.load(path)
+            try:
+                model = CostModel.load(path)
+            except ValueError as exc:
+                if self.config.cost_profile:
+                    raise  # the user named it: say what is wrong with it
+                logger.warning(
+                    "ITL target: ignoring the profile found (%s); re-run `chunkserve profile`", exc
+                )
+        if model is not None:
             online = OnlineCostModel(model.weights, prior_weight=1.0, meta=model.meta)
             logger.info(
                 "ITL target %.0f ms: cost model from %s (measured %s on %s)",

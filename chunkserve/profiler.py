@@ -63,6 +63,10 @@ def grid_shapes(
         if max_model_len is not None and max(ctx, start + p) > max_model_len:
             continue
         shapes.append(StepShape((ctx,) * d, ((start, p),) if p else ()))
+        if d == 0:
+            # The same chunk ending its prompt: the step then samples (the LM head runs),
+            # which a step with decodes always does.
+            shapes.append(StepShape((), ((start, p),), prefill_samples=1))
     return shapes
 
 
@@ -104,10 +108,13 @@ class _ShapeRunner:
         self.rng = random.Random(0)
 
     def _request(self, rid: str, num_tokens: int, computed: int, decode: bool) -> Request:
+        """A request of ``num_tokens`` tokens, ``computed`` of them in the cache; for a
+        decode the last token is a sampled one."""
         ids = [self.rng.randrange(100, 49_000) for _ in range(num_tokens)]
-        r = Request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), max_tokens=1)
+        prompt = ids[:-1] if decode else ids
+        r = Request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), max_tokens=2)
         if decode:
-            r.append_output_token(ids[-1])  # a decode: the last token is a sampled one
+            r.append_output_token(ids[-1])
         kv = self.engine.kv
         if not kv.allocate_slots(r, r.num_tokens):
             raise ValueError(
@@ -130,10 +137,14 @@ class _ShapeRunner:
             out.decodes.append(ScheduledChunk(r, ctx - 1, 1))
             reqs.append(r)
         for i, (start, n) in enumerate(shape.prefill_chunks):
-            # One token past the chunk, so the chunk does not end its prompt (no sampling).
-            r = self._request(f"p{i}", start + n + 1, start, decode=False)
+            # The first ``prefill_samples`` chunks end their prompt (their last row is
+            # sampled); the others stop one token short of it.
+            samples = i < shape.prefill_samples
+            r = self._request(f"p{i}", start + n + (not samples), start, decode=False)
             out.prefills.append(ScheduledChunk(r, start, n))
             reqs.append(r)
+        if StepShape.of(out) != shape:  # e.g. a decode that would not sample
+            raise AssertionError(f"profile: built {StepShape.of(out)} for {shape}")
         try:
             self.engine.runner.execute(out)  # warm-up (primitive creation, buffers)
             times = []
@@ -214,6 +225,7 @@ def run_profile(
             {
                 "decode_context_lens": list(s.decode_context_lens),
                 "prefill_chunks": [list(c) for c in s.prefill_chunks],
+                "prefill_samples": s.prefill_samples,
                 "time_s": t,
             }
             for s, t in zip(shapes, times)
@@ -246,7 +258,9 @@ def tune_table(
     rows = []
     for budget in candidates:
         p = max(0, budget - num_decodes)
-        shape = StepShape((decode_context,) * num_decodes, ((prefill_start, p),) if p else ())
+        shape = StepShape(
+            (decode_context,) * num_decodes, ((prefill_start, p),) if p else (), prefill_samples=1
+        )
         t = model.predict(shape)
         rows.append(
             {

@@ -36,15 +36,17 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    # True if this chunk ends the request's known tokens: its last row is sampled. Fixed
+    # when the chunk is made, so it still describes the step after ``update`` appended the
+    # sampled token (cost models read the step's shape then).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.request.num_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True if this chunk ends the request's known tokens: its last row is sampled."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass

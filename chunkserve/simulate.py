@@ -1,7 +1,8 @@
 """``chunkserve simulate``: the real ``Scheduler`` (same code, not a copy) driven by a cost
 model instead of a model, over the load generator's workloads and arrival processes.
 
-A discrete-event loop: requests join at their arrival times, each step's duration is the
+A discrete-event loop: requests join at the first step boundary after their arrival (their
+TTFT counts from the arrival, the wait for the running step included), each step's duration is the
 cost model's prediction for the step the scheduler built (plus a fixed per-step serving
 overhead, if given), and tokens are "sampled" at the end of the step. Per-request token
 times feed the same metrics as ``bench serve``, so a user can ask what happens at request
@@ -62,15 +63,22 @@ def simulate(
     steps = 0
     busy = 0.0
 
+    waited: set[int] = set()  # held past a step end for want of a free slot
+
     def admit(i: int) -> None:
         nonlocal in_flight
         req = requests[i]
         rid = f"sim-{i}"
+        # The client sends a request at its arrival time (or, when it waited for a slot of
+        # the population, when a request ended: at a step end, now); the engine takes it
+        # at the next step boundary, now. The wait in between counts toward its TTFT, as
+        # it does in a real run.
+        sent = clock[0] if i in waited else req.arrival
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
-        r = Request(rid, req.prompt, params, max_tokens=req.output_len, arrival_time=clock[0])
+        r = Request(rid, req.prompt, params, max_tokens=req.output_len, arrival_time=sent)
         sched.add_request(r)
         index_of[rid] = i
-        records[i].start = clock[0]
+        records[i].start = sent
         if req.kind != "long":
             in_flight += 1
 
@@ -85,6 +93,7 @@ def simulate(
             or requests[held[0]].kind == "long"
         ):
             admit(held.pop(0))
+        waited.update(held)
 
     while True:
         release_arrivals()

@@ -24,8 +24,9 @@ from chunkserve.request import Request, SamplingParams
 from chunkserve.scheduler import Scheduler
 from chunkserve.simulate import simulate
 
-# The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms.
-TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4])
+# The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms
+# + 4 ms for the LM head when the step samples.
+TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4, 4e-3])
 SLO = 0.120
 
 
@@ -186,6 +187,30 @@ def test_fit_recovers_a_linear_model_and_reports_heldout_error() -> None:
     assert all(w >= 0 for w in model.weights)
 
 
+def test_step_shape_counts_sampling_after_the_step_ran() -> None:
+    """The shape of a step read after ``update`` (as the controller and simulator do) still
+    says which chunks sampled: a prompt's last chunk and every decode."""
+    sched = make_scheduler()
+    sched.add_request(
+        Request("a", list(range(100, 140)), SamplingParams(max_tokens=4), max_tokens=4)
+    )
+    sched.add_request(
+        Request("b", list(range(200, 300)), SamplingParams(max_tokens=4), max_tokens=4)
+    )
+    first = sched.schedule(64)  # all of a (40 tokens: ends its prompt), a block of b
+    sched.update(first, {c.request.request_id: 5 for c in first.chunks if c.samples})
+    assert StepShape.of(first) == StepShape((), ((0, 40), (0, 16)), prefill_samples=1)
+    assert StepShape.of(first).features()[-1] == 1.0
+    second = sched.schedule(8)  # a decodes; 7 more of b, not its end
+    sched.update(second, {c.request.request_id: 5 for c in second.chunks if c.samples})
+    assert StepShape.of(second) == StepShape((41,), ((16, 7),), prefill_samples=0)
+    only_middle = StepShape((), ((31, 16),))
+    assert only_middle.features()[-1] == 0.0  # no row sampled: no LM head
+    assert TRUE.predict(StepShape((), ((31, 16),), 1)) - TRUE.predict(only_middle) == (
+        pytest.approx(4e-3)
+    )
+
+
 def test_max_prefill_tokens_solves_the_quadratic() -> None:
     for start in (0, 2000):
         p = TRUE.max_prefill_tokens([500] * 8, start, SLO, 10**6)
@@ -242,6 +267,21 @@ def test_simulator_population_limit() -> None:
     recs, _, _ = simulate(reqs, sim_config(256), 500, TRUE, max_concurrency=3)
     starts = sorted(r.start for r in recs)
     assert starts[:3] == [0.0, 0.0, 0.0] and starts[3] > 0.0
+
+
+def test_simulator_ttft_counts_from_arrival_not_from_the_next_step() -> None:
+    """A request arriving while a step runs waits for that step to end: its TTFT, as a client
+    measures it, includes that wait."""
+    reqs = [
+        BenchRequest([100 + i for i in range(64)], 4, 0.0, "long"),
+        BenchRequest([200, 201, 202, 203], 4, 0.001, "short"),
+    ]
+    recs, _, _ = simulate(reqs, sim_config(64), 500, TRUE)
+    first_step = TRUE.predict(StepShape((), ((0, 64),), prefill_samples=1))
+    assert recs[1].start == pytest.approx(0.001)
+    # It joins after the first step; its prefill shares the second step with a decode.
+    second = TRUE.predict(StepShape((65,), ((0, 4),), prefill_samples=1))
+    assert recs[1].ttft == pytest.approx(first_step + second - 0.001)
 
 
 @pytest.mark.parametrize("bad", [0, -5])
