@@ -11,6 +11,8 @@ Features of a step (all known before it runs):
     decode_context / 1e3    keys the decodes attend to (sum of their context lengths)
     prefill_pairs / 1e6     query-key pairs of the prefill chunks: sum n * (start + n / 2)
     prefill_chunks          per-chunk overhead (gathers, masks)
+    prefill_context_k       keys the prefill chunks read: sum of (start + n) / 1e3 (a chunk
+                            reads its whole cached prefix once, however few its tokens)
     logits                  1 if the step samples any row: the LM head's weights are read
                             (a decode always samples; a prefill chunk when it ends its prompt)
 
@@ -34,6 +36,7 @@ FEATURES = (
     "decode_context_k",
     "prefill_pairs_m",
     "prefill_chunks",
+    "prefill_context_k",
     "logits",
 )
 NUM_FEATURES = len(FEATURES)
@@ -70,6 +73,7 @@ class StepShape:
             sum(self.decode_context_lens) / 1e3,
             pairs / 1e6,
             float(len(self.prefill_chunks)),
+            sum(s + n for s, n in self.prefill_chunks) / 1e3,
             float(self.samples),
         ]
 
@@ -114,12 +118,13 @@ class CostModel:
         the step samples)."""
         w = self.weights
         base = dot(w, StepShape(tuple(decode_context_lens), prefill_samples=1).features())
-        room = target_s - base - w[5] * max(1, num_chunks)  # the chunks' fixed costs
+        # The chunks' fixed costs, and the prefix the planned chunk reads.
+        room = target_s - base - w[5] * max(1, num_chunks) - w[6] * prefill_start / 1e3
         if room <= 0:
             return 0
-        # room >= w1 p + w4 (p * start + p^2 / 2) / 1e6
+        # room >= w1 p + w4 (p * start + p^2 / 2) / 1e6 + w6 p / 1e3
         a = max(w[4], 0.0) / 2e6
-        b = max(w[1], 0.0) + max(w[4], 0.0) * prefill_start / 1e6
+        b = max(w[1], 0.0) + max(w[4], 0.0) * prefill_start / 1e6 + max(w[6], 0.0) / 1e3
         if a <= 0:
             p = room / b if b > 0 else float(limit)
         else:
@@ -186,7 +191,7 @@ def relative_errors(
 
 
 # Typical magnitude of each feature (a mid-sized step), for the ridge prior.
-FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 1.0)
+FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 2.0, 1.0)
 
 
 class OnlineCostModel(CostModel):
@@ -227,4 +232,4 @@ class OnlineCostModel(CostModel):
 
 # A deliberately pessimistic guess for when no profile exists: prefill tokens look
 # expensive, so the first budgets are small; measurements then raise them.
-DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3)
+DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3)

@@ -44,6 +44,11 @@ class ScheduledChunk:
     def __post_init__(self) -> None:
         self.samples = self.end == self.request.num_tokens
 
+    def extend(self, extra: int) -> None:
+        """Grow the chunk by ``extra`` tokens (the scheduler's leftover budget)."""
+        self.num_tokens += extra
+        self.samples = self.end == self.request.num_tokens
+
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
@@ -277,7 +282,7 @@ class Scheduler:
                 end -= end % self.config.block_size
             extra = end - chunk.end
             if extra > 0 and self.kv.allocate_slots(r, chunk.num_tokens + extra):
-                chunk.num_tokens += extra
+                chunk.extend(extra)
 
     def _schedule_unchunked(self, out: SchedulerOutput, budget: int) -> None:
         # Whole prompts first: a prefill-only step (decodes stall) whenever one fits.

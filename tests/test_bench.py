@@ -211,7 +211,7 @@ def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
         == 0
     )
     doc = json.loads(profile.read_text())
-    assert doc["features"][-1] == "logits" and len(doc["weights"]) == 7
+    assert doc["features"][-1] == "logits" and len(doc["weights"]) == 8
     assert doc["fit"]["num_shapes"] >= 10
     # Prefill-only shapes are measured with and without sampling (the LM head), so the fit
     # can tell that cost apart; steps with decodes always sample.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import time
 
 from chunkserve.cli import add_engine_args, command, engine_config_from_args, parse_bytes
 
@@ -65,10 +67,28 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
     )
+    freeze_startup_heap()
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
     return 0
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (the model's modules, the tokenizer's
+    vocabulary, the app) out of the garbage collector's reach, as vLLM does. Otherwise each
+    full collection walks ~200k of them: ~100 ms with the GIL held, a stall of every stream
+    (measured on the 2-core CPU: it put single gaps of 300-390 ms into runs held to 250 ms).
+    Only for a process that keeps its engine until it exits: frozen objects are never
+    collected."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.info(
+        "froze %d start-up objects out of the GC (%.0f ms)",
+        gc.get_freeze_count(),
+        1e3 * (time.perf_counter() - t0),
+    )
 
 
 def _threads() -> int:
