@@ -15,6 +15,12 @@ Features of a step (all known before it runs):
                             reads its whole cached prefix once, however few its tokens)
     logits                  1 if the step samples any row: the LM head's weights are read
                             (a decode always samples; a prefill chunk when it ends its prompt)
+    decode_padded_k         keys the decodes read when batched as the torch backend batches
+                            them, each padded to the longest in its group (``decode_groups``)
+                            / 1e3. Equal to decode_context_k when the contexts are alike; one
+                            long decode among short ones makes it several times larger. A
+                            backend that reads only each decode's own keys (Triton) fits a
+                            zero weight here.
 
 The weights are seconds per unit. ``OnlineCostModel`` corrects them from measured step times
 by recursive least squares with forgetting, so a stale or missing profile converges.
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chunkserve.decode_groups import padded_decode_keys
+
 FEATURES = (
     "const",
     "prefill_tokens",
@@ -38,7 +46,11 @@ FEATURES = (
     "prefill_chunks",
     "prefill_context_k",
     "logits",
+    "decode_padded_k",
 )
+# Block size the padded-key feature rounds to (the engine's default; a different block size
+# changes the feature by under one block per decode).
+PADDING_BLOCK_SIZE = 16
 NUM_FEATURES = len(FEATURES)
 
 
@@ -75,6 +87,7 @@ class StepShape:
             float(len(self.prefill_chunks)),
             sum(s + n for s, n in self.prefill_chunks) / 1e3,
             float(self.samples),
+            padded_decode_keys(self.decode_context_lens, PADDING_BLOCK_SIZE) / 1e3,
         ]
 
     @classmethod
@@ -191,7 +204,7 @@ def relative_errors(
 
 
 # Typical magnitude of each feature (a mid-sized step), for the ridge prior.
-FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 2.0, 1.0)
+FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 2.0, 1.0, 32.0)
 
 
 class OnlineCostModel(CostModel):
@@ -232,4 +245,4 @@ class OnlineCostModel(CostModel):
 
 # A deliberately pessimistic guess for when no profile exists: prefill tokens look
 # expensive, so the first budgets are small; measurements then raise them.
-DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3)
+DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3, 1e-3)

@@ -37,12 +37,17 @@ FULL_GRID = {
     # Up to the long documents chunked prefill exists for: attention over a deep prefix is
     # the term a short-context grid would leave to extrapolation.
     "prefill_start": (0, 1536, 3584),
+    # One decode this long among short ones (a document that finished its prompt): the
+    # torch backend pads decodes to the longest of their group, so the sum of contexts
+    # alone under-predicts these steps.
+    "long_decode": (3584,),
 }
 QUICK_GRID = {
     "decodes": (0, 4, 16),
     "decode_context": (256,),
     "prefill_tokens": (0, 32, 128),
     "prefill_start": (0, 512),
+    "long_decode": (1024,),
 }
 
 
@@ -62,7 +67,12 @@ def grid_shapes(
             continue
         if max_model_len is not None and max(ctx, start + p) > max_model_len:
             continue
-        shapes.append(StepShape((ctx,) * d, ((start, p),) if p else ()))
+        chunks = ((start, p),) if p else ()
+        shapes.append(StepShape((ctx,) * d, chunks))
+        if d >= 2 and ctx == grid["decode_context"][0] and start == grid["prefill_start"][0]:
+            for long in grid.get("long_decode", ()):
+                if max_model_len is None or long <= max_model_len:
+                    shapes.append(StepShape((long,) + (ctx,) * (d - 1), chunks))
         if d == 0:
             # The same chunk ending its prompt: the step then samples (the LM head runs),
             # which a step with decodes always does.
@@ -240,9 +250,13 @@ def save_profile(doc: dict[str, Any], path: Path) -> None:
 
 
 def kv_blocks_needed(grid: dict[str, tuple[int, ...]], block_size: int) -> int:
-    decodes = max(grid["decodes"]) * cdiv(max(grid["decode_context"]) + 1, block_size)
-    prefill = cdiv(max(grid["prefill_start"]) + max(grid["prefill_tokens"]) + 1, block_size)
-    return decodes + prefill + 8
+    """KV blocks the largest step of ``grid`` holds (each request rounded up to blocks)."""
+    most = 0
+    for shape in grid_shapes(grid):
+        blocks = sum(cdiv(c + 1, block_size) for c in shape.decode_context_lens)
+        blocks += sum(cdiv(s + n + 1, block_size) for s, n in shape.prefill_chunks)
+        most = max(most, blocks)
+    return most + 8
 
 
 def tune_table(

@@ -211,12 +211,14 @@ def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
         == 0
     )
     doc = json.loads(profile.read_text())
-    assert doc["features"][-1] == "logits" and len(doc["weights"]) == 8
+    assert doc["features"][-1] == "decode_padded_k" and len(doc["weights"]) == 9
     assert doc["fit"]["num_shapes"] >= 10
     # Prefill-only shapes are measured with and without sampling (the LM head), so the fit
     # can tell that cost apart; steps with decodes always sample.
     prefill_only = [s for s in doc["samples"] if not s["decode_context_lens"]]
     assert {s.get("prefill_samples", 0) for s in prefill_only} == {0, 1}
+    # Steps with one long decode among short ones (the padded-keys term needs them).
+    assert any(len(set(s["decode_context_lens"])) > 1 for s in doc["samples"])
     assert doc["dtype"] == "float32" and "heldout_mean_rel_error" in doc["fit"]
     capsys.readouterr()
     main(["tune", "--itl-slo-ms", "300", "--cost-profile", str(profile), "--num-decodes", "4"])

@@ -13,20 +13,23 @@ from chunkserve.budget import BudgetController
 from chunkserve.config import SchedulerConfig
 from chunkserve.costmodel import (
     DEFAULT_PRIOR,
+    FEATURES,
     CostModel,
     OnlineCostModel,
     StepShape,
     fit,
     relative_errors,
 )
+from chunkserve.decode_groups import padded_decode_keys, split_decode_groups
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.request import Request, SamplingParams
 from chunkserve.scheduler import Scheduler
 from chunkserve.simulate import simulate
 
 # The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms
-# + 3 ms per 1k prefix keys a chunk reads + 4 ms for the LM head when the step samples.
-TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4, 3e-3, 4e-3])
+# + 3 ms per 1k prefix keys a chunk reads + 4 ms for the LM head when the step samples
+# + 0.3 ms per 1k padded keys the grouped decodes read.
+TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4, 3e-3, 4e-3, 3e-4])
 SLO = 0.120
 
 
@@ -200,15 +203,30 @@ def test_step_shape_counts_sampling_after_the_step_ran() -> None:
     first = sched.schedule(64)  # all of a (40 tokens: ends its prompt), a block of b
     sched.update(first, {c.request.request_id: 5 for c in first.chunks if c.samples})
     assert StepShape.of(first) == StepShape((), ((0, 40), (0, 16)), prefill_samples=1)
-    assert StepShape.of(first).features()[-1] == 1.0
+    assert StepShape.of(first).features()[FEATURES.index("logits")] == 1.0
     second = sched.schedule(8)  # a decodes; 7 more of b, not its end
     sched.update(second, {c.request.request_id: 5 for c in second.chunks if c.samples})
     assert StepShape.of(second) == StepShape((41,), ((16, 7),), prefill_samples=0)
     only_middle = StepShape((), ((31, 16),))
-    assert only_middle.features()[-1] == 0.0  # no row sampled: no LM head
+    assert only_middle.features()[FEATURES.index("logits")] == 0.0  # no row sampled: no LM head
     assert TRUE.predict(StepShape((), ((31, 16),), 1)) - TRUE.predict(only_middle) == (
         pytest.approx(4e-3)
     )
+
+
+def test_padded_decode_keys_follow_the_backend_grouping() -> None:
+    """Alike contexts: the padded keys are the keys. One long decode among 15 short ones:
+    its group (of the 4 the backend cuts) is padded to it, not the whole batch."""
+    alike = StepShape((256,) * 16)
+    assert alike.features()[FEATURES.index("decode_padded_k")] == pytest.approx(16 * 0.256)
+    lens = (3584,) + (256,) * 15
+    groups = split_decode_groups(lens, 16)
+    assert len(groups) == 4 and [0] in [[i for i in g if lens[i] > 256] for g in groups]
+    padded = sum(len(g) * max(lens[i] for i in g) for g in groups)
+    assert padded == 4 * 3584 + 12 * 256 == padded_decode_keys(lens, 16)
+    f = StepShape(lens).features()
+    assert f[FEATURES.index("decode_padded_k")] == pytest.approx(padded / 1e3)
+    assert f[FEATURES.index("decode_context_k")] == pytest.approx(sum(lens) / 1e3)
 
 
 def test_max_prefill_tokens_solves_the_quadratic() -> None:

@@ -2,9 +2,9 @@
 the oracle GPU kernels are tested against).
 
 Per layer: one scatter of the step's new K/V by ``slot_mapping``; blocked attention per
-prefill chunk (few per step); and the decodes of the step batched into a few padded gathers plus one
-attention each, a key-length mask hiding the padding. Decodes are sorted by length and cut
-into at most ``MAX_DECODE_GROUPS`` groups when that saves more padded keys than the extra
+prefill chunk (few per step); and the decodes of the step batched into a few padded gathers
+plus one attention each, a key-length mask hiding the padding. Decodes are sorted by length and
+cut into a few groups (``decode_groups``) when that saves more padded keys than the extra
 calls cost. Masks and gather indices are built once per step in ``prepare``.
 
 Decode attention is two batched matmuls over the gathered keys as they lie in the pool,
@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkserve.attention.base import AttentionBackend, BatchLayout
+from chunkserve.decode_groups import split_decode_groups
 
 PREFILL_BLOCK_ROWS = 128
-MAX_DECODE_GROUPS = 4
-# A group costs about as much fixed overhead as gathering this many padded keys.
-GROUP_OVERHEAD_KEYS = 2048
 
 
 @dataclass
@@ -50,22 +48,6 @@ class _DecodeGroup:
 class _TorchMetadata:
     prefills: list[_PrefillChunk] = field(default_factory=list)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
-
-
-def split_decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped so that sum(n * padded max) + overhead is smallest,
-    trying 1..MAX_DECODE_GROUPS equal-count groups over the lengths sorted ascending."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    blocks = [-(-lengths[i] // block_size) * block_size for i in order]
-    best, best_cost = [order], float("inf")
-    for k in range(1, min(MAX_DECODE_GROUPS, len(order)) + 1):
-        cuts = [round(j * len(order) / k) for j in range(k + 1)]
-        cost = sum((cuts[j + 1] - cuts[j]) * blocks[cuts[j + 1] - 1] for j in range(k))
-        cost += k * GROUP_OVERHEAD_KEYS
-        if cost < best_cost:
-            best_cost = cost
-            best = [order[cuts[j] : cuts[j + 1]] for j in range(k)]
-    return best
 
 
 class TorchAttentionBackend(AttentionBackend):
