@@ -32,6 +32,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,15 @@ class StepShape:
     def num_decode_tokens(self) -> int:
         return len(self.decode_context_lens)
 
-    def features(self) -> list[float]:
+    def features(self) -> tuple[float, ...]:
+        """The feature row (computed once: the online model refits from a window of
+        shapes every step)."""
+        return self._features
+
+    @cached_property
+    def _features(self) -> tuple[float, ...]:
         pairs = sum(n * (s + n / 2) for s, n in self.prefill_chunks)
-        return [
+        return (
             1.0,
             float(self.num_prefill_tokens),
             float(self.num_decode_tokens),
@@ -88,7 +95,7 @@ class StepShape:
             sum(s + n for s, n in self.prefill_chunks) / 1e3,
             float(self.samples),
             padded_decode_keys(self.decode_context_lens, PADDING_BLOCK_SIZE) / 1e3,
-        ]
+        )
 
     @classmethod
     def of(cls, out: Any) -> StepShape:
