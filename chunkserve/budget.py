@@ -3,7 +3,8 @@
 Each step: the running decodes are fixed (never dropped); the controller asks the cost model
 how many prefill tokens fit beside them so that the predicted step time stays under the
 target, and hands the scheduler that budget. After the step, the measured time corrects the
-model (recursive least squares), so a stale or missing profile converges.
+model (a non-negative refit over a window of recent steps), so a stale or missing
+profile converges.
 
 Pure Python: no torch.
 """

@@ -23,7 +23,8 @@ Features of a step (all known before it runs):
                             zero weight here.
 
 The weights are seconds per unit. ``OnlineCostModel`` corrects them from measured step times
-by recursive least squares with forgetting, so a stale or missing profile converges.
+by refitting over a window of recent steps (pulled toward the profile), so a stale or
+missing profile converges.
 """
 
 from __future__ import annotations
