@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from chunkserve.config import (
     EngineConfig,
     ModelConfig,
 )
-from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel
+from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel, StepShape
 from chunkserve.kv_cache import NULL_BLOCK, KVCacheManager
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import iter_weights, load_model_config, resolve_model
@@ -97,6 +98,10 @@ class StepStats:
     # (requests were running): the serving loop's own work per step (streaming outputs,
     # admitting requests). None after an idle engine.
     loop_gap: float | None = None
+    # The cost profile's prediction of this step's time (its fixed weights, not the online
+    # controller's refit); None without a profile. wall_time / predicted_time is how far
+    # this server runs from the profile, what ``chunkserve simulate --cost-scale`` takes.
+    predicted_time: float | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -176,7 +181,10 @@ class Engine:
         self.scheduler_config = sched_config
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_config, self.kv)
-        self.controller = self._make_controller() if config.itl_slo_ms else None
+        # The cost profile: primes the ITL controller, and with it every step's predicted
+        # time is logged beside the measured one (``StepStats.predicted_time``).
+        self.profile, profile_path = self._load_profile()
+        self.controller = self._make_controller(profile_path) if config.itl_slo_ms else None
         self._prev_step_end: float | None = None
         on_cuda = self.device.type == "cuda"
         attn = get_attention_backend(
@@ -277,22 +285,30 @@ class Engine:
         torch.cuda.synchronize(self.device)
         logger.info("warm-up steps: %.1fs", time.perf_counter() - t0)
 
-    def _make_controller(self) -> BudgetController:
-        """The online budget controller of ``itl_slo_ms``, primed from a profile if one
-        exists for this model, device, dtype and thread count."""
+    def _load_profile(self) -> tuple[CostModel | None, Path | None]:
+        """The cost profile named by ``cost_profile``, else (with an ITL target) the one
+        saved for this model, device, dtype and thread count, if any."""
         from chunkserve.profiler import find_profile
 
-        path = self.config.cost_profile or find_profile(self)
-        model = None
-        if path is not None:
-            try:
-                model = CostModel.load(path)
-            except ValueError as exc:
-                if self.config.cost_profile:
-                    raise  # the user named it: say what is wrong with it
-                logger.warning(
-                    "ITL target: ignoring the profile found (%s); re-run `chunkserve profile`", exc
-                )
+        path = self.config.cost_profile
+        if path is None and self.config.itl_slo_ms:
+            path = find_profile(self)
+        if path is None:
+            return None, None
+        try:
+            return CostModel.load(path), Path(path)
+        except ValueError as exc:
+            if self.config.cost_profile:
+                raise  # the user named it: say what is wrong with it
+            logger.warning(
+                "ITL target: ignoring the profile found (%s); re-run `chunkserve profile`", exc
+            )
+            return None, None
+
+    def _make_controller(self, path: Path | None) -> BudgetController:
+        """The online budget controller of ``itl_slo_ms``, primed from the profile if one
+        was loaded."""
+        model = self.profile
         if model is not None:
             online = OnlineCostModel(model.weights, prior_weight=1.0, meta=model.meta)
             logger.info(
@@ -486,6 +502,7 @@ class Engine:
             prefix_cache_queries=self.kv.num_queried_tokens - queried,
             prefix_cache_hits=self.kv.num_hit_tokens - hits,
             loop_gap=None if self._prev_step_end is None else t_start - self._prev_step_end,
+            predicted_time=self.profile.predict(StepShape.of(out)) if self.profile else None,
         )
         self.step_count += 1
         if self.controller is not None:
@@ -621,7 +638,7 @@ class Engine:
         logger.info(
             "%s batch. #new-seq: %d, #prefill-seq: %d, #new-token: %d, #cached-token: %d, "
             "#decode-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d, "
-            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)",
+            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s",
             "Mixed" if s.kind == "mixed" else "Prefill",
             s.num_new_seqs,
             s.num_prefill_seqs,
@@ -635,4 +652,5 @@ class Engine:
             s.token_budget,
             1e3 * s.wall_time,
             1e3 * s.schedule_time,
+            "" if s.predicted_time is None else f", predicted {1e3 * s.predicted_time:.1f} ms",
         )

@@ -52,6 +52,7 @@ _REQUEST_BUCKETS = (
     300.0,
     600.0,
 )
+_RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -152,6 +153,15 @@ class Metrics:
             "(the serving loop's own work per step).",
             _LATENCY_BUCKETS,
         )
+        self.step_time_ratio = Histogram(
+            "chunkserve:step_time_over_predicted",
+            "Wall time of one engine step over the cost profile's prediction for it, by step "
+            "kind (only with a profile loaded): the means are `chunkserve simulate "
+            "--cost-scale`.",
+            [*labels, "kind"],
+            buckets=_RATIO_BUCKETS,
+            registry=reg,
+        )
         self.steps = Counter(
             "chunkserve:steps", "Engine steps by kind.", [*labels, "kind"], registry=reg
         )
@@ -170,6 +180,8 @@ class Metrics:
         self.step_time.labels(**lab).observe(s.wall_time)
         if s.loop_gap is not None:
             self.step_gap.labels(**lab).observe(s.loop_gap)
+        if s.predicted_time:
+            self.step_time_ratio.labels(**lab, kind=s.kind).observe(s.wall_time / s.predicted_time)
         self.prompt_tokens.labels(**lab).inc(s.num_prefill_tokens)
         self.generation_tokens.labels(**lab).inc(s.num_generated_tokens)
         if s.prefix_cache_queries:

@@ -3,8 +3,9 @@ model instead of a model, over the load generator's workloads and arrival proces
 
 A discrete-event loop: requests join at the first step boundary after their arrival (their
 TTFT counts from the arrival, the wait for the running step included), each step's duration is the
-cost model's prediction for the step the scheduler built (plus a fixed per-step serving
-overhead, if given), and tokens are "sampled" at the end of the step. Per-request token
+cost model's prediction for the step the scheduler built, times a scale (how much slower
+a real server runs than its profile predicts), plus a fixed per-step serving overhead, if
+given; tokens are "sampled" at the end of the step. Per-request token
 times feed the same metrics as ``bench serve``, so a user can ask what happens at request
 rates or on hardware they don't have (a profile measured elsewhere, e.g. on a GPU).
 """
@@ -12,7 +13,7 @@ rates or on hardware they don't have (a profile measured elsewhere, e.g. on a GP
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import RequestRecord
@@ -37,19 +38,31 @@ def simulate(
     max_concurrency: int | None = None,
     noise: float = 0.0,
     step_overhead_s: float = 0.0,
+    cost_scale: float | Mapping[str, float] = 1.0,
     seed: int = 0,
     max_steps: int = 10_000_000,
 ) -> tuple[list[RequestRecord], float, dict[str, float]]:
     """Returns the per-request records (as the load generator makes them), the simulated
     duration, and step statistics. ``step_overhead_s`` is added to every step: the serving
     loop's own work between steps (a server reports it as ``chunkserve:step_gap_seconds``);
-    0 models the engine alone."""
+    0 models the engine alone. ``cost_scale`` multiplies every predicted step time, one
+    factor or one per step kind (``decode``, ``mixed``, ``prefill``; a kind left out is 1):
+    a server's mean ``chunkserve:step_time_over_predicted`` (its steps over the profile's
+    predictions: scheduling, host work and the machine's state that the profiled shapes
+    did not see); 1 takes the profile as it is."""
+    scales = check_cost_scale(cost_scale)
+    if step_overhead_s < 0:
+        raise ValueError(f"step_overhead_s: must be >= 0, got {step_overhead_s!r}")
     clock = [0.0]
     kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching)
     sched = Scheduler(config, kv, clock=lambda: clock[0])
     controller = None
     if itl_slo_s is not None:
-        online = OnlineCostModel(model.weights, prior_weight=1e4)  # the model is the truth here
+        # The controller starts from the profile, as a server's does. When the simulated
+        # steps run as the profile predicts, the profile is the truth and is held; scaled,
+        # it is off by the scale and the controller learns from the steps, as a server's does.
+        prior_weight = 1e4 if set(scales.values()) == {1.0} else 1.0
+        online = OnlineCostModel(model.weights, prior_weight=prior_weight)
         controller = BudgetController(
             online, itl_slo_s, config.max_num_batched_tokens, min_prefill_tokens=config.block_size
         )
@@ -107,7 +120,7 @@ def simulate(
         out = sched.schedule(budget)
         if out.is_empty:
             raise RuntimeError("simulate: the scheduler made no progress")
-        duration = model.predict(StepShape.of(out))
+        duration = scales[out.kind] * model.predict(StepShape.of(out))
         if noise:
             duration *= max(0.1, rng.gauss(1.0, noise))
         duration += step_overhead_s
@@ -133,3 +146,42 @@ def simulate(
                 if requests[rec.index].kind != "long":
                     in_flight -= 1
     return records, clock[0], {"steps": steps, "busy_s": busy, "preemptions": sched.num_preemptions}
+
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def check_cost_scale(cost_scale: float | Mapping[str, float]) -> dict[str, float]:
+    """The scale of each step kind; ``ValueError`` naming ``cost_scale`` if one is bad."""
+    if isinstance(cost_scale, Mapping):
+        unknown = sorted(set(cost_scale) - set(STEP_KINDS))
+        if unknown:
+            raise ValueError(
+                f"cost_scale: unknown step kind(s) {', '.join(unknown)}; "
+                f"expected {', '.join(STEP_KINDS)}"
+            )
+        scales = {k: cost_scale.get(k, 1.0) for k in STEP_KINDS}
+    else:
+        scales = dict.fromkeys(STEP_KINDS, cost_scale)
+    for kind, value in scales.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"cost_scale: {kind} steps' scale must be > 0, got {value!r}")
+        scales[kind] = float(value)
+    return scales
+
+
+def parse_cost_scale(text: str) -> float | dict[str, float]:
+    """``1.15`` (every step) or ``decode=1.17,mixed=1.08`` (per kind, others 1)."""
+    try:
+        if "=" not in text:
+            return float(text)
+        scales = {}
+        for item in text.split(","):
+            kind, _, value = item.partition("=")
+            scales[kind.strip()] = float(value)
+        return scales
+    except ValueError:
+        raise ValueError(
+            f"cost_scale: expected a number or KIND=NUMBER,... (kinds {', '.join(STEP_KINDS)}), "
+            f"got {text!r}"
+        ) from None

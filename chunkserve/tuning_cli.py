@@ -155,6 +155,13 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
         help="serving-loop time added to every step (a server's mean "
         "chunkserve:step_gap_seconds; 0: the engine alone)",
     )
+    p.add_argument(
+        "--cost-scale",
+        default="1",
+        help="multiply predicted step times: one factor, or one per step kind "
+        "(decode=1.17,mixed=1.08): a server's means of chunkserve:step_time_over_predicted, "
+        "measured with --cost-profile (1: the profile as it is)",
+    )
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS")
     p.add_argument("--result-json", default=None)
     add_workload_args(p)
@@ -169,7 +176,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from chunkserve.bench.cli import workload_from_args
     from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document
     from chunkserve.model.loader import load_model_config, resolve_model
-    from chunkserve.simulate import simulate
+    from chunkserve.simulate import parse_cost_scale, simulate
 
     model = _load_model_for(args)
     config = engine_config_from_args(args)
@@ -192,6 +199,7 @@ def _simulate(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         noise=args.noise,
         step_overhead_s=args.step_overhead_ms / 1e3,
+        cost_scale=parse_cost_scale(args.cost_scale),
         seed=args.seed,
     )
     result = result_document(records, duration, slo)

@@ -24,7 +24,7 @@ from chunkserve.decode_groups import padded_decode_keys, split_decode_groups
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.request import Request, SamplingParams
 from chunkserve.scheduler import Scheduler
-from chunkserve.simulate import simulate
+from chunkserve.simulate import parse_cost_scale, simulate
 
 # The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms
 # + 3 ms per 1k prefix keys a chunk reads + 4 ms for the LM head when the step samples
@@ -318,3 +318,118 @@ def test_simulator_step_overhead_is_added_to_every_step() -> None:
         gaps_a = [y - x for x, y in zip(a.chunk_times, a.chunk_times[1:])]
         gaps_b = [y - x for x, y in zip(b.chunk_times, b.chunk_times[1:])]
         assert gaps_b == pytest.approx([g + 0.02 for g in gaps_a])
+
+
+def test_simulator_cost_scale_multiplies_every_step() -> None:
+    """A server running 30% slower than its profile: every simulated step takes 1.3x the
+    prediction (the overhead is added after scaling)."""
+    reqs = [BenchRequest([100 + i] * 20, 10, 0.0, "short") for i in range(4)]
+    base, _, info = simulate(reqs, sim_config(256), 500, TRUE)
+    slow, _, info_slow = simulate(
+        reqs, sim_config(256), 500, TRUE, cost_scale=1.3, step_overhead_s=0.01
+    )
+    assert info["steps"] == info_slow["steps"]
+    assert info_slow["busy_s"] == pytest.approx(1.3 * info["busy_s"] + 0.01 * info["steps"])
+    for a, b in zip(base, slow):
+        gaps_a = [y - x for x, y in zip(a.chunk_times, a.chunk_times[1:])]
+        gaps_b = [y - x for x, y in zip(b.chunk_times, b.chunk_times[1:])]
+        assert gaps_b == pytest.approx([1.3 * g + 0.01 for g in gaps_a])
+    for bad in (0.0, -1.0, float("nan"), {"decode": 0.0}, {"decoding": 1.2}, {"mixed": "x"}):
+        with pytest.raises(ValueError, match="cost_scale"):
+            simulate(reqs, sim_config(256), 500, TRUE, cost_scale=bad)
+
+
+def test_simulator_cost_scale_per_step_kind() -> None:
+    """One scale per step kind: decode-only steps 2x, the prefill step as predicted."""
+    reqs = [BenchRequest([100 + i] * 20, 10, 0.0, "short") for i in range(4)]
+    base, _, _ = simulate(reqs, sim_config(256), 500, TRUE)
+    scaled, _, _ = simulate(reqs, sim_config(256), 500, TRUE, cost_scale={"decode": 2.0})
+    for a, b in zip(base, scaled):
+        assert b.ttft == pytest.approx(a.ttft)  # the one prefill step: unscaled
+        gaps_a = [y - x for x, y in zip(a.chunk_times, a.chunk_times[1:])]
+        gaps_b = [y - x for x, y in zip(b.chunk_times, b.chunk_times[1:])]
+        assert gaps_b == pytest.approx([2 * g for g in gaps_a])
+    assert parse_cost_scale("1.25") == 1.25
+    assert parse_cost_scale("decode=1.2, mixed=1.1") == {"decode": 1.2, "mixed": 1.1}
+    for bad in ("fast", "decode=", "decode=x,mixed=1"):
+        with pytest.raises(ValueError, match="cost_scale"):
+            parse_cost_scale(bad)
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        simulate(reqs, sim_config(256), 500, TRUE, step_overhead_s=-0.01)
+
+
+@pytest.mark.parametrize("scale", [1.4, 0.7])
+def test_simulated_controller_learns_a_scaled_profile(scale: float) -> None:
+    """Steps 1.4x slower (0.7x faster) than the profile: the simulated controller starts from
+    the profile and learns the truth from the steps, as a server's does: the ITL target
+    holds, and the room a pessimistic profile leaves is used."""
+    recs, dur, _ = simulate(
+        workload(), sim_config(4096), 2000, TRUE, itl_slo_s=SLO, cost_scale=scale
+    )
+    gaps = sorted(y - x for rec in recs for x, y in zip(rec.chunk_times, rec.chunk_times[1:]))
+    assert summarize(recs, dur)["completed"] == 33
+    over = sum(1 for g in gaps if g > SLO * 1.02)
+    assert over <= 0.01 * len(gaps), (over, len(gaps), gaps[-5:])
+    assert gaps[int(0.99 * len(gaps))] >= 0.9 * SLO
+
+
+def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
+    """A static-budget engine given a profile predicts every step (the profile's fixed
+    weights) and exports measured/predicted, the simulator's ``--cost-scale``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from chunkserve.engine import Engine
+    from chunkserve.metrics import Metrics
+
+    path = tmp_path / "profile.json"
+    TRUE.save(path)
+    engine = Engine(
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory=16 << 20,
+        max_num_batched_tokens=32,
+        cost_profile=str(path),
+    )
+    assert engine.controller is None  # no ITL target: the budget stays static
+    metrics = Metrics(engine, "m")
+    engine.step_listeners.append(metrics.on_step)
+    seen = []
+    engine.step_listeners.append(seen.append)
+    shapes = []
+    real = engine.runner.execute
+
+    def recording(out):
+        shapes.append(StepShape.of(out))
+        return real(out)
+
+    engine.runner.execute = recording
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([100 + i] * 40, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seen) == len(shapes) > 4
+    for stats, shape in zip(seen, shapes):
+        assert stats.token_budget == 32
+        assert stats.predicted_time == pytest.approx(TRUE.predict(shape))
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    ratio = families["chunkserve:step_time_over_predicted"]
+    for kind in {s.kind for s in seen}:
+        of_kind = [s for s in seen if s.kind == kind]
+        samples = {
+            s.name[len(ratio.name) :]: s.value for s in ratio.samples if s.labels["kind"] == kind
+        }
+        assert samples["_count"] == len(of_kind)
+        assert samples["_sum"] == pytest.approx(
+            sum(s.wall_time / s.predicted_time for s in of_kind)
+        )
+    assert {s.kind for s in seen} >= {"prefill", "decode"}
+
+
+def test_engine_rejects_a_named_profile_it_cannot_use(tmp_path) -> None:
+    from chunkserve.engine import Engine
+
+    bad = tmp_path / "old.json"
+    bad.write_text('{"features": ["const"], "weights": [0.1]}')
+    with pytest.raises(ValueError, match="cost_profile"):
+        Engine(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, cost_profile=str(bad))
