@@ -46,6 +46,8 @@ def main() -> None:
     args = p.parse_args()
     if args.render:
         doc = json.loads((RESULTS / f"{args.name}.json").read_text())
+        if not all("rel_error_calibrated" in row for row in doc["rows"]):
+            raise SystemExit(f"{args.name}.json predates the calibrated simulation: re-run it")
         (RESULTS / f"{args.name}.md").write_text(report(doc["meta"], doc["rows"]))
         return
 

@@ -107,7 +107,8 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
     g.add_argument(
         "--cost-profile",
         default=None,
-        help="cost model JSON from `chunkserve profile` (default: the saved one)",
+        help="cost model JSON from `chunkserve profile` (with --itl-slo-ms default: the "
+        "saved one); every step's prediction is logged and exported beside its time",
     )
     g.add_argument(
         "--schedule-conservativeness",

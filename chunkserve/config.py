@@ -197,8 +197,10 @@ class EngineConfig:
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
     model so the step stays under it (decodes are never dropped)."""
     cost_profile: str | None = None
-    """Profile JSON from ``chunkserve profile``; default: the one saved beside the model for
-    this device, dtype and thread count, if any (else the model starts safe and learns)."""
+    """Profile JSON from ``chunkserve profile``; with ``itl_slo_ms`` the default is the one
+    saved beside the model for this device, dtype and thread count, if any (else the model
+    starts safe and learns). With a profile, every step's predicted time is logged and
+    exported beside its measured time (``chunkserve:step_time_over_predicted``)."""
     log_stats_interval: int = 20
     """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
 
