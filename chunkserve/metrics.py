@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from chunkserve.engine import Engine, RequestOutput, StepStats
+from chunkserve.request import RequestStatus
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -51,6 +52,15 @@ _REQUEST_BUCKETS = (
     120.0,
     300.0,
     600.0,
+)
+FINISHED_REASONS = tuple(
+    s.value
+    for s in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
 )
 _RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -168,6 +178,27 @@ class Metrics:
         # Gauges read the engine's state when scraped (plain len() reads: safe across
         # threads), so they are never stale, idle engine included.
         kv, sched, lab = engine.kv, engine.scheduler, self._labels
+        # Every series exists from the start, at zero, so a fresh server's scrape already
+        # has them (a rate over a series that appears late misses its first increase).
+        for metric in (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.prefill_time,
+            self.step_tokens,
+            self.step_time,
+            self.step_gap,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.prefix_queries,
+            self.prefix_hits,
+        ):
+            metric.labels(**lab)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(**lab, finished_reason=reason)
         self.kv_blocks_total.labels(**lab).set(kv.num_blocks)
         self.running.labels(**lab).set_function(lambda: sched.num_running)
         self.waiting.labels(**lab).set_function(lambda: sched.num_waiting)

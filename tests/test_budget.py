@@ -392,6 +392,16 @@ def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
     )
     assert engine.controller is None  # no ITL target: the budget stays static
     metrics = Metrics(engine, "m")
+    # A fresh server's scrape already has every series, at zero.
+    fresh = {
+        s.name: s.value
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+        if s.labels.get("finished_reason", "stop") == "stop"
+    }
+    assert fresh["chunkserve:generation_tokens_total"] == 0
+    assert fresh["chunkserve:request_success_total"] == 0
+    assert fresh["chunkserve:time_to_first_token_seconds_count"] == 0
     engine.step_listeners.append(metrics.on_step)
     seen = []
     engine.step_listeners.append(seen.append)
