@@ -128,7 +128,7 @@ def main() -> None:
             mc.max_position_embeddings
         )
         print(f"== budget {budget}: simulation", flush=True)
-        sims = {}
+        sims, steps = {}, {}
         variants = {
             "calibrated": (overhead, scale_by_kind),
             "one_scale": (overhead, scale),
@@ -146,8 +146,7 @@ def main() -> None:
                 cost_scale=cost_scale,
             )
             sims[name] = summarize(sim_records, sim_duration)
-            if name == "calibrated":
-                sim_steps = info["steps"]
+            steps[name] = info["steps"]
         row = {
             "budget": budget,
             "step_overhead_ms": 1e3 * overhead,
@@ -157,7 +156,7 @@ def main() -> None:
             "own_run_ratio": {k: pooled_mean([own_ratios], k) for k in sorted(own_ratios)},
             "real": {m: real[m] for m in METRICS},
             "real_failed": real["failed"],
-            "sim_steps": sim_steps,
+            "sim_steps": steps["calibrated"],
         }
         for name in variants:
             row[name] = {m: sims[name][m] for m in METRICS}

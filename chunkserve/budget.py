@@ -121,15 +121,22 @@ class BudgetController:
         )
         return self.last
 
-    def observe(self, out, measured_s: float, interval_s: float | None = None) -> None:
+    def observe(
+        self,
+        out,
+        measured_s: float,
+        interval_s: float | None = None,
+        shape: StepShape | None = None,
+    ) -> None:
         """Correct the model with the step that ran (``out`` is its SchedulerOutput).
         ``interval_s``: the time since the previous step ended, when the decodes waited
         that long: the gap they saw, the step plus the engine loop's work between steps
         (new requests, handing out tokens). The margin is planned on that gap; the model
-        is fit on the step alone."""
+        is fit on the step alone. ``shape``: ``StepShape.of(out)``, if the caller has it."""
         if out.is_empty:
             return
-        shape = StepShape.of(out)
+        if shape is None:
+            shape = StepShape.of(out)
         predicted = self.model.predict(shape)
         if predicted > 0:
             ratio = max(measured_s, interval_s or 0.0) / predicted

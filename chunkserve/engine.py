@@ -476,6 +476,8 @@ class Engine:
         outputs = [self._make_output(r, result.logprobs.get(r.request_id)) for r in produced]
         t_end = time.perf_counter()
 
+        # The step's shape, once, for the profile's prediction and the controller.
+        shape = StepShape.of(out) if self.profile or self.controller else None
         stats = StepStats(
             step=self.step_count,
             kind=out.kind,
@@ -502,7 +504,7 @@ class Engine:
             prefix_cache_queries=self.kv.num_queried_tokens - queried,
             prefix_cache_hits=self.kv.num_hit_tokens - hits,
             loop_gap=None if self._prev_step_end is None else t_start - self._prev_step_end,
-            predicted_time=self.profile.predict(StepShape.of(out)) if self.profile else None,
+            predicted_time=self.profile.predict(shape) if self.profile else None,
         )
         self.step_count += 1
         if self.controller is not None:
@@ -510,7 +512,7 @@ class Engine:
             # requests were running): the time since that one ended is their token gap.
             gap = stats.loop_gap
             interval = gap + stats.wall_time if out.decodes and gap is not None else None
-            self.controller.observe(out, stats.wall_time, interval)
+            self.controller.observe(out, stats.wall_time, interval, shape)
         self._prev_step_end = t_end
         self._log_step(stats)
         self._notify_finished(outputs)

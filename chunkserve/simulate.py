@@ -120,7 +120,8 @@ def simulate(
         out = sched.schedule(budget)
         if out.is_empty:
             raise RuntimeError("simulate: the scheduler made no progress")
-        duration = scales[out.kind] * model.predict(StepShape.of(out))
+        shape = StepShape.of(out)
+        duration = scales[out.kind] * model.predict(shape)
         if noise:
             duration *= max(0.1, rng.gauss(1.0, noise))
         duration += step_overhead_s
@@ -133,7 +134,7 @@ def simulate(
             out, {c.request.request_id: SAMPLED_TOKEN for c in out.chunks if c.samples}
         )
         if controller is not None:
-            controller.observe(out, duration)
+            controller.observe(out, duration, shape=shape)
         for r in produced:
             rec = records[index_of[r.request_id]]
             if rec.ttft is None:
