@@ -1,21 +1,57 @@
-"""Online token budget from an inter-token-latency target (``--itl-slo-ms``).
+"""Online token budgets: each step's prefill share chosen from a step-time cost model.
 
-Each step: the running decodes are fixed (never dropped); the controller asks the cost model
-how many prefill tokens fit beside them so that the predicted step time stays under the
-target, and hands the scheduler that budget. After the step, the measured time corrects the
-model (a non-negative refit over a window of recent steps), so a stale or missing
-profile converges.
+Two targets (``config.BudgetPolicy``):
+
+- ``adaptive`` (the default): each step's prefill gets the share of the machine's time the
+  prefill load needs, measured online, and never more than ``decode_slowdown`` allows:
+  the load is the work of the prompts that arrived over the last ``LOAD_WINDOW_S``
+  seconds (each prompt's predicted prefill time alone, without a step's fixed cost,
+  ``CostModel.prefill_work_s``) per second; the share is ``LOAD_MARGIN`` times it (a
+  chunked prompt costs more than a whole one: prefix re-reads, per-chunk costs), at least
+  ``MIN_PREFILL_SHARE`` (a lone long prompt still moves briskly on a quiet machine) and
+  at most ``1 - 1 / decode_slowdown`` (a step that carries prefill costs at most
+  ``decode_slowdown`` times its decodes alone). The prefill time of a step is that share
+  of the recent average step (not of this step's decodes), so steps are even: the heavy
+  ones do not grow the most. Everything is relative to the machine's own steps, so no
+  number of milliseconds or tokens is chosen for the hardware (512 tokens is ~10 ms on an
+  H100 and ~1 s on one fp32 CPU thread). In steady load the prefill is spread evenly
+  over the steps, as the best static budget for that load would spread it, and the queue
+  stays bounded while the load is below the cap; a light load slows the streams little.
+  With nothing decoding there is no stream to protect: a step may take
+  ``IDLE_STEP_FACTOR`` times the step's fixed cost (its overhead stays small; a prompt
+  arriving meanwhile waits at most that long), up to the token cap.
+- ``itl-target`` (``--itl-slo-ms``): the predicted step stays under a fixed time, planned
+  below it by how much measured steps have exceeded their predictions.
+
+In both, a waiting prompt that fits the target whole (planned at position 0, beside the
+decodes) gets room for all of it plus one block: the scheduler serves the shortest prompts
+first, so a short prompt arriving while a long one is chunked is prefilled in the next step
+and the long one still moves.
+
+Each step the running decodes are fixed (never dropped); the controller asks the cost model
+how many prefill tokens fit beside them and hands the scheduler that budget. Whenever
+prefill is waiting, a step carries at least ``min_prefill_tokens`` (one KV block) of it, even
+when the decodes alone are over the target: prefill never starves. Such steps are counted
+and logged as over target.
+
+After the step, the measured time corrects the model in two ways: the linear model is refit
+over a window of recent steps (a stale or missing profile converges), and a fast per-kind
+scale (an exponential average of measured / predicted, for decode-only steps and for mixed
+steps apart) follows a machine whose speed changes within a few steps, long before the
+window's refit does.
 
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
 
-from chunkserve.costmodel import StepShape
+from chunkserve.config import BudgetPolicy
+from chunkserve.costmodel import OnlineCostModel, StepShape
 from chunkserve.request import RequestStatus
 
 logger = logging.getLogger("chunkserve.budget")
@@ -26,98 +62,218 @@ RATIO_QUANTILE = 0.98
 # An overshoot shrinks the plan at once for this many steps (the window quantile alone
 # would let a run of under-predicted steps, e.g. the deep end of a long prompt, repeat it).
 RECENT_STEPS = 4
+# Weight of the newest step in the per-kind scales: after a change of speed, 1 - 0.7^k of
+# the change is followed after k steps (76% after 4, 94% after 8).
+SCALE_ALPHA = 0.3
+# One step's measured / predicted moves a scale at most this far (a GC pause or a page
+# fault in one step should not halve the next budgets).
+SCALE_CLIP = (1 / 3, 3.0)
+# The prefill load is measured over the prompts that arrived in the last LOAD_WINDOW_S (at
+# least MIN_LOAD_WINDOW_S since the first one, so one early prompt does not look like a
+# flood). The share planned is LOAD_MARGIN x the load (chunked prefill computes a prompt
+# less efficiently than one whole step, and a queue only drains with room to spare), at
+# least MIN_PREFILL_SHARE.
+LOAD_WINDOW_S = 30.0
+MIN_LOAD_WINDOW_S = 10.0
+LOAD_MARGIN = 1.1
+MAX_PREFILL_SHARE = 0.9
+# With nothing decoding, a step may take this many times its fixed cost (weights, LM head).
+IDLE_STEP_FACTOR = 25.0
+# Weight of the newest step in the average time of the decodes alone.
+MEAN_ALPHA = 0.05
+# Prompts the pace looks at per step (in progress first, then waiting in policy order).
+MAX_PACED_PROMPTS = 64
 
 
 @dataclass
 class BudgetDecision:
     token_budget: int
     num_decodes: int
-    prefill_room: int  # prefill tokens predicted to fit under the target
+    prefill_room: int  # prefill tokens the step may carry
     predicted_s: float  # predicted time of the step at that budget
-    decode_only: bool  # the decodes alone are predicted over the target
+    target_s: float | None  # the step time planned for (None: no prefill waiting)
+    over_target: bool  # prefill is waiting and not one block fits: a block runs anyway
 
 
 class BudgetController:
+    """Chooses the token budget of every step for an online ``BudgetPolicy``."""
+
     def __init__(
         self,
-        model,
-        itl_slo_s: float,
-        max_prefill_tokens: int,
+        model: OnlineCostModel,
+        policy: BudgetPolicy,
         min_prefill_tokens: int = 16,
         log_every: int = 50,
     ) -> None:
-        if itl_slo_s <= 0:
-            raise ValueError("itl_slo_ms: must be > 0")
-        self.model = model  # an OnlineCostModel
-        self.itl_slo_s = itl_slo_s
-        self.max_prefill_tokens = max_prefill_tokens
+        if not policy.is_online:
+            raise ValueError("budget_policy: a static budget needs no controller")
+        self.model = model
+        self.policy = policy
+        self.max_prefill_tokens = policy.max_num_batched_tokens
         self.min_prefill_tokens = min_prefill_tokens
         self.log_every = log_every
-        self.num_decode_only = 0
+        self.num_over_target = 0
         self.last: BudgetDecision | None = None
-        # measured / predicted of recent steps: the plan aims below the target by their
+        # measured / predicted of recent steps: the ITL plan aims below the target by their
         # high quantile, so measured steps (with their noise) stay within it.
         self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        # Fast corrections of the model's predictions, by step kind (see the module doc).
+        self.scale = {"decode": 1.0, "mixed": 1.0}
+        self._mean_alone_s = 0.0  # recent steps' decodes alone, predicted (average)
+        # (arrival time, predicted prefill work) of the prompts of the load window.
+        self._arrived: deque[tuple[float, float]] = deque()
+        self._arrived_work_s = 0.0
+        self._first_arrival: float | None = None
+        self._num_seen = 0  # of scheduler.num_added
+
+    @property
+    def itl_slo_s(self) -> float | None:
+        return self.policy.itl_slo_s
 
     def plan_target_s(self) -> float:
-        """The step time to plan for: the target shrunk by the model's under-prediction,
-        the ``RATIO_QUANTILE`` of the window or the worst of the last few steps, whichever
-        is larger (10% margin until enough steps ran)."""
+        """The ITL target's step time to plan for: the target shrunk by the model's
+        under-prediction, the ``RATIO_QUANTILE`` of the window or the worst of the last few
+        steps, whichever is larger (10% margin until enough steps ran)."""
+        slo = self.policy.itl_slo_s
+        assert slo is not None, "plan_target_s is the ITL target's"
         latest = max(self._recent, default=1.0)
         if len(self._ratios) < 20:
-            return self.itl_slo_s / max(latest, 1.0 / 0.9)
+            return slo / max(latest, 1.0 / 0.9)
         ratios = sorted(self._ratios)
         q = ratios[int(RATIO_QUANTILE * (len(ratios) - 1))]
-        return self.itl_slo_s / max(q, latest, 1.0)
+        return slo / max(q, latest, 1.0)
+
+    def step_target_s(self, scheduler, decode_lens: list[int]) -> float:
+        """The predicted time the next step may take with these decodes."""
+        if self.policy.kind == "itl-target":
+            return self.plan_target_s()
+        if not decode_lens:
+            # No stream to protect: a long step, but bounded (new arrivals wait for it).
+            return IDLE_STEP_FACTOR * self.model.predict(StepShape(prefill_samples=1))
+        slowdown = self.policy.decode_slowdown
+        assert slowdown is not None
+        alone = self.model.predict(StepShape(tuple(decode_lens)))
+        mean = self._mean_alone_s
+        self._mean_alone_s = alone if mean == 0.0 else mean + MEAN_ALPHA * (alone - mean)
+        share = min(
+            MAX_PREFILL_SHARE,
+            LOAD_MARGIN * self.prefill_load(scheduler)
+            + self.backlog_work_s(scheduler) / LOAD_WINDOW_S,
+        )
+        target = alone + self._mean_alone_s * max(slowdown - 1.0, share / (1.0 - share))
+        # measured(mixed) <= target in measured terms, planned in the model's terms.
+        return target * self.scale["decode"] / self.scale["mixed"]
+
+    def prefill_load(self, scheduler) -> float:
+        """Share of the machine's time the arriving prompts need: their predicted prefill
+        work (``CostModel.prefill_work_s``) arrived over the last ``LOAD_WINDOW_S``, per
+        second (over at least ``MIN_LOAD_WINDOW_S`` since the first arrival)."""
+        now = scheduler.clock()
+        new = scheduler.num_added - self._num_seen
+        self._num_seen = scheduler.num_added
+        arrivals = scheduler.arrivals
+        for r in itertools.islice(arrivals, max(0, len(arrivals) - new), None):
+            work = self.model.prefill_work_s(r.num_prompt_tokens)
+            self._arrived.append((r.arrival_time, work))
+            self._arrived_work_s += work
+            if self._first_arrival is None:
+                self._first_arrival = r.arrival_time
+        while self._arrived and self._arrived[0][0] < now - LOAD_WINDOW_S:
+            self._arrived_work_s -= self._arrived.popleft()[1]
+        if not self._arrived:
+            self._arrived_work_s = 0.0
+            return 0.0
+        assert self._first_arrival is not None
+        window = min(LOAD_WINDOW_S, max(MIN_LOAD_WINDOW_S, now - self._first_arrival))
+        return self._arrived_work_s / window
+
+    def backlog_work_s(self, scheduler) -> float:
+        """Predicted prefill work of the prompts waiting or in progress (the first
+        ``MAX_PACED_PROMPTS``): what the share adds to drain within ``LOAD_WINDOW_S``."""
+        prefilling = (r for r in scheduler.running if r.is_prefilling)
+        return sum(
+            self.model.prefill_work_s(r.num_uncomputed_tokens, r.num_computed_tokens)
+            for r in itertools.islice(
+                itertools.chain(prefilling, scheduler.waiting), MAX_PACED_PROMPTS
+            )
+        )
+
+    def _room_for_short(
+        self, scheduler, decode_lens: list[int], prefill_start: int, target_s: float
+    ) -> int:
+        """Room for the waiting prompts that fit the target whole (shortest first, planned
+        at position 0 beside the decodes), plus one block for the prompts in progress if
+        that fits too; 0 if none fits. The scheduler serves the shortest prompts first, so
+        a short prompt arriving while a long one is chunked is prefilled in the next step
+        (the room is
+        planned at the long one's depth, where tokens cost more, so it may not cover the
+        short one and a block of the long one)."""
+        lengths = sorted(r.num_uncomputed_tokens for r in scheduler.waiting[:MAX_PACED_PROMPTS])
+        if not lengths:
+            return 0
+        fits = self.model.max_prefill_tokens(decode_lens, 0, target_s, sum(lengths), len(lengths))
+        room = 0
+        for n in lengths:
+            if room + n > fits:
+                break
+            room += n
+        if not room:
+            return 0
+        block = self.min_prefill_tokens
+        with_block = StepShape(tuple(decode_lens), ((0, room), (prefill_start, block)), 1)
+        return room + block if self.model.predict(with_block) <= target_s else room
 
     def decide(self, scheduler) -> BudgetDecision:
         """The budget for the scheduler's next step."""
         decode_lens: list[int] = []
-        prefill_start = 0
+        starts: list[int] = []  # where the prefills in progress resume
         for r in scheduler.running:
             if r.status != RequestStatus.RUNNING:
                 continue
             if r.is_prefilling:
-                prefill_start = max(prefill_start, r.num_computed_tokens)
+                starts.append(r.num_computed_tokens)
             else:
                 decode_lens.append(r.num_tokens)
-        if not any(r.is_prefilling for r in scheduler.running) and scheduler.waiting:
-            prefill_start = max(prefill_start, scheduler.waiting[0].num_computed_tokens)
-        # Prefills that may share the step: those in progress and the waiting head.
-        num_chunks = min(
-            MAX_PLANNED_CHUNKS,
-            sum(1 for r in scheduler.running if r.is_prefilling) + bool(scheduler.waiting),
+        if not starts and not scheduler.waiting:
+            self.last = BudgetDecision(len(decode_lens), len(decode_lens), 0, 0.0, None, False)
+            return self.last
+        if not starts:
+            starts.append(scheduler.waiting[0].num_computed_tokens)
+        # Prefills that may share the step: those in progress and the waiting ones; each
+        # chunk reads its own cached prefix.
+        starts = sorted(starts, reverse=True)[:MAX_PLANNED_CHUNKS]
+        prefill_start, others = starts[0], sum(starts[1:])
+        num_chunks = min(MAX_PLANNED_CHUNKS, len(starts) + bool(scheduler.waiting))
+        target = self.step_target_s(scheduler, decode_lens)
+        # Planned conservatively: as if all tokens were one chunk at the deepest start.
+        room = max(
+            self.model.max_prefill_tokens(
+                decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
+            ),
+            self._room_for_short(scheduler, decode_lens, prefill_start, target),
         )
-        room = self.model.max_prefill_tokens(
-            decode_lens,
-            prefill_start,
-            self.plan_target_s(),
-            self.max_prefill_tokens,
-            num_chunks,
+        over = room < self.min_prefill_tokens
+        room = max(room, self.min_prefill_tokens)
+        predicted = self.model.predict(
+            StepShape(tuple(decode_lens), ((prefill_start, room),), prefill_samples=1)
         )
-        if room == 0 and not decode_lens:
-            room = self.min_prefill_tokens  # nothing else runs: always make progress
-        shape = StepShape(
-            tuple(decode_lens), ((prefill_start, room),) if room else (), prefill_samples=1
-        )
-        predicted = self.model.predict(shape)
-        decode_only = room == 0 and bool(
-            scheduler.waiting or any(r.is_prefilling for r in scheduler.running)
-        )
-        if decode_only:
-            self.num_decode_only += 1
-            if self.num_decode_only % self.log_every == 1:
+        if over:
+            self.num_over_target += 1
+            if self.num_over_target % self.log_every == 1:
                 logger.info(
-                    "ITL target %.0f ms: %d decodes alone are predicted at %.0f ms; running "
-                    "decodes only (%d such steps so far)",
-                    1e3 * self.itl_slo_s,
+                    "%s: %d decodes leave no room for one block of prefill (predicted "
+                    "%.0f ms with it, target %.0f ms); running %d prefill tokens anyway "
+                    "(%d such steps so far)",
+                    self.policy.describe(),
                     len(decode_lens),
                     1e3 * predicted,
-                    self.num_decode_only,
+                    1e3 * target,
+                    room,
+                    self.num_over_target,
                 )
         self.last = BudgetDecision(
-            len(decode_lens) + room, len(decode_lens), room, predicted, decode_only
+            len(decode_lens) + room, len(decode_lens), room, predicted, target, over
         )
         return self.last
 
@@ -131,7 +287,7 @@ class BudgetController:
         """Correct the model with the step that ran (``out`` is its SchedulerOutput).
         ``interval_s``: the time since the previous step ended, when the decodes waited
         that long: the gap they saw, the step plus the engine loop's work between steps
-        (new requests, handing out tokens). The margin is planned on that gap; the model
+        (new requests, handing out tokens). The ITL margin is planned on that gap; the model
         is fit on the step alone. ``shape``: ``StepShape.of(out)``, if the caller has it."""
         if out.is_empty:
             return
@@ -142,4 +298,8 @@ class BudgetController:
             ratio = max(measured_s, interval_s or 0.0) / predicted
             self._ratios.append(ratio)
             self._recent.append(ratio)
+            kind = out.kind
+            if kind in self.scale:
+                r = min(max(measured_s / predicted, SCALE_CLIP[0]), SCALE_CLIP[1])
+                self.scale[kind] += SCALE_ALPHA * (r - self.scale[kind])
         self.model.observe(shape, measured_s)

@@ -58,7 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="token budget per step (default 512)",
+        help="token budget per step: given alone, every step has it (static); with "
+        "--max-decode-slowdown or --itl-slo-ms, the most an adaptive step carries (default: "
+        "adaptive, cap min(8192, max-model-len); 512 with chunking off)",
     )
     g.add_argument(
         "--chunked-prefill-size",
@@ -73,6 +75,14 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         help="whole prompts in prefill-only steps (decodes stall): the baseline",
     )
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument(
+        "--prefill-order",
+        default="shortest",
+        choices=["shortest", "arrival"],
+        help="how a step's prefill share is handed out: shortest (default; prefills in "
+        "progress move a block each, then the prompts with least left, aged by their wait) "
+        "or arrival (policy order)",
+    )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -99,6 +109,14 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         "budget per step before short ones start (default 4%% of max-model-len; 0: off)",
     )
     g.add_argument(
+        "--max-decode-slowdown",
+        type=float,
+        default=None,
+        help="adaptive budget (the default, 2.0): a step that carries prefill may take at "
+        "most this many times as long as its decodes alone",
+    )
+
+    g.add_argument(
         "--itl-slo-ms",
         type=float,
         default=None,
@@ -107,8 +125,9 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
     g.add_argument(
         "--cost-profile",
         default=None,
-        help="cost model JSON from `chunkserve profile` (with --itl-slo-ms default: the "
-        "saved one); every step's prediction is logged and exported beside its time",
+        help="cost model JSON from `chunkserve profile` (with an adaptive budget, the "
+        "default: the saved one, if any); every step's prediction is logged and exported "
+        "beside its time",
     )
     g.add_argument(
         "--schedule-conservativeness",
@@ -157,12 +176,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=chunked,
         scheduling_policy=args.scheduling_policy,
+        prefill_order=args.prefill_order,
         schedule_conservativeness=args.schedule_conservativeness,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         itl_slo_ms=args.itl_slo_ms,
+        max_decode_slowdown=args.max_decode_slowdown,
         cost_profile=args.cost_profile,
         seed=getattr(args, "seed", 0),
         num_threads=args.num_threads,

@@ -13,6 +13,7 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREFILL_ORDERS = ("shortest", "arrival")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -22,7 +23,16 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 # On a GPU the pool takes this fraction of the memory left free after the weights.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_NUM_SEQS = 128
+# The budget of chunking off when none is named (whole prompts; one over it runs alone).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Adaptive budgets: most tokens one step may carry (when nothing decodes, prefill takes all
+# of it). vLLM's default budget for online serving on large GPUs; min(.., max_model_len).
+DEFAULT_BUDGET_CAP = 8192
+# Adaptive budget by default (``budget.BudgetController``): a step carrying prefill takes the
+# share of time the measured prefill load needs, and at most this many times as long as its
+# decodes alone would (the streams slow down at most this much, whatever the hardware).
+DEFAULT_DECODE_SLOWDOWN = 3.0
+BUDGET_POLICIES = ("static", "adaptive", "itl-target")
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -85,6 +95,11 @@ class SchedulerConfig:
     block_size: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # How the prefill share of a chunked step is handed out (after the policy's priorities):
+    # "shortest": the prompts with the least left to compute first (waiting ones aged by
+    # their wait), and a prefill in progress that got nothing last step moves one block
+    # before them; "arrival": prefills in progress, then waiting requests, in policy order.
+    prefill_order: str = "shortest"
     # Admission control (SGLang's new_token_ratio): a waiting request is admitted only if the
     # free blocks cover its whole prompt plus, for it and every running request, this
     # fraction of the outputs still to come (clipped at ``output_estimate_clip`` tokens).
@@ -124,6 +139,11 @@ class SchedulerConfig:
             "scheduling_policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
         )
+        _require(
+            self.prefill_order in PREFILL_ORDERS,
+            "prefill_order",
+            f"must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}",
+        )
         if self.enable_chunked_prefill:
             # Stall-free batching serves every running decode every step, so the token
             # budget must cover a full batch of decodes (vLLM enforces the same).
@@ -133,6 +153,66 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) when chunked prefill is on",
             )
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """How each step's token budget is chosen.
+
+    - ``static``: every step has ``max_num_batched_tokens`` (a user's explicit budget, or
+      chunking off).
+    - ``adaptive`` (the default): the online cost model picks each step's prefill share so
+      that the step costs at most ``decode_slowdown`` times its decodes alone, or more when
+      the prefill load needs it (``budget.BudgetController``); with nothing decoding,
+      prefill takes ``max_num_batched_tokens`` (the cap).
+    - ``itl-target``: the share keeps the predicted step under ``itl_slo_s`` (with a margin
+      learnt from measured steps), up to the cap.
+
+    In both online policies a step with prefill waiting carries at least one KV block of it.
+    """
+
+    kind: str
+    max_num_batched_tokens: int  # static: the budget; online: the cap
+    decode_slowdown: float | None = None
+    itl_slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kind in BUDGET_POLICIES,
+            "budget_policy",
+            f"must be one of {BUDGET_POLICIES}, got {self.kind!r}",
+        )
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        if self.kind == "adaptive":
+            _require(
+                self.decode_slowdown is not None and self.decode_slowdown >= 1.0,
+                "max_decode_slowdown",
+                f"must be >= 1, got {self.decode_slowdown!r}",
+            )
+
+        if self.kind == "itl-target":
+            _require(
+                self.itl_slo_s is not None and self.itl_slo_s > 0, "itl_slo_ms", "must be > 0 ms"
+            )
+
+    @property
+    def is_online(self) -> bool:
+        return self.kind != "static"
+
+    def describe(self) -> str:
+        """One phrase for the start-up line and logs."""
+        if self.kind == "static":
+            return f"static budget {self.max_num_batched_tokens} tokens"
+        if self.kind == "adaptive":
+            return (
+                f"adaptive budget: prefill steps <= {self.decode_slowdown:g}x their decodes "
+                f"alone (more if the prefill load needs it), cap {self.max_num_batched_tokens} "
+                f"tokens"
+            )
+        return (
+            f"ITL target {1e3 * (self.itl_slo_s or 0):g} ms, cap "
+            f"{self.max_num_batched_tokens} tokens"
+        )
 
 
 @dataclass(frozen=True)
@@ -158,13 +238,22 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     """Bytes for the KV pool; default 1 GiB on CPU, 90% of free memory on a GPU."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one step, decodes plus prefill chunks (default 512). With
-    ``itl_slo_ms``: the most the controller may choose (default max_model_len)."""
+    """Token budget of one step, decodes plus prefill chunks. Given alone (no
+    ``itl_slo_ms``, no ``max_decode_slowdown``): every step has this budget (static, as in
+    vLLM). Otherwise the most an adaptive step may carry (default min(8192,
+    max_model_len)). None with chunking off: 512."""
     max_num_seqs: int | None = None
     """Most requests running at once; default 128, or the token budget if that is smaller."""
     enable_chunked_prefill: bool = True
     """False: whole prompts in prefill-only steps, which stall decodes (the baseline)."""
     scheduling_policy: str = "fcfs"
+    prefill_order: str = "shortest"
+    """How a chunked step's prefill share is handed out, after the policy's priorities:
+    ``shortest``: the prompts with the least left to compute go first (a waiting prompt's
+    length shrinks as it waits, so a long one is not passed over for ever), and a prefill in
+    progress that got nothing in the last step moves one KV block before them (every prompt
+    in progress advances at least every other step): a short prompt arriving while a long
+    one is chunked gets its first token in a step or two. ``arrival``: in policy order."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose prefix was computed before (chained block hashes)."""
     max_num_partial_prefills: int = 0
@@ -193,14 +282,21 @@ class EngineConfig:
     enforce_eager: bool = False
     """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
     padded batch sizes)."""
+    max_decode_slowdown: float | None = None
+    """Adaptive budget (the default when no budget is named; 2.0): a step that carries
+    prefill may take at most this many times as long as its decodes alone, as the online
+    step-time cost model predicts it. Naming it with ``max_num_batched_tokens`` makes that
+    the cap of the adaptive budget."""
     itl_slo_ms: float | None = None
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
-    model so the step stays under it (decodes are never dropped)."""
+    model so the step stays under it (decodes are never dropped; prefill still gets one KV
+    block a step)."""
     cost_profile: str | None = None
-    """Profile JSON from ``chunkserve profile``; with ``itl_slo_ms`` the default is the one
-    saved beside the model for this device, dtype and thread count, if any (else the model
-    starts safe and learns). With a profile, every step's predicted time is logged and
-    exported beside its measured time (``chunkserve:step_time_over_predicted``)."""
+    """Profile JSON from ``chunkserve profile``; with an online budget (adaptive or
+    ``itl_slo_ms``) the default is the one saved beside the model for this device, dtype and
+    thread count, if any (else the model starts safe and learns). With a profile, every
+    step's predicted time is logged and exported beside its measured time
+    (``chunkserve:step_time_over_predicted``)."""
     log_stats_interval: int = 20
     """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
 
@@ -238,6 +334,27 @@ class EngineConfig:
         )
         _require(self.itl_slo_ms is None or self.itl_slo_ms > 0, "itl_slo_ms", "must be > 0 ms")
         _require(
+            self.max_decode_slowdown is None or self.max_decode_slowdown >= 1.0,
+            "max_decode_slowdown",
+            f"must be >= 1 (a step with prefill costs at least its decodes alone), got "
+            f"{self.max_decode_slowdown!r}",
+        )
+        _require(
+            self.max_decode_slowdown is None or self.itl_slo_ms is None,
+            "max_decode_slowdown",
+            "belongs to the adaptive budget; itl_slo_ms sets another target (give one)",
+        )
+        _require(
+            self.max_decode_slowdown is None or self.enable_chunked_prefill,
+            "max_decode_slowdown",
+            "needs chunked prefill (with chunking off every prompt is prefilled whole)",
+        )
+        _require(
+            self.prefill_order in PREFILL_ORDERS,
+            "prefill_order",
+            f"must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}",
+        )
+        _require(
             self.scheduling_policy in SCHEDULING_POLICIES,
             "scheduling_policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
@@ -265,11 +382,22 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+    def budget_policy(self, max_model_len: int) -> BudgetPolicy:
+        """How steps get their token budget, every default resolved: a named target wins;
+        a budget named alone is static; nothing named (with chunking on) is adaptive."""
+        cap = self.max_num_batched_tokens or min(DEFAULT_BUDGET_CAP, max_model_len)
+        if self.itl_slo_ms is not None:
+            return BudgetPolicy("itl-target", cap, itl_slo_s=self.itl_slo_ms / 1e3)
+        if self.max_decode_slowdown is not None or (
+            self.max_num_batched_tokens is None and self.enable_chunked_prefill
+        ):
+            slowdown = self.max_decode_slowdown or DEFAULT_DECODE_SLOWDOWN
+            return BudgetPolicy("adaptive", cap, decode_slowdown=slowdown)
+        return BudgetPolicy("static", self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's slice, with every default resolved."""
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = max_model_len if self.itl_slo_ms else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        budget = self.budget_policy(max_model_len).max_num_batched_tokens
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = DEFAULT_MAX_NUM_SEQS
@@ -285,6 +413,7 @@ class EngineConfig:
             block_size=self.block_size,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            prefill_order=self.prefill_order,
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=threshold,

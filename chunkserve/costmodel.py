@@ -124,6 +124,11 @@ class CostModel:
     def predict(self, shape: StepShape) -> float:
         return dot(self.weights, shape.features())
 
+    def prefill_work_s(self, num_tokens: int, start: int = 0) -> float:
+        """Seconds a prefill chunk adds to a step that runs anyway: its tokens, attention
+        and per-chunk costs, not the step's fixed cost or the LM head."""
+        return self.predict(StepShape((), ((start, num_tokens),))) - self.predict(StepShape())
+
     def max_prefill_tokens(
         self,
         decode_context_lens: Sequence[int],
@@ -131,16 +136,19 @@ class CostModel:
         target_s: float,
         limit: int,
         num_chunks: int = 1,
+        other_prefix_tokens: int = 0,
     ) -> int:
         """Most prefill tokens ``p`` (starting at ``prefill_start``, split over
-        ``num_chunks`` chunks) that keep the predicted step time within ``target_s`` beside
-        these decodes; 0 if the decodes alone take that long. Solves the model's quadratic
-        in ``p`` (conservatively: as if all tokens were one chunk at ``prefill_start``, and
-        the step samples)."""
+        ``num_chunks`` chunks, the others reading ``other_prefix_tokens`` cached tokens in
+        all) that keep the predicted step time within ``target_s`` beside these decodes; 0
+        if the decodes alone take that long. Solves the model's quadratic in ``p``
+        (conservatively: as if all tokens were one chunk at ``prefill_start``, and the step
+        samples)."""
         w = self.weights
         base = dot(w, StepShape(tuple(decode_context_lens), prefill_samples=1).features())
-        # The chunks' fixed costs, and the prefix the planned chunk reads.
-        room = target_s - base - w[5] * max(1, num_chunks) - w[6] * prefill_start / 1e3
+        # The chunks' fixed costs, and the prefixes they read.
+        prefix_k = (prefill_start + other_prefix_tokens) / 1e3
+        room = target_s - base - w[5] * max(1, num_chunks) - w[6] * prefix_k
         if room <= 0:
             return 0
         # room >= w1 p + w4 (p * start + p^2 / 2) / 1e6 + w6 p / 1e3

@@ -179,12 +179,15 @@ class Engine:
 
         sched_config = config.scheduler_config(max_model_len)
         self.scheduler_config = sched_config
+        self.budget_policy = config.budget_policy(max_model_len)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_config, self.kv)
         # The cost profile: primes the ITL controller, and with it every step's predicted
         # time is logged beside the measured one (``StepStats.predicted_time``).
         self.profile, profile_path = self._load_profile()
-        self.controller = self._make_controller(profile_path) if config.itl_slo_ms else None
+        self.controller = (
+            self._make_controller(profile_path) if self.budget_policy.is_online else None
+        )
         self._prev_step_end: float | None = None
         on_cuda = self.device.type == "cuda"
         attn = get_attention_backend(
@@ -241,8 +244,7 @@ class Engine:
             "fused_ops=%s "
             "weights loaded in "
             "%.1fs | KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB) | "
-            "max_model_len=%d max_num_batched_tokens=%d max_num_seqs=%d chunked_prefill=%s "
-            "policy=%s",
+            "max_model_len=%d max_num_seqs=%d chunked_prefill=%s policy=%s | %s",
             self.model_name,
             self.device,
             str(self.dtype).removeprefix("torch."),
@@ -255,10 +257,10 @@ class Engine:
             capacity,
             self.kv_cache_memory / 2**20,
             max_model_len,
-            sched_config.max_num_batched_tokens,
             sched_config.max_num_seqs,
             sched_config.enable_chunked_prefill,
             sched_config.policy,
+            self.budget_policy.describe(),
         )
 
     def _warm_up(self) -> None:
@@ -286,12 +288,12 @@ class Engine:
         logger.info("warm-up steps: %.1fs", time.perf_counter() - t0)
 
     def _load_profile(self) -> tuple[CostModel | None, Path | None]:
-        """The cost profile named by ``cost_profile``, else (with an ITL target) the one
+        """The cost profile named by ``cost_profile``, else (with an online budget) the one
         saved for this model, device, dtype and thread count, if any."""
         from chunkserve.profiler import find_profile
 
         path = self.config.cost_profile
-        if path is None and self.config.itl_slo_ms:
+        if path is None and self.budget_policy.is_online:
             path = find_profile(self)
         if path is None:
             return None, None
@@ -301,19 +303,20 @@ class Engine:
             if self.config.cost_profile:
                 raise  # the user named it: say what is wrong with it
             logger.warning(
-                "ITL target: ignoring the profile found (%s); re-run `chunkserve profile`", exc
+                "online budget: ignoring the profile found (%s); re-run `chunkserve profile`",
+                exc,
             )
             return None, None
 
     def _make_controller(self, path: Path | None) -> BudgetController:
-        """The online budget controller of ``itl_slo_ms``, primed from the profile if one
-        was loaded."""
+        """The online budget controller, primed from the profile if one was loaded."""
         model = self.profile
+        policy = self.budget_policy.describe()
         if model is not None:
             online = OnlineCostModel(model.weights, prior_weight=1.0, meta=model.meta)
             logger.info(
-                "ITL target %.0f ms: cost model from %s (measured %s on %s)",
-                self.config.itl_slo_ms,
+                "%s: cost model from %s (measured %s on %s)",
+                policy,
                 path,
                 model.meta.get("date", "?"),
                 model.meta.get("hardware", "?"),
@@ -321,16 +324,11 @@ class Engine:
         else:
             online = OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0)
             logger.info(
-                "ITL target %.0f ms: no profile (run `chunkserve profile`); starting "
-                "from a safe small budget and learning from measured steps",
-                self.config.itl_slo_ms,
+                "%s: no profile (`chunkserve profile` makes one); starting from a safe "
+                "small budget and learning from measured steps",
+                policy,
             )
-        return BudgetController(
-            online,
-            self.config.itl_slo_ms / 1e3,
-            self.scheduler_config.max_num_batched_tokens,
-            min_prefill_tokens=self.block_size,
-        )
+        return BudgetController(online, self.budget_policy, min_prefill_tokens=self.block_size)
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:

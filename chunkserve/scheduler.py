@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -100,8 +101,12 @@ class SchedulerOutput:
         return "decode" if self.decodes else "idle"
 
 
-# Most waiting requests looked at per step when long ones are skipped (bounds the scan).
+# Most waiting requests looked at per step (bounds the scan and the shortest-first sort).
 MAX_WAITING_SCAN = 512
+# Shortest-first prefill: a waiting prompt's length counts as halved after it waited this
+# long (a third after twice as long...), so a long prompt overtakes fresh short ones in time.
+PREFILL_AGEING_S = 5.0
+WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def _fcfs_key(r: Request) -> tuple:
@@ -127,10 +132,20 @@ class Scheduler:
         self.kv = kv
         self.clock = clock
         self._key = _priority_key if config.policy == "priority" else _fcfs_key
+        # By arrival, a long prompt's share of a step is capped so shorter ones behind it
+        # find room (the leftover goes back to it); shortest-first serves them first anyway.
+        self._caps_long = (
+            config.prefill_order == "arrival" and config.long_prefill_token_threshold > 0
+        )
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []  # sorted by policy key
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._prefilled_last_step: set[str] = set()
+        # The latest requests added, oldest first (bounded), and how many were ever added:
+        # an online budget reads the prefill load arriving from here.
+        self.arrivals: deque[Request] = deque(maxlen=MAX_WAITING_SCAN)
+        self.num_added = 0
         self.new_token_ratio = config.init_new_token_ratio
         self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / (
             config.new_token_ratio_decay_steps
@@ -154,6 +169,8 @@ class Scheduler:
                 f"has only {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
         self.requests[request.request_id] = request
+        self.arrivals.append(request)
+        self.num_added += 1
         self._insert(self.waiting, request)
 
     def _insert(self, queue: list[Request], request: Request) -> None:
@@ -223,47 +240,104 @@ class Scheduler:
             if self._reserve(request, 1, out):
                 out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
 
-        # 2. Prefills in progress, in policy order; a long prompt takes at most
-        # long_prefill_token_threshold tokens a step so others get a share of the budget.
-        for request in list(self.running):
+        prefilling = [
+            r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
+        ]
+        shortest = cfg.prefill_order == "shortest"
+        chunks: dict[str, ScheduledChunk] = {}
+        if shortest:
+            # 2. A prefill in progress that got nothing last step (shorter prompts took the
+            # budget) moves one block first: every prompt in progress advances at least
+            # every other step, however many shorter ones arrive.
+            for request in prefilling:
+                left = out.token_budget - out.num_batched_tokens
+                if left <= 0:
+                    break
+                if request.request_id not in self._prefilled_last_step:
+                    self._grow_prefill(request, min(left, cfg.block_size), out, chunks)
+
+        # 3. The rest of the budget: prefills in progress and waiting requests, in policy
+        # order, then shortest-first (aged) or by arrival. By arrival, a long prompt takes
+        # at most long_prefill_token_threshold tokens here (the leftover goes back to it at
+        # the end). A long waiting prompt over the long limit is skipped so shorter ones
+        # start.
+        waiting = self.waiting[:MAX_WAITING_SCAN]
+        if shortest:
+            now = self.clock()
+            candidates = sorted(prefilling + waiting, key=lambda r: self._shortest_key(r, now))
+        else:
+            candidates = prefilling + waiting
+        partial = len(prefilling)
+        long_partial = sum(1 for r in prefilling if self._is_long(r))
+        headroom = self._admission_headroom()
+        admitting = True
+        in_progress = {id(r) for r in prefilling}
+        for request in candidates:
             left = out.token_budget - out.num_batched_tokens
             if left <= 0:
                 break
-            if request.status != RequestStatus.RUNNING or not request.is_prefilling:
+            if id(request) in in_progress:
+                self._grow_prefill(request, left, out, chunks)
                 continue
-            n = self._chunk_len(request, left, out.token_budget)
-            if self._reserve(request, n, out):
-                out.prefills.append(ScheduledChunk(request, request.num_computed_tokens, n))
-
-        # 3. Waiting requests in policy order, while budget, sequence slots and blocks last,
-        # and while the partial-prefill limits allow: a long prompt over the long limit is
-        # skipped so that shorter ones behind it can start.
-        partial = sum(1 for r in self.running if r.is_prefilling)
-        long_partial = sum(1 for r in self.running if r.is_prefilling and self._is_long(r))
-        headroom = self._admission_headroom()
-        i = 0
-        while i < len(self.waiting) and i < MAX_WAITING_SCAN:
-            left = out.token_budget - out.num_batched_tokens
-            if left <= 0 or len(self.running) >= cfg.max_num_seqs:
-                break
-            if cfg.max_num_partial_prefills and partial >= cfg.max_num_partial_prefills:
-                break
-            request = self.waiting[i]
+            if not admitting or request.status not in WAITING_STATES:
+                continue
+            if len(self.running) >= cfg.max_num_seqs or (
+                cfg.max_num_partial_prefills and partial >= cfg.max_num_partial_prefills
+            ):
+                admitting = False
+                continue
             is_long = self._is_long(request)
             if (
                 is_long
                 and cfg.max_long_partial_prefills
-                and (long_partial >= cfg.max_long_partial_prefills)
+                and long_partial >= cfg.max_long_partial_prefills
             ):
-                i += 1
                 continue
             admitted, headroom = self._try_admit(request, left, headroom, out)
             if not admitted:
-                break  # out of blocks: later requests wait too (no starvation)
+                admitting = False  # out of blocks: later requests wait too (no starvation)
+                continue
             partial += 1
             long_partial += is_long
-        if cfg.long_prefill_token_threshold:
+        if self._caps_long:
             self._give_leftover_to_long(out)
+        self._prefilled_last_step = {c.request.request_id for c in out.prefills}
+
+    def _shortest_key(self, request: Request, now: float) -> tuple:
+        """Prefill order under ``prefill_order="shortest"``: the policy's priority first,
+        then the tokens left to compute, shrunk by the time a waiting request has waited
+        (halved after ``PREFILL_AGEING_S``, a third after twice that...), then arrival."""
+        remaining = float(request.num_uncomputed_tokens)
+        if request.status != RequestStatus.RUNNING:
+            remaining /= 1.0 + max(0.0, now - request.arrival_time) / PREFILL_AGEING_S
+        urgency = request.priority if self.config.policy == "priority" else 0
+        return (urgency, remaining, request.arrival_time, request.arrival_seq)
+
+    def _grow_prefill(
+        self,
+        request: Request,
+        budget: int,
+        out: SchedulerOutput,
+        chunks: dict[str, ScheduledChunk],
+    ) -> None:
+        """Give a prefill in progress up to ``budget`` more tokens this step: a new chunk
+        (which may preempt others for blocks) or more of the chunk it already has."""
+        if request.status != RequestStatus.RUNNING:
+            return  # preempted earlier in this step
+        chunk = chunks.get(request.request_id)
+        if chunk is None:
+            n = self._chunk_len(request, budget, out.token_budget)
+            if self._reserve(request, n, out):
+                chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+                out.prefills.append(chunk)
+                chunks[request.request_id] = chunk
+            return
+        end = chunk.end + self._chunk_len(request, budget, out.token_budget, start=chunk.end)
+        if end < request.num_tokens:  # more of the prompt stays: keep the block boundary
+            end -= end % self.config.block_size
+        extra = end - chunk.end
+        if extra > 0 and self.kv.allocate_slots(request, chunk.num_tokens + extra):
+            chunk.extend(extra)
 
     def _give_leftover_to_long(self, out: SchedulerOutput) -> None:
         """Budget nobody else took goes back to the long prompts capped in the first pass,
@@ -274,7 +348,7 @@ class Scheduler:
                 return
             r = chunk.request
             remaining = r.num_tokens - chunk.end
-            if remaining <= 0 or chunk.num_tokens < self._long_cap(out.token_budget):
+            if remaining <= 0 or not self._is_long(r):
                 continue
             extra = min(left, remaining)
             end = chunk.end + extra
@@ -366,17 +440,27 @@ class Scheduler:
         prompts after admission (``_give_leftover_to_long``)."""
         return max(1, min(self.config.long_prefill_token_threshold, token_budget // 2))
 
-    def _chunk_len(self, request: Request, budget: int, token_budget: int | None = None) -> int:
-        remaining = request.num_uncomputed_tokens
+    def _chunk_len(
+        self,
+        request: Request,
+        budget: int,
+        token_budget: int | None = None,
+        start: int | None = None,
+    ) -> int:
+        """Tokens of ``request`` to compute from ``start`` (default: its computed tokens)
+        within ``budget``; a long prompt's share is capped, and a chunk that does not end
+        the prompt ends on a block boundary if one is in reach."""
+        begin = request.num_computed_tokens if start is None else start
+        remaining = request.num_tokens - begin
         n = min(remaining, budget)
-        if token_budget is not None and self._is_long(request):
-            n = min(n, self._long_cap(token_budget))
-        if n < remaining:
-            # Not the end of the prompt: end the chunk on a block boundary if one is in reach.
-            end = request.num_computed_tokens + n
+        if token_budget is not None and self._caps_long and self._is_long(request):
+            done = begin - request.num_computed_tokens  # already in this step's chunk
+            n = min(n, max(0, self._long_cap(token_budget) - done))
+        if 0 < n < remaining:
+            end = begin + n
             aligned = end - end % self.config.block_size
-            if aligned > request.num_computed_tokens:
-                n = aligned - request.num_computed_tokens
+            if aligned > begin:
+                n = aligned - begin
         return n
 
     def _admit(self, request: Request) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import RequestRecord
 from chunkserve.budget import BudgetController
-from chunkserve.config import SchedulerConfig
+from chunkserve.config import BudgetPolicy, SchedulerConfig
 from chunkserve.costmodel import CostModel, OnlineCostModel, StepShape
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.request import Request, SamplingParams
@@ -34,7 +34,7 @@ def simulate(
     model: CostModel,
     *,
     enable_prefix_caching: bool = True,
-    itl_slo_s: float | None = None,
+    policy: BudgetPolicy | None = None,
     max_concurrency: int | None = None,
     noise: float = 0.0,
     step_overhead_s: float = 0.0,
@@ -49,7 +49,8 @@ def simulate(
     factor or one per step kind (``decode``, ``mixed``, ``prefill``; a kind left out is 1):
     a server's mean ``chunkserve:step_time_over_predicted`` (its steps over the profile's
     predictions: scheduling, host work and the machine's state that the profiled shapes
-    did not see); 1 takes the profile as it is."""
+    did not see); 1 takes the profile as it is. ``policy``: an online budget policy (adaptive
+    or an ITL target) run by the engine's controller; None: ``config``'s static budget."""
     scales = check_cost_scale(cost_scale)
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s: must be >= 0, got {step_overhead_s!r}")
@@ -57,15 +58,13 @@ def simulate(
     kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching)
     sched = Scheduler(config, kv, clock=lambda: clock[0])
     controller = None
-    if itl_slo_s is not None:
+    if policy is not None and policy.is_online:
         # The controller starts from the profile, as a server's does. When the simulated
         # steps run as the profile predicts, the profile is the truth and is held; scaled,
         # it is off by the scale and the controller learns from the steps, as a server's does.
         prior_weight = 1e4 if set(scales.values()) == {1.0} else 1.0
         online = OnlineCostModel(model.weights, prior_weight=prior_weight)
-        controller = BudgetController(
-            online, itl_slo_s, config.max_num_batched_tokens, min_prefill_tokens=config.block_size
-        )
+        controller = BudgetController(online, policy, min_prefill_tokens=config.block_size)
     rng = random.Random(seed)
     records = [RequestRecord(i, r.kind, r.prompt_len, r.arrival) for i, r in enumerate(requests)]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)

@@ -195,7 +195,7 @@ def _simulate(args: argparse.Namespace) -> int:
         num_blocks,
         model,
         enable_prefix_caching=config.enable_prefix_caching,
-        itl_slo_s=config.itl_slo_ms / 1e3 if config.itl_slo_ms else None,
+        policy=config.budget_policy(max_model_len),
         max_concurrency=args.max_concurrency,
         noise=args.noise,
         step_overhead_s=args.step_overhead_ms / 1e3,

@@ -10,7 +10,7 @@ import pytest
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import summarize
 from chunkserve.budget import BudgetController
-from chunkserve.config import SchedulerConfig
+from chunkserve.config import BudgetPolicy, SchedulerConfig
 from chunkserve.costmodel import (
     DEFAULT_PRIOR,
     FEATURES,
@@ -31,6 +31,14 @@ from chunkserve.simulate import parse_cost_scale, simulate
 # + 0.3 ms per 1k padded keys the grouped decodes read.
 TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4, 3e-3, 4e-3, 3e-4])
 SLO = 0.120
+
+
+def itl(slo: float, cap: int = 8192) -> BudgetPolicy:
+    return BudgetPolicy("itl-target", cap, itl_slo_s=slo)
+
+
+def adaptive(slowdown: float = 2.0, cap: int = 8192) -> BudgetPolicy:
+    return BudgetPolicy("adaptive", cap, decode_slowdown=slowdown)
 
 
 def true_time(out) -> float:
@@ -91,7 +99,7 @@ def drive(controller: BudgetController, steps: int, seed: int = 0, loop_s: float
 
 def test_with_an_exact_profile_budgets_meet_the_target_and_use_the_room() -> None:
     model = OnlineCostModel(TRUE.weights, prior_weight=1e4)
-    log = drive(BudgetController(model, SLO, 8192), steps=300)
+    log = drive(BudgetController(model, itl(SLO)), steps=300)
     busy = [
         (d, out, t, room, pending)
         for d, out, t, room, pending in log
@@ -107,7 +115,7 @@ def test_with_an_exact_profile_budgets_meet_the_target_and_use_the_room() -> Non
 
 def test_without_a_profile_it_starts_small_and_converges() -> None:
     model = OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0)
-    log = drive(BudgetController(model, SLO, 8192), steps=400)
+    log = drive(BudgetController(model, itl(SLO)), steps=400)
     # A safe small start: the first budget is small and the learning steps stay in time.
     assert log[0][1].num_prefill_tokens <= 32
     assert all(t <= SLO * 1.05 for _, _, t, _, _ in log[:20])
@@ -125,7 +133,7 @@ def test_without_a_profile_it_starts_small_and_converges() -> None:
 
 def test_stale_profile_is_corrected() -> None:
     stale = OnlineCostModel([w * 0.5 for w in TRUE.weights], prior_weight=1.0)  # 2x optimistic
-    log = drive(BudgetController(stale, SLO, 8192), steps=300)
+    log = drive(BudgetController(stale, itl(SLO)), steps=300)
     late = [t for _, out, t, _, _ in log[80:] if out.prefills]
     assert late and sum(t > SLO * 1.05 for t in late) <= 0.05 * len(late)
 
@@ -134,7 +142,7 @@ def test_time_between_steps_is_planned_for() -> None:
     # 15 ms of loop work after each step: the gaps the decodes see (step + loop) stay within
     # the target, the step alone is still fit without it.
     model = OnlineCostModel(TRUE.weights, prior_weight=1e4)
-    log = drive(BudgetController(model, SLO, 8192), steps=300, loop_s=0.015)
+    log = drive(BudgetController(model, itl(SLO)), steps=300, loop_s=0.015)
     busy = [(out, t) for _, out, t, room, pending in log[30:] if out.prefills and out.decodes]
     assert len(busy) > 50
     # (the first step with decodes after prefill-only ones may overshoot once: no gap seen yet)
@@ -144,7 +152,7 @@ def test_time_between_steps_is_planned_for() -> None:
 
 
 def test_an_overshoot_shrinks_the_next_plans_at_once() -> None:
-    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), SLO, 8192)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), itl(SLO))
     sched = make_scheduler()
     feed(sched, random.Random(2), 1, 4)
     out = sched.schedule(256)
@@ -158,9 +166,11 @@ def test_an_overshoot_shrinks_the_next_plans_at_once() -> None:
     assert controller.plan_target_s() == pytest.approx(SLO)  # the window's quantile again
 
 
-def test_decodes_alone_over_target_run_decode_only() -> None:
+def test_decodes_alone_over_target_still_move_one_block_of_prefill(caplog) -> None:
+    """The decodes alone exceed the ITL target: they all run, prefill still progresses one
+    KV block per step (it never starves), and the step is counted and logged over target."""
     model = OnlineCostModel(TRUE.weights, prior_weight=1e4)
-    controller = BudgetController(model, 0.030, 8192)  # below 25 ms + decode costs
+    controller = BudgetController(model, itl(0.030))  # below 25 ms + decode costs
     sched = make_scheduler()
     rng = random.Random(1)
     feed(sched, rng, 0, 20)
@@ -168,10 +178,16 @@ def test_decodes_alone_over_target_run_decode_only() -> None:
         out = sched.schedule(1024)
         sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
     feed(sched, rng, 1, 0)
-    d = controller.decide(sched)
-    assert d.decode_only and d.prefill_room == 0
-    out = sched.schedule(d.token_budget)
-    assert not out.prefills and len(out.decodes) == 20  # decodes never dropped
+    with caplog.at_level("INFO", logger="chunkserve.budget"):
+        for step in range(3):
+            d = controller.decide(sched)
+            assert d.over_target and d.prefill_room == 16
+            out = sched.schedule(d.token_budget)
+            assert len(out.decodes) == 20  # decodes never dropped
+            assert [(c.start, c.num_tokens) for c in out.prefills] == [(16 * step, 16)]
+            sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    assert controller.num_over_target == 3
+    assert "leave no room for one block of prefill" in caplog.text
 
 
 def test_fit_recovers_a_linear_model_and_reports_heldout_error() -> None:
@@ -274,7 +290,7 @@ def test_simulator_runs_the_real_scheduler_and_shows_the_stall() -> None:
 
 
 def test_simulator_with_itl_target_keeps_steps_under_it() -> None:
-    recs, dur, _ = simulate(workload(), sim_config(4096), 2000, TRUE, itl_slo_s=SLO)
+    recs, dur, _ = simulate(workload(), sim_config(4096), 2000, TRUE, policy=itl(SLO, 4096))
     result = summarize(recs, dur)
     assert result["completed"] == 33
     assert result["max_itl_ms"] <= SLO * 1e3 * 1.02
@@ -305,7 +321,11 @@ def test_simulator_ttft_counts_from_arrival_not_from_the_next_step() -> None:
 @pytest.mark.parametrize("bad", [0, -5])
 def test_controller_rejects_bad_target(bad: float) -> None:
     with pytest.raises(ValueError, match="itl_slo_ms"):
-        BudgetController(OnlineCostModel(TRUE.weights), bad, 512)
+        BudgetController(OnlineCostModel(TRUE.weights), itl(bad, 512))
+    with pytest.raises(ValueError, match="max_decode_slowdown"):
+        BudgetController(OnlineCostModel(TRUE.weights), adaptive(0.5 + bad, 512))
+    with pytest.raises(ValueError, match="budget_policy"):
+        BudgetController(OnlineCostModel(TRUE.weights), BudgetPolicy("static", 512))
 
 
 def test_simulator_step_overhead_is_added_to_every_step() -> None:
@@ -364,7 +384,7 @@ def test_simulated_controller_learns_a_scaled_profile(scale: float) -> None:
     the profile and learns the truth from the steps, as a server's does: the ITL target
     holds, and the room a pessimistic profile leaves is used."""
     recs, dur, _ = simulate(
-        workload(), sim_config(4096), 2000, TRUE, itl_slo_s=SLO, cost_scale=scale
+        workload(), sim_config(4096), 2000, TRUE, policy=itl(SLO, 4096), cost_scale=scale
     )
     gaps = sorted(y - x for rec in recs for x, y in zip(rec.chunk_times, rec.chunk_times[1:]))
     assert summarize(recs, dur)["completed"] == 33

@@ -95,14 +95,16 @@ def test_cache_on_unchunked_matches(uncached) -> None:
 
 def test_cache_under_preemption_matches(uncached) -> None:
     # Admission reserves nothing for outputs and long prompts are not limited: several
-    # run at once and the 25-block pool runs dry.
+    # run at once and the 25-block pool runs dry (16 outputs each: preemptions under the
+    # shortest-first and the arrival order alike).
     engine = make_engine(
         kv_cache_memory=26 * BYTES_PER_BLOCK,
         max_model_len=400,
         schedule_conservativeness=0.0,
         long_prefill_token_threshold=0,
     )
-    assert run(engine, shared_prefix_prompts(), stagger=1, max_tokens=8) == uncached
+    expected = run(make_engine(enable_prefix_caching=False), shared_prefix_prompts(), 16, 4)
+    assert run(engine, shared_prefix_prompts(), stagger=1, max_tokens=16) == expected
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv.num_hit_tokens > 0
     assert_no_blocks_in_use(engine)
@@ -140,9 +142,13 @@ def test_reuse_while_first_request_is_still_prefilling() -> None:
     rng = random.Random(3)
     doc = random_prompt(rng, 600)
     a, b = doc + [101], doc + [202, 203]
-    # Long prompts take at most 32 tokens a step, so B finds budget while A prefills.
+    # By arrival, long prompts take at most 32 tokens a step, so B finds budget while A
+    # prefills (shortest-first would give A, the shorter remaining, the whole budget).
     engine = make_engine(
-        max_num_batched_tokens=64, long_prefill_token_threshold=32, max_long_partial_prefills=2
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=32,
+        max_long_partial_prefills=2,
+        prefill_order="arrival",
     )
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
     ra = engine.add_request(a, params)

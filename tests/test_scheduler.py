@@ -53,6 +53,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     policy: str = "fcfs",
     new_token_ratio: float | None = None,
+    prefill_order: str = "shortest",
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=budget,
@@ -61,6 +62,7 @@ def make_scheduler(
         block_size=block_size,
         enable_chunked_prefill=chunked,
         policy=policy,
+        prefill_order=prefill_order,
         **(
             {}
             if new_token_ratio is None
@@ -94,8 +96,8 @@ def test_exact_chunk_sequence_block_aligned() -> None:
     assert runner.chunks_of("a") == [(0, 8), (8, 8), (16, 3), (19, 1)]
 
 
-def test_decodes_first_then_partial_prefill_then_waiting() -> None:
-    sched = make_scheduler(budget=16, block_size=4, max_num_seqs=4)
+def test_decodes_first_then_partial_prefill_then_waiting_by_arrival() -> None:
+    sched = make_scheduler(budget=16, block_size=4, max_num_seqs=4, prefill_order="arrival")
     runner = FakeRunner()
     sched.add_request(make_request("short", 3, max_tokens=10, arrival=0.0))
     out = sched.schedule()
@@ -370,15 +372,20 @@ def test_urgent_waiting_request_preempts_less_urgent_running() -> None:
 
 
 # ---- fairness across long prefills -------------------------------------------------------------
-def fair_scheduler(**kw) -> Scheduler:
+def fair_scheduler(prefill_order: str = "shortest", **kw) -> Scheduler:
     config = SchedulerConfig(
-        max_num_batched_tokens=64, max_num_seqs=16, max_model_len=4096, block_size=4, **kw
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        max_model_len=4096,
+        block_size=4,
+        prefill_order=prefill_order,
+        **kw,
     )
     return Scheduler(config, KVCacheManager(2000, 4), clock=lambda: 0.0)
 
 
-def test_without_limits_short_requests_queue_behind_long_ones() -> None:
-    sched = fair_scheduler()
+def test_by_arrival_without_limits_short_requests_queue_behind_long_ones() -> None:
+    sched = fair_scheduler(prefill_order="arrival")
     runner = FakeRunner()
     for i in range(3):
         sched.add_request(make_request(f"long{i}", 500, max_tokens=1, arrival=float(i)))
@@ -399,7 +406,7 @@ def test_long_limit_lets_short_requests_start() -> None:
     # One long prompt, capped at the threshold in the first pass; the other long ones are
     # skipped; the short one starts in the first step; the leftover budget then goes back
     # to the long prompt (cut to a block boundary: 32 + 20 = 52).
-    assert runner.steps[0] == [("long0", 0, 52), ("short", 0, 10)]
+    assert sorted(runner.steps[0]) == [("long0", 0, 52), ("short", 0, 10)]
     run(sched, runner)
     long_partial_per_step = [
         sum(1 for r, s, n in step if r.startswith("long") and s + n < 500) for step in runner.steps
@@ -408,7 +415,9 @@ def test_long_limit_lets_short_requests_start() -> None:
 
 
 def test_max_num_partial_prefills_bounds_concurrent_prefills() -> None:
-    sched = fair_scheduler(max_num_partial_prefills=2, long_prefill_token_threshold=16)
+    sched = fair_scheduler(
+        prefill_order="arrival", max_num_partial_prefills=2, long_prefill_token_threshold=16
+    )
     runner = FakeRunner()
     for i in range(5):
         sched.add_request(make_request(f"r{i}", 100, max_tokens=1, arrival=float(i)))

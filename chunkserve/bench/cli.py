@@ -14,7 +14,7 @@ from chunkserve.cli import command
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
-        "--dataset", default="stall", choices=["random", "sharegpt", "stall", "fairness"]
+        "--dataset", default="stall", choices=["random", "sharegpt", "stall", "fairness", "mix"]
     )
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     g.add_argument(

@@ -7,6 +7,10 @@
   scenario where a long prefill stalls everyone's token stream (seed 000, section 4.1).
 - ``fairness``: 8 prompts of 4,000+ tokens arrive together, then short requests keep
   arriving: short requests should not queue behind the long ones.
+- ``mix``: a realistic spread of lengths at Poisson arrivals: prompt lengths log-normal
+  (median 300 tokens, a tail to 6,000: chat turns, pasted documents, code), output lengths
+  log-normal (median 100, a tail to 800), prose from the shipped corpus. ``kind`` is the
+  prompt-length class (short < 256 <= medium < 1,024 <= long), for TTFT per class.
 
 Every request has an ``arrival`` offset (seconds from the start) drawn here, so one seed gives
 the same workload against every server. Short/long ``kind`` lets reports split the metrics.
@@ -15,6 +19,7 @@ the same workload against every server. Short/long ``kind`` lets reports split t
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,7 +28,9 @@ from typing import Any
 
 from chunkserve.bench.prose import prose_prompts
 
-DATASETS = ("random", "sharegpt", "stall", "fairness")
+DATASETS = ("random", "sharegpt", "stall", "fairness", "mix")
+# Prompt-length classes of the mix workload (TTFT is reported per class).
+LENGTH_CLASSES = ((256, "short"), (1024, "medium"), (float("inf"), "long"))
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # ordinary tokens of the embedded model's vocabulary
 
 
@@ -66,6 +73,9 @@ class WorkloadSpec:
     stall_num_long: int = 0  # stall: long documents (0: enough to span the short arrivals)
     num_long: int = 8  # fairness: long prompts at t=0
     fairness_long_input: tuple[int, int] = (4000, 4200)
+    # mix: log-normal lengths (median, sigma of the log), clipped to [lo, hi].
+    mix_input: tuple[float, float, int, int] = (300.0, 1.0, 16, 6000)
+    mix_output: tuple[float, float, int, int] = (100.0, 0.8, 8, 800)
 
     def validate(self) -> None:
         if self.dataset not in DATASETS:
@@ -108,6 +118,7 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
         "sharegpt": lambda: _sharegpt(spec, rng, tokenizer),
         "stall": lambda: _stall(spec, rng, tokenizer),
         "fairness": lambda: _fairness(spec, rng, tokenizer),
+        "mix": lambda: _mix(spec, rng, tokenizer),
     }
     requests = build[spec.dataset]()
     for r in requests:
@@ -186,3 +197,20 @@ def _fairness(spec: WorkloadSpec, rng: random.Random, tokenizer: Any) -> list[Be
         BenchRequest(d, spec.long_output, 0.0, "long") for d in prose_prompts(tokenizer, lens, rng)
     ]
     return longs + _shorts(spec, rng, tokenizer, spec.num_prompts, 0.5)
+
+
+def length_class(prompt_len: int) -> str:
+    return next(name for limit, name in LENGTH_CLASSES if prompt_len < limit)
+
+
+def _lognormal(rng: random.Random, n: int, params: tuple[float, float, int, int]) -> list[int]:
+    median, sigma, lo, hi = params
+    return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
+
+
+def _mix(spec: WorkloadSpec, rng: random.Random, tokenizer: Any) -> list[BenchRequest]:
+    ins = _lognormal(rng, spec.num_prompts, spec.mix_input)
+    outs = _lognormal(rng, spec.num_prompts, spec.mix_output)
+    prompts = prose_prompts(tokenizer, ins, rng)
+    times = arrival_times(spec.num_prompts, spec.request_rate, spec.burstiness, rng)
+    return [BenchRequest(p, o, t, length_class(len(p))) for p, o, t in zip(prompts, outs, times)]
