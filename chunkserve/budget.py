@@ -23,10 +23,10 @@ Two targets (``config.BudgetPolicy``):
 - ``itl-target`` (``--itl-slo-ms``): the predicted step stays under a fixed time, planned
   below it by how much measured steps have exceeded their predictions.
 
-In both, a waiting prompt that fits the target whole (planned at position 0, beside the
-decodes) gets room for all of it plus one block: the scheduler serves the shortest prompts
-first, so a short prompt arriving while a long one is chunked is prefilled in the next step
-and the long one still moves.
+In the adaptive policy, the prompts whose rest fits the target whole (planned at position
+0, beside the decodes) get room for all of it plus one block: the scheduler serves the
+shortest prompts first, so a short prompt arriving while a long one is chunked is prefilled
+in the next step or two, and the long one still moves.
 
 Each step the running decodes are fixed (never dropped); the controller asks the cost model
 how many prefill tokens fit beside them and hands the scheduler that budget. Whenever
@@ -51,7 +51,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from chunkserve.config import BudgetPolicy
-from chunkserve.costmodel import OnlineCostModel, StepShape
+from chunkserve.costmodel import NUM_FEATURES, OnlineCostModel, StepShape, dot
 from chunkserve.request import RequestStatus
 
 logger = logging.getLogger("chunkserve.budget")
@@ -79,6 +79,8 @@ LOAD_MARGIN = 1.1
 MAX_PREFILL_SHARE = 0.9
 # With nothing decoding, a step may take this many times its fixed cost (weights, LM head).
 IDLE_STEP_FACTOR = 25.0
+# Without a profile, the load terms wait until the model has seen this many steps.
+UNPROFILED_WARMUP_STEPS = 20
 # Weight of the newest step in the average time of the decodes alone.
 MEAN_ALPHA = 0.05
 # Prompts the pace looks at per step (in progress first, then waiting in policy order).
@@ -104,6 +106,7 @@ class BudgetController:
         policy: BudgetPolicy,
         min_prefill_tokens: int = 16,
         log_every: int = 50,
+        warmup_steps: int = 0,
     ) -> None:
         if not policy.is_online:
             raise ValueError("budget_policy: a static budget needs no controller")
@@ -111,6 +114,9 @@ class BudgetController:
         self.policy = policy
         self.max_prefill_tokens = policy.max_num_batched_tokens
         self.min_prefill_tokens = min_prefill_tokens
+        # Steps the model observes before the load terms use it (a model that starts from
+        # the deliberately pessimistic default prior overprices prompts at first).
+        self.warmup_steps = warmup_steps
         self.log_every = log_every
         self.num_over_target = 0
         self.last: BudgetDecision | None = None
@@ -121,9 +127,10 @@ class BudgetController:
         # Fast corrections of the model's predictions, by step kind (see the module doc).
         self.scale = {"decode": 1.0, "mixed": 1.0}
         self._mean_alone_s = 0.0  # recent steps' decodes alone, predicted (average)
-        # (arrival time, predicted prefill work) of the prompts of the load window.
-        self._arrived: deque[tuple[float, float]] = deque()
-        self._arrived_work_s = 0.0
+        # (arrival time, cost features of its prefill alone) of the prompts of the load
+        # window, and their sum.
+        self._arrived: deque[tuple[float, tuple[float, ...]]] = deque()
+        self._arrived_sum = [0.0] * NUM_FEATURES
         self._first_arrival: float | None = None
         self._num_seen = 0  # of scheduler.num_added
 
@@ -156,37 +163,42 @@ class BudgetController:
         alone = self.model.predict(StepShape(tuple(decode_lens)))
         mean = self._mean_alone_s
         self._mean_alone_s = alone if mean == 0.0 else mean + MEAN_ALPHA * (alone - mean)
-        share = min(
-            MAX_PREFILL_SHARE,
-            LOAD_MARGIN * self.prefill_load(scheduler)
-            + self.backlog_work_s(scheduler) / LOAD_WINDOW_S,
-        )
+        share = 0.0
+        if self.model.num_updates >= self.warmup_steps:  # the model prices work by now
+            share = min(
+                MAX_PREFILL_SHARE,
+                LOAD_MARGIN * self.prefill_load(scheduler)
+                + self.backlog_work_s(scheduler) / LOAD_WINDOW_S,
+            )
         target = alone + self._mean_alone_s * max(slowdown - 1.0, share / (1.0 - share))
         # measured(mixed) <= target in measured terms, planned in the model's terms.
         return target * self.scale["decode"] / self.scale["mixed"]
 
     def prefill_load(self, scheduler) -> float:
-        """Share of the machine's time the arriving prompts need: their predicted prefill
-        work (``CostModel.prefill_work_s``) arrived over the last ``LOAD_WINDOW_S``, per
-        second (over at least ``MIN_LOAD_WINDOW_S`` since the first arrival)."""
+        """Share of the machine's time the arriving prompts need: their prefill work alone
+        (``CostModel.prefill_work_s``, with the model's current weights) arrived over the
+        last ``LOAD_WINDOW_S``, per second (over at least ``MIN_LOAD_WINDOW_S`` since the
+        first arrival). The window keeps the sum of the prompts' cost features, so the
+        load is re-priced every step as the model learns."""
         now = scheduler.clock()
         new = scheduler.num_added - self._num_seen
         self._num_seen = scheduler.num_added
         arrivals = scheduler.arrivals
         for r in itertools.islice(arrivals, max(0, len(arrivals) - new), None):
-            work = self.model.prefill_work_s(r.num_prompt_tokens)
-            self._arrived.append((r.arrival_time, work))
-            self._arrived_work_s += work
+            row = StepShape((), ((0, r.num_prompt_tokens),)).features()
+            row = (0.0, *row[1:])  # a step's fixed cost is not the prompt's work
+            self._arrived.append((r.arrival_time, row))
+            self._arrived_sum = [a + b for a, b in zip(self._arrived_sum, row)]
             if self._first_arrival is None:
                 self._first_arrival = r.arrival_time
         while self._arrived and self._arrived[0][0] < now - LOAD_WINDOW_S:
-            self._arrived_work_s -= self._arrived.popleft()[1]
-        if not self._arrived:
-            self._arrived_work_s = 0.0
+            row = self._arrived.popleft()[1]
+            self._arrived_sum = [a - b for a, b in zip(self._arrived_sum, row)]
+        if not self._arrived or self._first_arrival is None:
+            self._arrived_sum = [0.0] * NUM_FEATURES  # no float residue
             return 0.0
-        assert self._first_arrival is not None
         window = min(LOAD_WINDOW_S, max(MIN_LOAD_WINDOW_S, now - self._first_arrival))
-        return self._arrived_work_s / window
+        return max(0.0, dot(self.model.weights, self._arrived_sum)) / window
 
     def backlog_work_s(self, scheduler) -> float:
         """Predicted prefill work of the prompts waiting or in progress (the first
@@ -199,17 +211,19 @@ class BudgetController:
             )
         )
 
-    def _room_for_short(
-        self, scheduler, decode_lens: list[int], prefill_start: int, target_s: float
-    ) -> int:
-        """Room for the waiting prompts that fit the target whole (shortest first, planned
-        at position 0 beside the decodes), plus one block for the prompts in progress if
-        that fits too; 0 if none fits. The scheduler serves the shortest prompts first, so
-        a short prompt arriving while a long one is chunked is prefilled in the next step
-        (the room is
-        planned at the long one's depth, where tokens cost more, so it may not cover the
-        short one and a block of the long one)."""
-        lengths = sorted(r.num_uncomputed_tokens for r in scheduler.waiting[:MAX_PACED_PROMPTS])
+    def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
+        """Adaptive budget: room for the prompts whose rest fits the target whole (shortest
+        first, planned at position 0 beside the decodes), plus one block for the others; 0
+        if none fits.
+        The scheduler serves the shortest prompts first, so a short prompt arriving while
+        a long one is chunked is prefilled in the next step or two (the room planned at the
+        long one's depth, where tokens cost more, may not cover the short one and a block
+        of the long one)."""
+        pending = itertools.chain(
+            (r for r in scheduler.running if r.is_prefilling),
+            scheduler.waiting[:MAX_PACED_PROMPTS],
+        )
+        lengths = sorted(r.num_uncomputed_tokens for r in pending)
         if not lengths:
             return 0
         fits = self.model.max_prefill_tokens(decode_lens, 0, target_s, sum(lengths), len(lengths))
@@ -220,9 +234,9 @@ class BudgetController:
             room += n
         if not room:
             return 0
-        block = self.min_prefill_tokens
-        with_block = StepShape(tuple(decode_lens), ((0, room), (prefill_start, block)), 1)
-        return room + block if self.model.predict(with_block) <= target_s else room
+        # One block over the target for the prompts in progress too (the scheduler moves one
+        # that got nothing last step before the short ones).
+        return room + self.min_prefill_tokens if room else 0
 
     def decide(self, scheduler) -> BudgetDecision:
         """The budget for the scheduler's next step."""
@@ -247,14 +261,17 @@ class BudgetController:
         num_chunks = min(MAX_PLANNED_CHUNKS, len(starts) + bool(scheduler.waiting))
         target = self.step_target_s(scheduler, decode_lens)
         # Planned conservatively: as if all tokens were one chunk at the deepest start.
-        room = max(
-            self.model.max_prefill_tokens(
-                decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
-            ),
-            self._room_for_short(scheduler, decode_lens, prefill_start, target),
+        room = self.model.max_prefill_tokens(
+            decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
         )
+        if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
+            room = max(room, self._room_for_short(scheduler, decode_lens, target))
         over = room < self.min_prefill_tokens
-        room = max(room, self.min_prefill_tokens)
+        block = self.min_prefill_tokens
+        if self.policy.kind == "adaptive":
+            # Whole blocks: chunks end on block boundaries, so a room of 31 would move 16.
+            room = min(self.max_prefill_tokens, -(-room // block) * block)
+        room = max(room, block)
         predicted = self.model.predict(
             StepShape(tuple(decode_lens), ((prefill_start, room),), prefill_samples=1)
         )

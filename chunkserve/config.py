@@ -200,17 +200,17 @@ class BudgetPolicy:
         return self.kind != "static"
 
     def describe(self) -> str:
-        """One phrase for the start-up line and logs."""
+        """One phrase for the start-up line and logs, starting with the policy's name."""
         if self.kind == "static":
-            return f"static budget {self.max_num_batched_tokens} tokens"
+            return f"static: {self.max_num_batched_tokens} tokens per step"
         if self.kind == "adaptive":
             return (
-                f"adaptive budget: prefill steps <= {self.decode_slowdown:g}x their decodes "
-                f"alone (more if the prefill load needs it), cap {self.max_num_batched_tokens} "
+                f"adaptive: steps with prefill <= {self.decode_slowdown:g}x their decodes "
+                f"alone, more if the prefill load needs it, cap {self.max_num_batched_tokens} "
                 f"tokens"
             )
         return (
-            f"ITL target {1e3 * (self.itl_slo_s or 0):g} ms, cap "
+            f"itl-target: {1e3 * (self.itl_slo_s or 0):g} ms, cap "
             f"{self.max_num_batched_tokens} tokens"
         )
 

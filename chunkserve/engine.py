@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from chunkserve.attention import get_attention_backend, triton_usable
-from chunkserve.budget import BudgetController
+from chunkserve.budget import UNPROFILED_WARMUP_STEPS, BudgetController
 from chunkserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -102,6 +102,10 @@ class StepStats:
     # controller's refit); None without a profile. wall_time / predicted_time is how far
     # this server runs from the profile, what ``chunkserve simulate --cost-scale`` takes.
     predicted_time: float | None = None
+    # An online budget's planned step time (None: static budget, or no prefill waiting),
+    # and whether prefill ran beyond it (one block when the decodes left no room).
+    target_time: float | None = None
+    over_target: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -328,7 +332,12 @@ class Engine:
                 "small budget and learning from measured steps",
                 policy,
             )
-        return BudgetController(online, self.budget_policy, min_prefill_tokens=self.block_size)
+        return BudgetController(
+            online,
+            self.budget_policy,
+            min_prefill_tokens=self.block_size,
+            warmup_steps=0 if model is not None else UNPROFILED_WARMUP_STEPS,
+        )
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -452,8 +461,10 @@ class Engine:
         finished) in it."""
         t_start = time.perf_counter()
         queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
+        decision = None
         if token_budget is None and self.controller is not None:
-            token_budget = self.controller.decide(self.scheduler).token_budget
+            decision = self.controller.decide(self.scheduler)
+            token_budget = decision.token_budget
         out = self.scheduler.schedule(token_budget)
         t_sched = time.perf_counter()
         if out.is_empty:
@@ -503,6 +514,8 @@ class Engine:
             prefix_cache_hits=self.kv.num_hit_tokens - hits,
             loop_gap=None if self._prev_step_end is None else t_start - self._prev_step_end,
             predicted_time=self.profile.predict(shape) if self.profile else None,
+            target_time=decision.target_s if decision else None,
+            over_target=bool(decision and decision.over_target and out.prefills),
         )
         self.step_count += 1
         if self.controller is not None:
@@ -638,7 +651,7 @@ class Engine:
         logger.info(
             "%s batch. #new-seq: %d, #prefill-seq: %d, #new-token: %d, #cached-token: %d, "
             "#decode-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d, "
-            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s",
+            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s%s%s",
             "Mixed" if s.kind == "mixed" else "Prefill",
             s.num_new_seqs,
             s.num_prefill_seqs,
@@ -653,4 +666,6 @@ class Engine:
             1e3 * s.wall_time,
             1e3 * s.schedule_time,
             "" if s.predicted_time is None else f", predicted {1e3 * s.predicted_time:.1f} ms",
+            "" if s.target_time is None else f", target {1e3 * s.target_time:.1f} ms",
+            " (over target: one block)" if s.over_target else "",
         )

@@ -6,7 +6,14 @@ finished ``RequestOutput``. Each server owns its own ``CollectorRegistry``.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
 
 from chunkserve.engine import Engine, RequestOutput, StepStats
 from chunkserve.request import RequestStatus
@@ -124,6 +131,34 @@ class Metrics:
         self.token_budget = Gauge(
             "chunkserve:token_budget", "Token budget of the last step.", labels, registry=reg
         )
+        policy = engine.budget_policy
+        self.budget_policy = Info(
+            "chunkserve:budget_policy",
+            "How steps get their token budget: static, adaptive (the default) or itl-target; "
+            "the cap or static budget in tokens; the adaptive slowdown bound; the ITL target.",
+            labels,
+            registry=reg,
+        )
+        self.budget_policy.labels(**self._labels).info(
+            {
+                "policy": policy.kind,
+                "max_num_batched_tokens": str(policy.max_num_batched_tokens),
+                "max_decode_slowdown": str(policy.decode_slowdown or ""),
+                "itl_slo_ms": str(1e3 * policy.itl_slo_s) if policy.itl_slo_s else "",
+            }
+        )
+        self.step_target = hist(
+            "step_time_target_seconds",
+            "Step time an online budget planned for, in steps that carried prefill.",
+            _LATENCY_BUCKETS,
+        )
+        self.over_target = Counter(
+            "chunkserve:budget_over_target_steps",
+            "Steps whose decodes left no room for one KV block of prefill within the online "
+            "budget's target: one block ran anyway (prefill never starves).",
+            labels,
+            registry=reg,
+        )
         self.prompt_tokens = Counter(
             "chunkserve:prompt_tokens",
             "Prompt tokens computed (prefill, recomputation included).",
@@ -190,6 +225,8 @@ class Metrics:
             self.step_tokens,
             self.step_time,
             self.step_gap,
+            self.step_target,
+            self.over_target,
             self.prompt_tokens,
             self.generation_tokens,
             self.preemptions,
@@ -222,6 +259,10 @@ class Metrics:
             self.preemptions.labels(**lab).inc(s.num_preempted)
         self.steps.labels(**lab, kind=s.kind).inc()
         self.token_budget.labels(**lab).set(s.token_budget)
+        if s.target_time is not None and s.num_prefill_tokens:
+            self.step_target.labels(**lab).observe(s.target_time)
+        if s.over_target:
+            self.over_target.labels(**lab).inc()
 
     def on_finish(self, out: RequestOutput) -> None:
         lab = self._labels

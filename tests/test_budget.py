@@ -190,6 +190,160 @@ def test_decodes_alone_over_target_still_move_one_block_of_prefill(caplog) -> No
     assert "leave no room for one block of prefill" in caplog.text
 
 
+# ---- the adaptive budget (the default) -------------------------------------------------------
+class Clock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def decoding_scheduler(clock: Clock, num_decodes: int, prompt_len: int = 8000) -> Scheduler:
+    """``num_decodes`` requests decoding (long outputs) and one long prompt waiting, all
+    arrived long before ``clock`` (outside the load window): the decodes alone set the
+    target."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=8192,
+        max_num_seqs=64,
+        max_model_len=16384,
+        block_size=16,
+        long_prefill_token_threshold=0,
+    )
+    sched = Scheduler(config, KVCacheManager(4000, 16), clock=clock)
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=4000)
+    for i in range(num_decodes):
+        p = [rng.randrange(100, 40000) for _ in range(200)]
+        sched.add_request(Request(f"d{i}", p, params, max_tokens=4000, arrival_time=0.0))
+    out = sched.schedule(8192)
+    sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    long = [rng.randrange(100, 40000) for _ in range(prompt_len)]
+    sched.add_request(Request("long", long, params, max_tokens=8, arrival_time=0.0))
+    return sched
+
+
+def step_with(controller: BudgetController, sched: Scheduler, clock: Clock, hardware):
+    decision = controller.decide(sched)
+    out = sched.schedule(decision.token_budget)
+    measured = hardware.predict(StepShape.of(out))
+    controller.observe(out, measured)
+    clock.t += measured
+    sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    return decision, out, measured
+
+
+def test_adaptive_budget_follows_a_changing_step_cost() -> None:
+    """The machine's prefill gets 2x slower mid-run (decodes unchanged), then fast again,
+    while 640-token prompts arrive every 30 steps beside 16 decodes: a few steps after each
+    change, steps with prefill again take about ``slowdown`` x their decodes alone (on the
+    machine as it is), where the profile's plan would be 1.6x over the bound on the slow
+    machine and far under it after."""
+    slowdown = 2.0
+    slow = CostModel([w * (2.0 if i in (1, 4, 6) else 1.0) for i, w in enumerate(TRUE.weights)])
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=16, prompt_len=16)
+    model = OnlineCostModel(TRUE.weights, prior_weight=1.0)
+    controller = BudgetController(model, adaptive(slowdown))
+    rng = random.Random(11)
+    params = SamplingParams(max_tokens=2)
+    for phase, hardware in enumerate((TRUE, slow, TRUE)):
+        ratios = []
+        for k in range(120):
+            if k % 30 == 0:
+                p = [rng.randrange(100, 40000) for _ in range(640)]
+                sched.add_request(Request(f"p{phase}-{k}", p, params, max_tokens=2))
+            _, out, measured = step_with(controller, sched, clock, hardware)
+            if out.prefills and out.decodes and k >= 8:
+                alone = hardware.predict(StepShape(tuple(c.end for c in out.decodes)))
+                ratios.append(measured / alone)
+                # Over the bound by at most the block the room is rounded up to (and the
+                # model's residual error).
+                block = hardware.prefill_work_s(16, out.prefills[0].start)
+                assert measured <= 1.1 * slowdown * alone + block, (phase, k)
+        assert len(ratios) > 40
+        assert slowdown * 0.85 <= sorted(ratios)[len(ratios) // 2] <= slowdown * 1.2, phase
+    profile = StepShape((1000,) * 16, ((320, 64),), 1)
+    assert slow.predict(profile) / TRUE.predict(profile) > 1.3  # the change is a real one
+
+
+def test_adaptive_budget_without_a_profile_converges_in_a_few_dozen_steps() -> None:
+    """From the pessimistic default prior (prefill tokens 4.4x too expensive) the adaptive
+    budget reaches the room the slowdown bound allows within a few dozen steps, and its
+    steps never exceed the bound by much while it learns."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=16)
+    controller = BudgetController(
+        OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0), adaptive(2.0), warmup_steps=20
+    )
+    ratios, rooms = [], []
+    for _ in range(60):
+        _, out, measured = step_with(controller, sched, clock, TRUE)
+        decodes = tuple(c.end for c in out.decodes)
+        alone = TRUE.predict(StepShape(decodes))
+        ratios.append(measured / alone)
+        start = max(c.start for c in out.prefills)
+        rooms.append(
+            (out.num_prefill_tokens, TRUE.max_prefill_tokens(list(decodes), start, 2 * alone, 8192))
+        )
+    assert max(ratios) <= 2.0 * 1.25
+    for got, right in rooms[36:]:
+        assert got >= right - 24
+
+
+def test_adaptive_share_grows_with_the_prefill_load() -> None:
+    """Prompts arriving faster than the slowdown bound's share computes them: the load term
+    gives prefill more of each step, and the queue drains instead of growing."""
+    from chunkserve.budget import LOAD_WINDOW_S
+
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=8, prompt_len=64)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(1.2))
+    rng = random.Random(3)
+    params = SamplingParams(max_tokens=8)
+    next_arrival, n = clock.t, 0
+    backlog = []
+    while clock.t < 100.0 + 3 * LOAD_WINDOW_S:
+        while next_arrival <= clock.t:
+            p = [rng.randrange(100, 40000) for _ in range(1500)]
+            sched.add_request(Request(f"p{n}", p, params, max_tokens=8, arrival_time=next_arrival))
+            next_arrival += 4.0
+            n += 1
+        step_with(controller, sched, clock, TRUE)
+        backlog.append(sum(r.num_uncomputed_tokens for r in sched.waiting + sched.running))
+    # A 1500-token prompt every 4 s is ~40% of this machine: more than the 1/6 share a 1.2x
+    # slowdown gives, yet the backlog stays within a few prompts.
+    assert controller.prefill_load(sched) > 0.3
+    assert max(backlog[len(backlog) // 2 :]) < 4 * 1500
+
+
+def test_short_prompt_during_a_long_chunked_prefill_gets_its_first_token_within_two_steps() -> None:
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=8)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    for _ in range(20):  # the long prompt is chunked beside the decodes
+        step_with(controller, sched, clock, TRUE)
+    long = sched.requests["long"]
+    assert long.is_prefilling and long.num_computed_tokens > 0
+    rng = random.Random(9)
+    for i in range(5):
+        short = Request(
+            f"s{i}",
+            [rng.randrange(100, 40000) for _ in range(60)],
+            SamplingParams(max_tokens=4),
+            max_tokens=4,
+            arrival_time=clock.t,
+        )
+        sched.add_request(short)
+        before = long.num_computed_tokens
+        for _ in range(2):
+            step_with(controller, sched, clock, TRUE)
+        assert short.num_output_tokens >= 1, i
+        assert long.num_computed_tokens > before  # the long one still moved
+        for _ in range(3):
+            step_with(controller, sched, clock, TRUE)
+
+
 def test_fit_recovers_a_linear_model_and_reports_heldout_error() -> None:
     rng = random.Random(0)
     shapes = [

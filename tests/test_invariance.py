@@ -75,6 +75,22 @@ def test_chunked_matches_unchunked(reference, budget: int) -> None:
     assert_no_blocks_in_use(engine)
 
 
+def test_adaptive_default_matches_unchunked(reference) -> None:
+    """No budget named: the adaptive budget picks each step's share online (steps of
+    different budgets, mixed steps, a prefill-only step when nothing decodes), and the
+    greedy tokens are those of the unchunked run."""
+    prompts, expected = reference
+    engine = make_engine()
+    assert engine.budget_policy.kind == "adaptive" and engine.controller is not None
+    steps = []
+    engine.step_listeners.append(steps.append)
+    assert run_staggered(engine, prompts) == expected
+    assert any(s.kind == "mixed" for s in steps)
+    assert len({s.token_budget for s in steps if s.num_prefill_tokens}) > 3
+    assert all(s.target_time is not None for s in steps if s.num_prefill_tokens)
+    assert_no_blocks_in_use(engine)
+
+
 def preemption_workload() -> list[list[int]]:
     rng = random.Random(99)
     return [random_prompt(rng, n) for n in (40, 90, 150, 200, 260, 33, 120)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chunkserve import LLM, EngineConfig, SamplingParams
+from chunkserve.config import BudgetPolicy
 from chunkserve.engine import Engine
 from tests.conftest import assert_no_blocks_in_use
 
@@ -97,6 +98,41 @@ def test_unknown_model_path() -> None:
 def test_engine_config_errors(kwargs, field) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_decode_slowdown": 0.5}, "max_decode_slowdown"),
+        ({"max_decode_slowdown": 2.0, "itl_slo_ms": 100.0}, "max_decode_slowdown"),
+        ({"max_decode_slowdown": 2.0, "enable_chunked_prefill": False}, "max_decode_slowdown"),
+        ({"prefill_order": "random"}, "prefill_order"),
+    ],
+)
+def test_budget_config_errors(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**kwargs)
+
+
+def test_budget_policy_from_the_flags() -> None:
+    """No budget named: adaptive (cap min(8192, max_model_len)). A budget named alone:
+    static, as in vLLM. A target named: that target, the budget its cap. Chunking off:
+    static."""
+    policy = EngineConfig().budget_policy(4096)
+    assert (policy.kind, policy.max_num_batched_tokens) == ("adaptive", 4096)
+    assert policy.decode_slowdown == 3.0
+    assert EngineConfig().budget_policy(32768).max_num_batched_tokens == 8192
+    static = EngineConfig(max_num_batched_tokens=256).budget_policy(4096)
+    assert (static.kind, static.max_num_batched_tokens) == ("static", 256)
+    capped = EngineConfig(max_num_batched_tokens=256, max_decode_slowdown=1.5)
+    assert capped.budget_policy(4096) == BudgetPolicy("adaptive", 256, decode_slowdown=1.5)
+    itl = EngineConfig(itl_slo_ms=250).budget_policy(4096)
+    assert (itl.kind, itl.max_num_batched_tokens, itl.itl_slo_s) == ("itl-target", 4096, 0.25)
+    off = EngineConfig(enable_chunked_prefill=False).budget_policy(4096)
+    assert (off.kind, off.max_num_batched_tokens) == ("static", 512)
+    assert EngineConfig().scheduler_config(4096).max_num_seqs == 128
+    for p in (policy, static, itl):
+        assert p.describe().startswith(p.kind + ":")
 
 
 def test_unknown_engine_option() -> None:

@@ -2,8 +2,10 @@
 
 Each request is sent at its arrival offset, streamed, and the arrival time of every SSE chunk
 that carries text is recorded. Metric names follow ``vllm bench serve`` (``mean_ttft_ms``,
-``p99_itl_ms``, ``output_throughput`` ...) so results compare directly; ``max_itl_ms`` is the
-worst single gap between two tokens of any request (the stall a user sees).
+``p99_itl_ms``, ``output_throughput`` ...) so results compare directly. For the tails a stall
+shows in: ``p99.9_itl_ms``, ``max_itl_ms`` (the worst single gap between two tokens of any
+request: the stall a user sees) and ``stalled_token_fraction`` (the share of inter-token gaps
+longer than ``STALL_FACTOR`` times the run's median gap).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import httpx
 
 from chunkserve.bench.datasets import BenchRequest
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 99, 99.9)
+# A gap this many times the run's median inter-token gap counts as a stalled token.
+STALL_FACTOR = 3.0
 
 
 @dataclass
@@ -227,7 +231,7 @@ def _stats(values_s: list[float], name: str) -> dict[str, float]:
     }
     for p in PERCENTILES:
         if p != 50:
-            out[f"p{p}_{name}_ms"] = percentile(ms, p)
+            out[f"p{p:g}_{name}_ms"] = percentile(ms, p)
     return out
 
 
@@ -259,6 +263,7 @@ def summarize(
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "max_itl_ms": 1e3 * max(itls, default=0.0),
+        "stalled_token_fraction": stalled_fraction(itls),
     }
     if goodput is not None:
         good = sum(1 for r in ok if goodput.met(r))
@@ -269,6 +274,14 @@ def summarize(
     result.update(_stats(itls, "itl"))
     result.update(_stats([r.e2el for r in ok if r.e2el is not None], "e2el"))
     return result
+
+
+def stalled_fraction(gaps: Sequence[float], factor: float = STALL_FACTOR) -> float:
+    """Share of inter-token gaps longer than ``factor`` times their median (0 for none)."""
+    if not gaps:
+        return 0.0
+    limit = factor * percentile(gaps, 50)
+    return sum(1 for g in gaps if g > limit) / len(gaps)
 
 
 def summarize_by_kind(
@@ -320,9 +333,11 @@ def format_summary(result: dict[str, Any], title: str = "Serving benchmark") -> 
         "output_throughput",
         "total_token_throughput",
         "max_itl_ms",
+        "stalled_token_fraction",
     ]
     for name in ("ttft", "tpot", "itl", "e2el"):
         keys += [f"mean_{name}_ms", f"median_{name}_ms", f"p90_{name}_ms", f"p99_{name}_ms"]
+    keys.insert(keys.index("p99_itl_ms") + 1, "p99.9_itl_ms")
     for k in keys:
         if k in result:
             v = result[k]

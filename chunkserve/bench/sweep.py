@@ -1,7 +1,7 @@
-"""``chunkserve bench sweep``: start a server per configuration (chunking off, then each
-budget, then peers), run the same seeded workload against each, and write
-``benchmarks/results/<name>/``: ``report.md``, ``results.json`` (everything, per-request
-data included) and PNG plots.
+"""``chunkserve bench sweep``: start a server per configuration (chunking off, the defaults,
+then each static budget, then peers), run the same seeded workload against each, at one or
+more request rates, and write ``benchmarks/results/<name>/``: ``report.md``, ``results.json``
+(everything, per-request data included) and PNG plots.
 """
 
 from __future__ import annotations
@@ -43,6 +43,17 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated max_num_batched_tokens values",
     )
     p.add_argument("--no-baseline", action="store_true", help="skip chunking off")
+    p.add_argument(
+        "--no-defaults",
+        action="store_true",
+        help="skip the server with no budget flags (the defaults row)",
+    )
+    p.add_argument(
+        "--request-rates",
+        default=None,
+        help="comma-separated request rates: every config runs the workload at each "
+        "(default: --request-rate)",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -110,6 +121,8 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
     configs = []
     if not args.no_baseline:
         configs.append(Config("off", "chunking off", None, [*base, "--no-chunked-prefill"]))
+    if not args.no_defaults:
+        configs.append(Config("defaults", "defaults (no budget flags)", None, base))
     for b in [int(x) for x in args.budgets.split(",") if x.strip()]:
         configs.append(
             Config(
@@ -212,6 +225,18 @@ class ServerProcess:
         self.log.close()
 
 
+def request_rates(args: argparse.Namespace) -> list[float]:
+    if not args.request_rates:
+        return [args.request_rate]
+    try:
+        rates = [float(x) for x in args.request_rates.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"request_rates: expected numbers, got {args.request_rates!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"request_rates: must be > 0, got {args.request_rates!r}")
+    return rates
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     from chunkserve.bench.cli import workload_from_args
     from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document, run
@@ -219,71 +244,113 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     slo = GoodputSLO.parse(args.goodput)
     configs = build_configs(args)
-    requests, spec = workload_from_args(args)
+    rates = request_rates(args)
+    workloads = {}
+    for rate in rates:
+        args.request_rate = rate
+        workloads[rate] = workload_from_args(args)
+    spec = workloads[rates[0]][1]
     out_dir = Path(args.results_dir) / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_description(),
+        "commit": git_commit(),
         "command": "chunkserve bench sweep " + " ".join(sys.argv[3:]),
         "threads": args.threads,
         "workload": dict(vars(spec)),
-        "num_requests": len(requests),
+        "request_rates": rates,
+        "num_requests": len(workloads[rates[0]][0]),
         "goodput_slo": args.goodput,
     }
     runs: list[dict[str, Any]] = []
     if args.resume:
-        runs = resumed_runs(out_dir / "results.json", meta, {c.name for c in configs})
-    done = {r["name"] for r in runs}
-    for cfg in configs:
-        if cfg.name in done:
-            print(f"== {cfg.name}: kept from results.json", flush=True)
-            continue
-        print(f"== {cfg.name}: {cfg.label}", flush=True)
-        server = ServerProcess(cfg.command, out_dir / f"{cfg.name}.log")
-        try:
-            server.wait_healthy()
-            records, duration = run(
-                server.base_url + "/v1",
-                requests,
-                endpoint=args.endpoint,
-                max_duration=args.max_duration,
-                max_concurrency=args.max_concurrency,
-                progress=True,
+        wanted = {(c.name, rate) for c in configs for rate in rates}
+        runs = resumed_runs(out_dir / "results.json", meta, wanted)
+    done = {(r["name"], r.get("request_rate")) for r in runs}
+    for rate in rates:
+        requests = workloads[rate][0]
+        for cfg in configs:
+            if (cfg.name, rate) in done:
+                print(f"== {cfg.name} at {rate:g} req/s: kept from results.json", flush=True)
+                continue
+            print(f"== {cfg.name} at {rate:g} req/s: {cfg.label}", flush=True)
+            log = out_dir / (f"{cfg.name}.log" if len(rates) == 1 else f"{cfg.name}_{rate:g}.log")
+            server = ServerProcess(cfg.command, log)
+            try:
+                server.wait_healthy()
+                records, duration = run(
+                    server.base_url + "/v1",
+                    requests,
+                    endpoint=args.endpoint,
+                    max_duration=args.max_duration,
+                    max_concurrency=args.max_concurrency,
+                    progress=True,
+                )
+            finally:
+                server.stop()
+            result = result_document(records, duration, slo)
+            print(format_summary(result, f"{cfg.name} at {rate:g} req/s"), flush=True)
+            runs.append(
+                {
+                    "name": cfg.name,
+                    "label": cfg.label,
+                    "budget": cfg.budget,
+                    "engine": cfg.engine,
+                    "command": cfg.command,
+                    "request_rate": rate,
+                    **result,
+                }
             )
-        finally:
-            server.stop()
-        result = result_document(records, duration, slo)
-        print(format_summary(result, cfg.name), flush=True)
-        runs.append(
-            {
-                "name": cfg.name,
-                "label": cfg.label,
-                "budget": cfg.budget,
-                "engine": cfg.engine,
-                "command": cfg.command,
-                **result,
-            }
-        )
-        (out_dir / "results.json").write_text(
-            json.dumps({"meta": meta, "runs": runs}, indent=1, default=str)
-        )
+            (out_dir / "results.json").write_text(
+                json.dumps({"meta": meta, "runs": runs}, indent=1, default=str)
+            )
     write_report(out_dir, meta, runs)
     print(f"wrote {out_dir}/report.md")
     return 0
 
 
-def resumed_runs(path: Path, meta: dict[str, Any], names: set[str]) -> list[dict[str, Any]]:
+def resumed_runs(
+    path: Path, meta: dict[str, Any], wanted: set[tuple[str, float | None]]
+) -> list[dict[str, Any]]:
     """The runs of an earlier, interrupted sweep into the same folder that this sweep would
-    repeat; refuses to mix in runs made against a different workload. Keeps the earlier
-    date in ``meta`` (the table's rows span both) and notes the resume."""
+    repeat, as (config name, request rate); refuses to mix in runs made against a different
+    workload (the rate aside). Keeps the earlier date in ``meta`` (the table's rows span
+    both) and notes the resume."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    if old["meta"].get("workload") != json.loads(json.dumps(meta["workload"], default=str)):
+
+    def same(workload: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: v
+            for k, v in json.loads(json.dumps(workload, default=str)).items()
+            if k != "request_rate"
+        }
+
+    if same(old["meta"].get("workload") or {}) != same(meta["workload"]):
         raise ValueError(f"resume: {path} was made with a different workload")
     meta["date"] = f"{old['meta']['date']} (resumed {meta['date']})"
-    return [r for r in old["runs"] if r["name"] in names]
+    return [r for r in old["runs"] if (r["name"], r.get("request_rate")) in wanted]
+
+
+def git_commit() -> str | None:
+    """The commit the benchmark ran at (with ``+dirty`` for uncommitted changes), if known."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def machine_description() -> str:
