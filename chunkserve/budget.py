@@ -68,13 +68,11 @@ SCALE_ALPHA = 0.3
 # One step's measured / predicted moves a scale at most this far (a GC pause or a page
 # fault in one step should not halve the next budgets).
 SCALE_CLIP = (1 / 3, 3.0)
-# The prefill load is measured over the prompts that arrived in the last LOAD_WINDOW_S (at
-# least MIN_LOAD_WINDOW_S since the first one, so one early prompt does not look like a
-# flood). The share planned is LOAD_MARGIN x the load (chunked prefill computes a prompt
-# less efficiently than one whole step, and a queue only drains with room to spare), at
-# least MIN_PREFILL_SHARE.
+# The prefill load is the work of the prompts that arrived in the last LOAD_WINDOW_S per
+# second, or the work waiting spread over that window if that is more (a queue the load
+# estimate missed). The share planned is LOAD_MARGIN x the load (chunked prefill computes a
+# prompt less efficiently than one whole step, and a queue only drains with room to spare).
 LOAD_WINDOW_S = 30.0
-MIN_LOAD_WINDOW_S = 10.0
 LOAD_MARGIN = 1.1
 MAX_PREFILL_SHARE = 0.9
 # With nothing decoding, a step may take this many times its fixed cost (weights, LM head).
@@ -131,7 +129,6 @@ class BudgetController:
         # window, and their sum.
         self._arrived: deque[tuple[float, tuple[float, ...]]] = deque()
         self._arrived_sum = [0.0] * NUM_FEATURES
-        self._first_arrival: float | None = None
         self._num_seen = 0  # of scheduler.num_added
 
     @property
@@ -165,11 +162,8 @@ class BudgetController:
         self._mean_alone_s = alone if mean == 0.0 else mean + MEAN_ALPHA * (alone - mean)
         share = 0.0
         if self.model.num_updates >= self.warmup_steps:  # the model prices work by now
-            share = min(
-                MAX_PREFILL_SHARE,
-                LOAD_MARGIN * self.prefill_load(scheduler)
-                + self.backlog_work_s(scheduler) / LOAD_WINDOW_S,
-            )
+            load = max(self.prefill_load(scheduler), self.backlog_work_s(scheduler) / LOAD_WINDOW_S)
+            share = min(MAX_PREFILL_SHARE, LOAD_MARGIN * load)
         target = alone + self._mean_alone_s * max(slowdown - 1.0, share / (1.0 - share))
         # measured(mixed) <= target in measured terms, planned in the model's terms.
         return target * self.scale["decode"] / self.scale["mixed"]
@@ -177,9 +171,8 @@ class BudgetController:
     def prefill_load(self, scheduler) -> float:
         """Share of the machine's time the arriving prompts need: their prefill work alone
         (``CostModel.prefill_work_s``, with the model's current weights) arrived over the
-        last ``LOAD_WINDOW_S``, per second (over at least ``MIN_LOAD_WINDOW_S`` since the
-        first arrival). The window keeps the sum of the prompts' cost features, so the
-        load is re-priced every step as the model learns."""
+        last ``LOAD_WINDOW_S``, per second. The window keeps the sum of the prompts' cost
+        features, so the load is re-priced every step as the model learns."""
         now = scheduler.clock()
         new = scheduler.num_added - self._num_seen
         self._num_seen = scheduler.num_added
@@ -189,16 +182,13 @@ class BudgetController:
             row = (0.0, *row[1:])  # a step's fixed cost is not the prompt's work
             self._arrived.append((r.arrival_time, row))
             self._arrived_sum = [a + b for a, b in zip(self._arrived_sum, row)]
-            if self._first_arrival is None:
-                self._first_arrival = r.arrival_time
         while self._arrived and self._arrived[0][0] < now - LOAD_WINDOW_S:
             row = self._arrived.popleft()[1]
             self._arrived_sum = [a - b for a, b in zip(self._arrived_sum, row)]
-        if not self._arrived or self._first_arrival is None:
+        if not self._arrived:
             self._arrived_sum = [0.0] * NUM_FEATURES  # no float residue
             return 0.0
-        window = min(LOAD_WINDOW_S, max(MIN_LOAD_WINDOW_S, now - self._first_arrival))
-        return max(0.0, dot(self.model.weights, self._arrived_sum)) / window
+        return max(0.0, dot(self.model.weights, self._arrived_sum)) / LOAD_WINDOW_S
 
     def backlog_work_s(self, scheduler) -> float:
         """Predicted prefill work of the prompts waiting or in progress (the first

@@ -4,8 +4,12 @@ Pure Python, no torch. Each ``schedule()`` spends one token budget
 (``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``):
 
 1. running decodes first, one token each (decode-maximal: a long prompt never stalls them);
-2. then prefills already in progress, each getting ``min(remaining, budget left)``;
-3. then waiting requests in policy order while budget, sequence slots and KV blocks last.
+2. then the prefill share, over the prefills in progress and the waiting requests (admitted
+   while sequence slots and KV blocks last). By default (``prefill_order="shortest"``) the
+   prompts with the least left to compute go first (a waiting one's length counts less the
+   longer it waits), after a block for each prefill in progress that got nothing in the last
+   step; with ``"arrival"``, prefills in progress then waiting requests, in policy order.
+   The policy's priorities (``scheduling_policy="priority"``) come before length.
 
 A chunk that does not end its prompt is cut at a KV-block boundary where it can be, so the
 next chunk starts on a fresh block (and full blocks can be shared by a prefix cache).
@@ -332,11 +336,17 @@ class Scheduler:
                 out.prefills.append(chunk)
                 chunks[request.request_id] = chunk
             return
-        end = chunk.end + self._chunk_len(request, budget, out.token_budget, start=chunk.end)
-        if end < request.num_tokens:  # more of the prompt stays: keep the block boundary
+        self._extend(chunk, self._chunk_len(request, budget, out.token_budget, start=chunk.end))
+
+    def _extend(self, chunk: ScheduledChunk, extra: int) -> None:
+        """Grow a chunk by up to ``extra`` tokens, ending on a block boundary unless it ends
+        the prompt (nothing if the pool is short)."""
+        r = chunk.request
+        end = chunk.end + extra
+        if end < r.num_tokens:
             end -= end % self.config.block_size
         extra = end - chunk.end
-        if extra > 0 and self.kv.allocate_slots(request, chunk.num_tokens + extra):
+        if extra > 0 and self.kv.allocate_slots(r, chunk.num_tokens + extra):
             chunk.extend(extra)
 
     def _give_leftover_to_long(self, out: SchedulerOutput) -> None:
@@ -346,17 +356,9 @@ class Scheduler:
             left = out.token_budget - out.num_batched_tokens
             if left <= 0:
                 return
-            r = chunk.request
-            remaining = r.num_tokens - chunk.end
-            if remaining <= 0 or not self._is_long(r):
-                continue
-            extra = min(left, remaining)
-            end = chunk.end + extra
-            if end < r.num_tokens:  # still not the end of the prompt: keep block alignment
-                end -= end % self.config.block_size
-            extra = end - chunk.end
-            if extra > 0 and self.kv.allocate_slots(r, chunk.num_tokens + extra):
-                chunk.extend(extra)
+            remaining = chunk.request.num_tokens - chunk.end
+            if remaining > 0 and self._is_long(chunk.request):
+                self._extend(chunk, min(left, remaining))
 
     def _schedule_unchunked(self, out: SchedulerOutput, budget: int) -> None:
         # Whole prompts first: a prefill-only step (decodes stall) whenever one fits.

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from chunkserve.bench.datasets import WorkloadSpec, arrival_times, build_workload
-from chunkserve.bench.loadgen import GoodputSLO, RequestRecord, percentile, summarize
+from chunkserve.bench.loadgen import (
+    GoodputSLO,
+    RequestRecord,
+    percentile,
+    stalled_fraction,
+    summarize,
+)
 from chunkserve.bench.report import pick_best, write_report
 from chunkserve.cli import main
 from chunkserve.model.loader import embedded_model_path, open_gguf
@@ -51,6 +57,21 @@ def test_fairness_and_random_workloads(tok: Tokenizer) -> None:
         WorkloadSpec(dataset="random", num_prompts=5, input_len=100, output_len=7), tok
     )
     assert all(r.prompt_len == 100 and r.output_len == 7 for r in rand)
+
+
+def test_mix_workload_spreads_lengths_into_classes(tok: Tokenizer) -> None:
+    reqs = build_workload(WorkloadSpec(dataset="mix", num_prompts=400, request_rate=2.0), tok)
+    lens = sorted(r.prompt_len for r in reqs)
+    assert 200 <= lens[len(lens) // 2] <= 420  # median ~300
+    assert lens[0] >= 16 and lens[-1] <= 6000 and lens[int(0.95 * len(lens))] > 1024
+    outs = sorted(r.output_len for r in reqs)
+    assert 70 <= outs[len(outs) // 2] <= 140 and outs[0] >= 8 and outs[-1] <= 800
+    for r in reqs:
+        want = "short" if r.prompt_len < 256 else "medium" if r.prompt_len < 1024 else "long"
+        assert r.kind == want
+    assert {r.kind for r in reqs} == {"short", "medium", "long"}
+    gaps = [b.arrival - a.arrival for a, b in itertools.pairwise(reqs)]
+    assert abs(statistics.fmean(gaps) - 0.5) < 0.1
 
 
 def test_sharegpt_from_local_file(tok: Tokenizer, tmp_path: Path) -> None:
@@ -101,22 +122,31 @@ def test_summary_metrics_and_goodput() -> None:
     assert res["median_ttft_ms"] == pytest.approx(550.0)
     assert res["max_itl_ms"] == pytest.approx(2050.0)
     assert res["request_goodput"] == pytest.approx(0.5)  # ttft <= 500 ms for 5, none stalled
+    # 40 gaps of 50 ms, one of 2,050 ms: the one stalled token, and the tail percentile
+    assert res["stalled_token_fraction"] == pytest.approx(1 / 40)
+    assert res["p99.9_itl_ms"] == pytest.approx(50 + 0.961 * 2000, rel=1e-3)
     assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert stalled_fraction([0.1] * 9 + [0.29]) == 0.0
+    assert stalled_fraction([0.1] * 9 + [0.31]) == pytest.approx(0.1)
+    assert stalled_fraction([]) == 0.0
     with pytest.raises(ValueError, match="goodput"):
         GoodputSLO.parse(["latency:5"])
 
 
-def _fake_run(name: str, budget, p99: float, tput: float, ttft: float) -> dict:
+def _fake_run(name: str, budget, p99: float, tput: float, ttft: float, rate=None) -> dict:
     return {
         "name": name,
         "label": name,
         "budget": budget,
         "engine": "chunkserve",
+        "request_rate": rate,
         "completed": 3,
         "failed": 0,
         "median_itl_ms": 50.0,
         "p99_itl_ms": p99,
+        "p99.9_itl_ms": 1.5 * p99,
         "max_itl_ms": 2 * p99,
+        "stalled_token_fraction": 0.01,
         "output_throughput": tput,
         "total_token_throughput": 10 * tput,
         "request_goodput": 0.1,
@@ -161,6 +191,58 @@ def test_report_and_best_budget(tmp_path: Path) -> None:
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_report_per_rate_judges_the_defaults(tmp_path: Path) -> None:
+    """Two rates: a section each, the defaults judged against chunking off and the best
+    static budget of the same rate."""
+    runs = []
+    for rate, scale in ((0.5, 1.0), (1.0, 2.0)):
+        runs += [
+            _fake_run("off", None, 2000.0 * scale, 80.0, 300.0, rate),
+            _fake_run("defaults", None, 150.0 * scale, 79.0, 310.0, rate),
+            _fake_run("budget-64", 64, 140.0 * scale, 78.0, 320.0, rate),
+        ]
+    runs[4]["output_throughput"] = 70.0  # 1.0 req/s: the defaults lose 12.5%
+    meta = {
+        "date": "today",
+        "machine": "test",
+        "command": "x",
+        "threads": 1,
+        "commit": "abc1234",
+        "workload": vars(WorkloadSpec(dataset="stall")),
+        "num_requests": 3,
+        "goodput_slo": [],
+    }
+    write_report(tmp_path, meta, runs)
+    report = (tmp_path / "report.md").read_text()
+    assert "## 0.5 req/s" in report and "## 1 req/s" in report and "commit abc1234" in report
+    half, full = report.split("## 1 req/s")
+    assert "max ITL 4000 -> 300 ms: 13.3x lower (target >= 5x: met)" in half
+    assert "p99.9 ITL 3000 -> 225 ms: 13.3x lower (target >= 3x: met)" in half
+    assert "median TTFT of short prompts 300 -> 310 ms: 1.03x (target <= 1.1x: met)" in half
+    assert "p99 ITL 140 -> 150 ms: 1.07x (target <= 1.15x: met)" in half
+    assert "80.0 -> 70.0 tok/s: 0.875x (target >= 0.95x: NOT met)" in full
+    assert (tmp_path / "itl_timeline_0.5rps.png").stat().st_size > 1000
+    assert (tmp_path / "latency_vs_budget_1rps.png").stat().st_size > 1000
+
+
+def test_mix_report_compares_every_percentile(tmp_path: Path) -> None:
+    off = _fake_run("off", None, 900.0, 60.0, 300.0)
+    defaults = _fake_run("defaults", None, 200.0, 59.5, 350.0)
+    for run, ttft in ((off, 300.0), (defaults, 350.0)):
+        run["by_kind"] = {
+            k: {"median_ttft_ms": ttft * f, "p99_ttft_ms": 3 * ttft * f}
+            for k, f in (("short", 0.5), ("medium", 1.0), ("long", 4.0))
+        }
+    meta = {"date": "today", "machine": "test", "command": "x", "threads": 1}
+    meta |= {"workload": vars(WorkloadSpec(dataset="mix")), "num_requests": 3}
+    write_report(tmp_path, {**meta, "goodput_slo": []}, [off, defaults])
+    report = (tmp_path / "report.md").read_text()
+    assert "| ITL p99 | 900 | 200 | 0.22 |" in report
+    assert "| TTFT medium p50 | 300 | 350 | 1.17 |" in report
+    assert "no worse on every percentile: NOT met (worse: TTFT p50" in report
+    assert "median TTFT medium ms" in report  # the table has a column per class
+
+
 def test_fairness_report_marks_its_targets(tmp_path: Path) -> None:
     off = _fake_run("limits-off", None, 900.0, 60.0, 0.0)
     on = _fake_run("limits-on", None, 1400.0, 53.0, 0.0)
@@ -177,18 +259,48 @@ def test_fairness_report_marks_its_targets(tmp_path: Path) -> None:
 def test_sweep_resume_keeps_matching_runs(tmp_path: Path) -> None:
     from chunkserve.bench.sweep import resumed_runs
 
-    workload = {"dataset": "stall", "long_input": (1500, 4000), "seed": 0}
+    workload = {"dataset": "stall", "long_input": (1500, 4000), "seed": 0, "request_rate": 1.0}
     old_meta = {"date": "monday", "workload": json.loads(json.dumps(workload))}
-    runs = [{"name": "off"}, {"name": "budget-64"}, {"name": "dropped"}]
+    runs = [
+        {"name": "off", "request_rate": 1.0},
+        {"name": "off", "request_rate": 2.0},
+        {"name": "budget-64", "request_rate": 1.0},
+        {"name": "dropped", "request_rate": 1.0},
+    ]
     path = tmp_path / "results.json"
-    assert resumed_runs(path, {"date": "tuesday", "workload": workload}, {"off"}) == []
+    assert resumed_runs(path, {"date": "tuesday", "workload": workload}, {("off", 1.0)}) == []
     path.write_text(json.dumps({"meta": old_meta, "runs": runs}))
-    meta = {"date": "tuesday", "workload": workload}
-    kept = resumed_runs(path, meta, {"off", "budget-64", "budget-128"})
-    assert [r["name"] for r in kept] == ["off", "budget-64"]
+    meta = {"date": "tuesday", "workload": {**workload, "request_rate": 2.0}}
+    wanted = {("off", 1.0), ("off", 2.0), ("budget-64", 1.0), ("budget-128", 1.0)}
+    kept = resumed_runs(path, meta, wanted)
+    assert [(r["name"], r["request_rate"]) for r in kept] == [
+        ("off", 1.0),
+        ("off", 2.0),
+        ("budget-64", 1.0),
+    ]
     assert meta["date"] == "monday (resumed tuesday)"
     with pytest.raises(ValueError, match="different workload"):
-        resumed_runs(path, {"date": "x", "workload": {**workload, "seed": 1}}, {"off"})
+        resumed_runs(path, {"date": "x", "workload": {**workload, "seed": 1}}, {("off", 1.0)})
+
+
+def test_sweep_configs_and_rates() -> None:
+    import argparse
+
+    from chunkserve.bench.sweep import add_sweep_args, build_configs, request_rates
+
+    p = argparse.ArgumentParser()
+    add_sweep_args(p)
+    args = p.parse_args(["--budgets", "64,128", "--request-rates", "0.5,1"])
+    names = [c.name for c in build_configs(args)]
+    assert names == ["off", "defaults", "budget-64", "budget-128"]
+    defaults = build_configs(args)[1].command
+    assert not {"--max-num-batched-tokens", "--itl-slo-ms", "--no-chunked-prefill"} & set(defaults)
+    assert request_rates(args) == [0.5, 1.0]
+    assert request_rates(p.parse_args(["--request-rate", "3"])) == [3.0]
+    for bad in ("0.5,x", "0,1", ","):
+        with pytest.raises(ValueError, match="request_rates"):
+            request_rates(p.parse_args(["--request-rates", bad]))
+    assert "defaults" not in [c.name for c in build_configs(p.parse_args(["--no-defaults"]))]
 
 
 def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:

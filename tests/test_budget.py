@@ -617,3 +617,76 @@ def test_engine_rejects_a_named_profile_it_cannot_use(tmp_path) -> None:
     bad.write_text('{"features": ["const"], "weights": [0.1]}')
     with pytest.raises(ValueError, match="cost_profile"):
         Engine(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, cost_profile=str(bad))
+
+
+def _metric_samples(metrics) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+    }
+
+
+def test_defaults_run_the_adaptive_budget_and_say_so(caplog) -> None:
+    """No budget flag: the engine runs the adaptive policy, logs it at start, exports it in
+    /metrics, and each step with prefill has a target."""
+    from chunkserve.engine import Engine
+    from chunkserve.metrics import Metrics
+
+    with caplog.at_level("INFO", logger="chunkserve"):
+        engine = Engine(dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
+    assert "adaptive: steps with prefill <= 3x their decodes alone" in caplog.text
+    metrics = Metrics(engine, "m")
+    engine.step_listeners.append(metrics.on_step)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request([100 + i for i in range(30)], params)
+    engine.step()
+    engine.add_request([200 + i for i in range(300)], params)  # chunked beside the decode
+    while engine.has_unfinished():
+        engine.step()
+    samples = _metric_samples(metrics)
+    info = next(k for k in samples if k[0] == "chunkserve:budget_policy_info")
+    assert dict(info[1])["policy"] == "adaptive" and dict(info[1])["max_decode_slowdown"] == "3.0"
+    count = samples[("chunkserve:step_time_target_seconds_count", (("model_name", "m"),))]
+    assert count >= 2
+
+
+def test_explicit_budget_keeps_the_static_schedule_step_for_step() -> None:
+    """``max_num_batched_tokens`` named alone: no controller, every step has that budget,
+    and the chunks are exactly those the scheduler makes alone with that static budget."""
+    from chunkserve.engine import Engine
+
+    engine = Engine(
+        dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, max_num_batched_tokens=48
+    )
+    assert engine.controller is None and engine.budget_policy.kind == "static"
+    chunks, budgets, sampled = [], [], []
+    real = engine.runner.execute
+
+    def recording(out):
+        chunks.append([(c.request.request_id, c.start, c.num_tokens) for c in out.chunks])
+        budgets.append(out.token_budget)
+        result = real(out)
+        sampled.append(dict(result.sampled))
+        return result
+
+    engine.runner.execute = recording
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[100 + i] * n for i, n in enumerate((30, 200, 9, 120))]
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert set(budgets) == {48}
+    # The same requests through the scheduler alone, fed the engine's sampled tokens.
+    sched = Scheduler(engine.scheduler_config, KVCacheManager(engine.num_blocks, 16))
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"req-{i}", p, params, max_tokens=6))
+    replay = []
+    for step_sampled in sampled:
+        out = sched.schedule()
+        replay.append([(c.request.request_id, c.start, c.num_tokens) for c in out.chunks])
+        sched.update(out, step_sampled)
+    assert replay == chunks and not sched.has_unfinished()
