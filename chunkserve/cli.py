@@ -113,7 +113,8 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         type=float,
         default=None,
         help="adaptive budget (the default, 2.0): a step that carries prefill may take at "
-        "most this many times as long as its decodes alone",
+        "most this many times as long as its decodes alone, unless the measured prefill load "
+        "needs more (with --max-num-batched-tokens: the cap)",
     )
 
     g.add_argument(

@@ -31,7 +31,7 @@ DEFAULT_BUDGET_CAP = 8192
 # Adaptive budget by default (``budget.BudgetController``): a step carrying prefill takes the
 # share of time the measured prefill load needs, and at most this many times as long as its
 # decodes alone would (the streams slow down at most this much, whatever the hardware).
-DEFAULT_DECODE_SLOWDOWN = 3.0
+DEFAULT_DECODE_SLOWDOWN = 2.0
 BUDGET_POLICIES = ("static", "adaptive", "itl-target")
 
 

@@ -120,7 +120,7 @@ def test_budget_policy_from_the_flags() -> None:
     static."""
     policy = EngineConfig().budget_policy(4096)
     assert (policy.kind, policy.max_num_batched_tokens) == ("adaptive", 4096)
-    assert policy.decode_slowdown == 3.0
+    assert policy.decode_slowdown == 2.0
     assert EngineConfig().budget_policy(32768).max_num_batched_tokens == 8192
     static = EngineConfig(max_num_batched_tokens=256).budget_policy(4096)
     assert (static.kind, static.max_num_batched_tokens) == ("static", 256)
