@@ -1,11 +1,12 @@
-"""Offline throughput: chunkserve (chunked and unchunked) against HF transformers `generate`.
+"""Offline throughput: chunkserve (defaults, a static chunked budget, unchunked) against HF
+transformers `generate`.
 
 64 prompts of real prose with lengths drawn uniformly from 20..1,500 tokens, 128 output tokens
 each (EOS ignored so every engine produces the same count). Each engine runs in its own
 subprocess, so peak RSS is its own. Prints a table and writes
 ``benchmarks/results/offline_throughput.{json,md}``.
 
-    python benchmarks/offline_throughput.py                 # all three, ~10 min on 2 cores
+    python benchmarks/offline_throughput.py                 # all four, ~15 min on 2 cores
     python benchmarks/offline_throughput.py --modes chunked --num-prompts 16
 
 Prefill and decode tok/s split each step's time between its prefill and decode tokens in
@@ -40,17 +41,24 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_chunkserve(args: argparse.Namespace, chunked: bool) -> dict:
+def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
+    """``mode``: defaults (no budget flag: the adaptive budget), chunked (static budget
+    ``--budget``) or unchunked."""
     from chunkserve import SamplingParams
     from chunkserve.engine import Engine
 
-    budget = args.budget if chunked else args.unchunked_budget
-    engine = Engine(
-        max_num_batched_tokens=budget,
-        max_num_seqs=args.num_prompts,
-        enable_chunked_prefill=chunked,
-        num_threads=args.threads,
-    )
+    if mode == "defaults":
+        engine = Engine(num_threads=args.threads)
+        budget = None
+    else:
+        chunked = mode == "chunked"
+        budget = args.budget if chunked else args.unchunked_budget
+        engine = Engine(
+            max_num_batched_tokens=budget,
+            max_num_seqs=args.num_prompts,
+            enable_chunked_prefill=chunked,
+            num_threads=args.threads,
+        )
     prompts = make_prompts(
         engine.tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed
     )
@@ -74,8 +82,9 @@ def run_chunkserve(args: argparse.Namespace, chunked: bool) -> dict:
     split = overhead_split(engine, prompts, args)
     num_prompt = sum(len(p) for p in prompts)
     return {
-        "engine": "chunkserve " + ("chunked" if chunked else "unchunked"),
+        "engine": f"chunkserve {mode}",
         "max_num_batched_tokens": budget,
+        "budget_policy": engine.budget_policy.describe(),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_out,
@@ -205,7 +214,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "hf":
         result = run_hf(args)
     else:
-        result = run_chunkserve(args, chunked=args.child == "chunked")
+        result = run_chunkserve(args, args.child)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -213,7 +222,8 @@ def render(results: list[dict], args: argparse.Namespace, meta: dict) -> str:
     lines = [
         "# Offline throughput",
         "",
-        f"{meta['date']}, {meta['machine']}. {args.num_prompts} prompts of prose, "
+        f"{meta['date']}, {meta['machine']}, commit {meta.get('commit')}. "
+        f"{args.num_prompts} prompts of prose, "
         f"{args.min_len}..{args.max_len} tokens (uniform, seed {args.seed}), "
         f"{args.output_len} output tokens each, {args.threads} torch threads.",
         "",
@@ -248,12 +258,13 @@ def render(results: list[dict], args: argparse.Namespace, meta: dict) -> str:
 
 
 def main() -> None:
+    from chunkserve.bench.sweep import git_commit
     from chunkserve.platform import cpu_description
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--modes", default="chunked,unchunked,hf")
+    p.add_argument("--modes", default="defaults,chunked,unchunked,hf")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-len", type=int, default=20)
     p.add_argument("--max-len", type=int, default=1500)
@@ -290,6 +301,7 @@ def main() -> None:
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": cpu_description() + ", CPU only",
+        "commit": git_commit(),
         "command": "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

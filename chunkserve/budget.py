@@ -2,23 +2,24 @@
 
 Two targets (``config.BudgetPolicy``):
 
-- ``adaptive`` (the default): each step's prefill gets the share of the machine's time the
-  prefill load needs, measured online, and never more than ``decode_slowdown`` allows:
-  the load is the work of the prompts that arrived over the last ``LOAD_WINDOW_S``
-  seconds (each prompt's predicted prefill time alone, without a step's fixed cost,
-  ``CostModel.prefill_work_s``) per second; the share is ``LOAD_MARGIN`` times it (a
-  chunked prompt costs more than a whole one: prefix re-reads, per-chunk costs), at least
-  ``MIN_PREFILL_SHARE`` (a lone long prompt still moves briskly on a quiet machine) and
-  at most ``1 - 1 / decode_slowdown`` (a step that carries prefill costs at most
-  ``decode_slowdown`` times its decodes alone). The prefill time of a step is that share
-  of the recent average step (not of this step's decodes), so steps are even: the heavy
-  ones do not grow the most. Everything is relative to the machine's own steps, so no
-  number of milliseconds or tokens is chosen for the hardware (512 tokens is ~10 ms on an
-  H100 and ~1 s on one fp32 CPU thread). In steady load the prefill is spread evenly
-  over the steps, as the best static budget for that load would spread it, and the queue
-  stays bounded while the load is below the cap; a light load slows the streams little.
+- ``adaptive`` (the default): a step that carries prefill may take ``decode_slowdown``
+  times the recent mean time of the decodes alone (an average over steps: the steps with
+  prefill take about the same time, and a heavy one's decodes leave less room instead of
+  growing it, since the tail is where a stall shows). Relative to the machine's own decode
+  step, so no number of milliseconds or tokens is chosen for the hardware: 512 tokens is
+  ~10 ms on an H100 and ~1 s on one fp32 CPU thread.
+  A fixed slowdown alone falls behind under load: it gives prefill a fixed share of the
+  machine's time, ``(s - 1) / s``, and prompts arriving faster than that share computes
+  them queue without end. So the prefill load is measured too: the work of the prompts
+  that arrived over the last ``LOAD_WINDOW_S`` seconds (each prompt's predicted prefill
+  time alone, without a step's fixed cost: ``CostModel.prefill_work_s``) per second, or
+  the work waiting spread over that window if that is more. When ``LOAD_MARGIN`` times the
+  load is a bigger share than the slowdown gives, steps take ``1 / (1 - share)`` times the
+  mean decode step instead (at most ``MAX_PREFILL_SHARE``): in steady load the prefill is
+  spread evenly over the steps, as the best static budget for that load would spread it,
+  and the queue stays bounded.
   With nothing decoding there is no stream to protect: a step may take
-  ``IDLE_STEP_FACTOR`` times the step's fixed cost (its overhead stays small; a prompt
+  ``IDLE_STEP_FACTOR`` times the step's fixed cost (its overhead stays small, and a prompt
   arriving meanwhile waits at most that long), up to the token cap.
 - ``itl-target`` (``--itl-slo-ms``): the predicted step stays under a fixed time, planned
   below it by how much measured steps have exceeded their predictions.
@@ -81,8 +82,9 @@ IDLE_STEP_FACTOR = 25.0
 UNPROFILED_WARMUP_STEPS = 20
 # Weight of the newest step in the average time of the decodes alone.
 MEAN_ALPHA = 0.05
-# Prompts the pace looks at per step (in progress first, then waiting in policy order).
-MAX_PACED_PROMPTS = 64
+# Prompts looked at per step for the backlog and the short ones (in progress first, then
+# waiting in policy order).
+MAX_SCANNED_PROMPTS = 64
 
 
 @dataclass
@@ -124,7 +126,9 @@ class BudgetController:
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # Fast corrections of the model's predictions, by step kind (see the module doc).
         self.scale = {"decode": 1.0, "mixed": 1.0}
-        self._mean_alone_s = 0.0  # recent steps' decodes alone, predicted (average)
+        # Exponential average of the cost features of recent steps' decodes alone: their
+        # mean time, priced by the model as it is now (features are linear in the weights).
+        self._mean_alone: list[float] | None = None
         # (arrival time, cost features of its prefill alone) of the prompts of the load
         # window, and their sum.
         self._arrived: deque[tuple[float, tuple[float, ...]]] = deque()
@@ -157,14 +161,23 @@ class BudgetController:
             return IDLE_STEP_FACTOR * self.model.predict(StepShape(prefill_samples=1))
         slowdown = self.policy.decode_slowdown
         assert slowdown is not None
-        alone = self.model.predict(StepShape(tuple(decode_lens)))
-        mean = self._mean_alone_s
-        self._mean_alone_s = alone if mean == 0.0 else mean + MEAN_ALPHA * (alone - mean)
+        decodes = StepShape(tuple(decode_lens)).features()
+        mean = self._mean_alone
+        if mean is None:
+            self._mean_alone = mean = list(decodes)
+        else:
+            for i, x in enumerate(decodes):
+                mean[i] += MEAN_ALPHA * (x - mean[i])
+        alone = dot(self.model.weights, decodes)
+        mean_alone = dot(self.model.weights, mean)
         share = 0.0
         if self.model.num_updates >= self.warmup_steps:  # the model prices work by now
             load = max(self.prefill_load(scheduler), self.backlog_work_s(scheduler) / LOAD_WINDOW_S)
             share = min(MAX_PREFILL_SHARE, LOAD_MARGIN * load)
-        target = alone + self._mean_alone_s * max(slowdown - 1.0, share / (1.0 - share))
+        # Every step that carries prefill takes about the same time, the slowdown (or what
+        # the load needs) times the recent mean decode step: a heavy step's decodes leave
+        # less room, instead of growing the step (the tail is what a stall shows in).
+        target = max(alone, mean_alone * max(slowdown, 1.0 / (1.0 - share)))
         # measured(mixed) <= target in measured terms, planned in the model's terms.
         return target * self.scale["decode"] / self.scale["mixed"]
 
@@ -192,26 +205,26 @@ class BudgetController:
 
     def backlog_work_s(self, scheduler) -> float:
         """Predicted prefill work of the prompts waiting or in progress (the first
-        ``MAX_PACED_PROMPTS``): what the share adds to drain within ``LOAD_WINDOW_S``."""
+        ``MAX_SCANNED_PROMPTS``): what the share adds to drain within ``LOAD_WINDOW_S``."""
         prefilling = (r for r in scheduler.running if r.is_prefilling)
         return sum(
             self.model.prefill_work_s(r.num_uncomputed_tokens, r.num_computed_tokens)
             for r in itertools.islice(
-                itertools.chain(prefilling, scheduler.waiting), MAX_PACED_PROMPTS
+                itertools.chain(prefilling, scheduler.waiting), MAX_SCANNED_PROMPTS
             )
         )
 
     def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
         """Adaptive budget: room for the prompts whose rest fits the target whole (shortest
-        first, planned at position 0 beside the decodes), plus one block for the others; 0
-        if none fits.
-        The scheduler serves the shortest prompts first, so a short prompt arriving while
-        a long one is chunked is prefilled in the next step or two (the room planned at the
-        long one's depth, where tokens cost more, may not cover the short one and a block
-        of the long one)."""
+        first, planned at position 0 beside the decodes), plus one block over the target
+        for the others (the scheduler moves a prompt in progress that got nothing last step
+        before the short ones); 0 if none fits. The scheduler serves the shortest prompts
+        first, so a short prompt arriving while a long one is chunked is prefilled in the
+        next step or two: the room planned at the long one's depth, where tokens cost more,
+        may not cover it."""
         pending = itertools.chain(
             (r for r in scheduler.running if r.is_prefilling),
-            scheduler.waiting[:MAX_PACED_PROMPTS],
+            scheduler.waiting[:MAX_SCANNED_PROMPTS],
         )
         lengths = sorted(r.num_uncomputed_tokens for r in pending)
         if not lengths:
@@ -222,10 +235,6 @@ class BudgetController:
             if room + n > fits:
                 break
             room += n
-        if not room:
-            return 0
-        # One block over the target for the prompts in progress too (the scheduler moves one
-        # that got nothing last step before the short ones).
         return room + self.min_prefill_tokens if room else 0
 
     def decide(self, scheduler) -> BudgetDecision:

@@ -87,7 +87,7 @@ def write_report(out_dir: Path, meta: dict[str, Any], runs: list[dict[str, Any]]
         "",
         f"Measured {meta['date']} on {meta['machine']}; every server ran with "
         f"{meta['threads']} compute thread(s), the load generator on the same machine"
-        + (f"; commit {meta['commit']}" if meta.get("commit") else "")
+        + _commits(meta, runs)
         + ".",
         f"Workload: dataset `{w['dataset']}`, {meta['num_requests']} requests "
         f"({w['num_prompts']} {'short ' if w['dataset'] in ('stall', 'fairness') else ''}"
@@ -115,6 +115,19 @@ def write_report(out_dir: Path, meta: dict[str, Any], runs: list[dict[str, Any]]
         for title, file in write_plots(out_dir, group, suffix):
             lines += [f"### {title}", "", f"![{title}]({file})", ""]
     (out_dir / "report.md").write_text("\n".join(lines))
+
+
+def _commits(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """The commit(s) the runs were measured at (a resumed sweep may span two)."""
+    commits = list(dict.fromkeys(r.get("commit") or meta.get("commit") for r in runs))
+    commits = [c for c in commits if c]
+    if len(commits) <= 1:
+        return f"; commit {commits[0]}" if commits else ""
+    by = {
+        c: [f"{r['name']}@{r.get('request_rate')}" for r in runs if r.get("commit") == c]
+        for c in commits
+    }
+    return "; commits " + "; ".join(f"{c} ({', '.join(names)})" for c, names in by.items())
 
 
 def _classes(runs: list[dict[str, Any]]) -> list[str]:

@@ -299,6 +299,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                     "engine": cfg.engine,
                     "command": cfg.command,
                     "request_rate": rate,
+                    "commit": meta["commit"],
                     **result,
                 }
             )
