@@ -13,11 +13,12 @@ Two targets (``config.BudgetPolicy``):
   them queue without end. So the prefill load is measured too: the work of the prompts
   that arrived over the last ``LOAD_WINDOW_S`` seconds (each prompt's predicted prefill
   time alone, without a step's fixed cost: ``CostModel.prefill_work_s``) per second, or
-  the work waiting spread over that window if that is more. When ``LOAD_MARGIN`` times the
-  load is a bigger share than the slowdown gives, steps take ``1 / (1 - share)`` times the
-  mean decode step instead (at most ``MAX_PREFILL_SHARE``): in steady load the prefill is
-  spread evenly over the steps, as the best static budget for that load would spread it,
-  and the queue stays bounded.
+  the work waiting spread over that window if that is more. Chunked, that work costs more
+  (each chunk re-reads its prefix): the controller measures by how much from the chunks it
+  runs (``chunking_overhead``). When that share, times ``LOAD_MARGIN``, is more than the
+  slowdown gives, steps take ``1 / (1 - share)`` times the mean decode step instead (at
+  most ``MAX_PREFILL_SHARE``): in steady load the prefill is spread evenly over the steps,
+  as the best static budget for that load would spread it, and the queue stays bounded.
   With nothing decoding there is no stream to protect: a step may take
   ``IDLE_STEP_FACTOR`` times the step's fixed cost (its overhead stays small, and a prompt
   arriving meanwhile waits at most that long), up to the token cap.
@@ -71,8 +72,9 @@ SCALE_ALPHA = 0.3
 SCALE_CLIP = (1 / 3, 3.0)
 # The prefill load is the work of the prompts that arrived in the last LOAD_WINDOW_S per
 # second, or the work waiting spread over that window if that is more (a queue the load
-# estimate missed). The share planned is LOAD_MARGIN x the load (chunked prefill computes a
-# prompt less efficiently than one whole step, and a queue only drains with room to spare).
+# estimate missed), priced as whole prompts. The share planned is that load times the
+# measured chunking overhead (chunks re-read their prefix, and pay per-chunk costs) times
+# LOAD_MARGIN (a queue only drains with room to spare).
 LOAD_WINDOW_S = 30.0
 LOAD_MARGIN = 1.1
 MAX_PREFILL_SHARE = 0.9
@@ -134,6 +136,10 @@ class BudgetController:
         self._arrived: deque[tuple[float, tuple[float, ...]]] = deque()
         self._arrived_sum = [0.0] * NUM_FEATURES
         self._num_seen = 0  # of scheduler.num_added
+        # Averages of the prefill chunks' cost, chunked and as whole prompts (see
+        # ``chunking_overhead``).
+        self._chunked_s = 0.0
+        self._whole_s = 0.0
 
     @property
     def itl_slo_s(self) -> float | None:
@@ -173,7 +179,7 @@ class BudgetController:
         share = 0.0
         if self.model.num_updates >= self.warmup_steps:  # the model prices work by now
             load = max(self.prefill_load(scheduler), self.backlog_work_s(scheduler) / LOAD_WINDOW_S)
-            share = min(MAX_PREFILL_SHARE, LOAD_MARGIN * load)
+            share = min(MAX_PREFILL_SHARE, LOAD_MARGIN * self.chunking_overhead * load)
         # Every step that carries prefill takes about the same time, the slowdown (or what
         # the load needs) times the recent mean decode step: a heavy step's decodes leave
         # less room, instead of growing the step (the tail is what a stall shows in).
@@ -318,4 +324,27 @@ class BudgetController:
             if kind in self.scale:
                 r = min(max(measured_s / predicted, SCALE_CLIP[0]), SCALE_CLIP[1])
                 self.scale[kind] += SCALE_ALPHA * (r - self.scale[kind])
+        if out.prefills:
+            self._observe_chunking(shape)
         self.model.observe(shape, measured_s)
+
+    def _observe_chunking(self, shape: StepShape) -> None:
+        """Average what the step's chunks cost over what the same tokens cost in one whole
+        prefill (per-chunk costs, each chunk re-reading its prefix): the load and the backlog
+        are priced as whole prompts, and chunked they cost this much more."""
+        work = self.model.prefill_work_s
+
+        def alone(k: int) -> float:  # the first k tokens of a prompt, prefilled whole
+            return work(k) if k else 0.0
+
+        chunked = sum(work(n, start) for start, n in shape.prefill_chunks)
+        whole = sum(alone(start + n) - alone(start) for start, n in shape.prefill_chunks)
+        self._chunked_s += MEAN_ALPHA * (chunked - self._chunked_s)
+        self._whole_s += MEAN_ALPHA * (whole - self._whole_s)
+
+    @property
+    def chunking_overhead(self) -> float:
+        """Recent chunked prefill cost over the whole-prompt cost of the same tokens (>= 1)."""
+        if self._whole_s <= 0:
+            return 1.0
+        return max(1.0, self._chunked_s / self._whole_s)

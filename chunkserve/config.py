@@ -162,9 +162,10 @@ class BudgetPolicy:
     - ``static``: every step has ``max_num_batched_tokens`` (a user's explicit budget, or
       chunking off).
     - ``adaptive`` (the default): the online cost model picks each step's prefill share so
-      that the step costs at most ``decode_slowdown`` times its decodes alone, or more when
-      the prefill load needs it (``budget.BudgetController``); with nothing decoding,
-      prefill takes ``max_num_batched_tokens`` (the cap).
+      that a step with prefill costs ``decode_slowdown`` times the recent mean decode step,
+      or more when the measured prefill load needs it (``budget.BudgetController``); with
+      nothing decoding, a step may take many times a step's fixed cost; never more than
+      ``max_num_batched_tokens`` (the cap).
     - ``itl-target``: the share keeps the predicted step under ``itl_slo_s`` (with a margin
       learnt from measured steps), up to the cap.
 
@@ -189,7 +190,6 @@ class BudgetPolicy:
                 "max_decode_slowdown",
                 f"must be >= 1, got {self.decode_slowdown!r}",
             )
-
         if self.kind == "itl-target":
             _require(
                 self.itl_slo_s is not None and self.itl_slo_s > 0, "itl_slo_ms", "must be > 0 ms"
@@ -284,9 +284,10 @@ class EngineConfig:
     padded batch sizes)."""
     max_decode_slowdown: float | None = None
     """Adaptive budget (the default when no budget is named; 2.0): a step that carries
-    prefill may take at most this many times as long as its decodes alone, as the online
-    step-time cost model predicts it. Naming it with ``max_num_batched_tokens`` makes that
-    the cap of the adaptive budget."""
+    prefill may take this many times as long as the recent mean step of its decodes alone,
+    as the online step-time cost model predicts it, or more when the measured prefill load
+    needs a bigger share of the machine. Named with ``max_num_batched_tokens``, that is the
+    cap of the adaptive budget."""
     itl_slo_ms: float | None = None
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
     model so the step stays under it (decodes are never dropped; prefill still gets one KV

@@ -690,3 +690,21 @@ def test_explicit_budget_keeps_the_static_schedule_step_for_step() -> None:
         replay.append([(c.request.request_id, c.start, c.num_tokens) for c in out.chunks])
         sched.update(out, step_sampled)
     assert replay == chunks and not sched.has_unfinished()
+
+
+def test_chunking_overhead_prices_the_prefix_each_chunk_rereads() -> None:
+    """Whole prompts cost what the load prices them at; the same prompt in 64-token chunks
+    re-reads its prefix every chunk, and the controller's load share is raised by that."""
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive())
+    assert controller.chunking_overhead == 1.0
+    for start in range(0, 3000, 64):  # one prompt in 64-token chunks
+        shape = StepShape((500,) * 8, ((start, 64),), 0)
+        controller._observe_chunking(shape)
+    chunked = sum(TRUE.prefill_work_s(64, s) for s in range(0, 3000, 64))
+    assert chunked / TRUE.prefill_work_s(3008) > 1.05  # 47 prefix reads and chunk costs
+    # The average leans to the latest (deepest, dearest) chunks.
+    assert chunked / TRUE.prefill_work_s(3008) < controller.chunking_overhead < 1.2
+    whole = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive())
+    for _ in range(50):
+        whole._observe_chunking(StepShape((), ((0, 3000),), 1))
+    assert whole.chunking_overhead == pytest.approx(1.0)
