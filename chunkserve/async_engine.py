@@ -112,12 +112,19 @@ class AsyncEngine:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def check_capacity(self) -> None:
-        """Raise ``OverloadedError`` when the waiting queue is full."""
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+    def check_capacity(self, num_new: int = 1) -> None:
+        """Raise ``OverloadedError`` when ``num_new`` more requests (a request's prompts x n)
+        would overfill the waiting queue."""
+        limit = self.max_waiting_requests
+        if limit is not None and num_new > limit:
+            raise ValueError(
+                f"n: this request asks for {num_new} sequences (prompts x n), more than the "
+                f"server ever queues (max_waiting_requests={limit})"
+            )
+        if limit is not None and self.num_waiting + num_new > limit:
             raise OverloadedError(
-                f"server overloaded: {self.num_waiting} requests are waiting "
-                f"(max_waiting_requests={self.max_waiting_requests})"
+                f"server overloaded: {self.num_waiting} requests are waiting and this one "
+                f"adds {num_new} (max_waiting_requests={limit})"
             )
 
     async def generate(

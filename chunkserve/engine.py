@@ -29,7 +29,14 @@ from chunkserve.kv_cache import NULL_BLOCK, KVCacheManager
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import iter_weights, load_model_config, resolve_model
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
-from chunkserve.request import Request, RequestMetrics, RequestStatus, SamplingParams
+from chunkserve.request import (
+    INT64_MAX,
+    INT64_MIN,
+    Request,
+    RequestMetrics,
+    RequestStatus,
+    SamplingParams,
+)
 from chunkserve.runner import ModelRunner, allocate_kv_caches
 from chunkserve.sampler import Sampler
 from chunkserve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -392,8 +399,20 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         params.validate()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or not INT64_MIN <= priority <= INT64_MAX
+        ):
+            raise ValueError(f"priority: must be a 64-bit integer, got {priority!r}")
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         n = num_prompt_tokens
         if n < 1:
             raise ValueError("prompt: must not be empty")
@@ -403,6 +422,11 @@ class Engine:
                 f"{self.max_model_len} (prompt + at least one output token)"
             )
         if params.max_tokens is None:
+            if params.min_tokens > self.max_model_len - n:
+                raise ValueError(
+                    f"min_tokens: {params.min_tokens} do not fit beside the {n}-token prompt "
+                    f"in max_model_len ({self.max_model_len})"
+                )
             return self.max_model_len - n
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(

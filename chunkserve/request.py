@@ -19,6 +19,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily (vLLM's rule: logits / 1e-40 overflow to inf, and
+# the softmax of infinities is NaN).
+SAMPLING_EPS = 1e-5
+# Caps on what one request may ask the engine to check every token (stop strings are
+# searched in the detokenised text, stop ids and biases looked up per step).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
+# Integer fields travel as 64-bit values (torch generators take an unsigned 64-bit seed).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+SEED_MAX = (1 << 64) - 1
+INT32_MAX = (1 << 31) - 1
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -33,7 +47,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     """Most tokens to generate; None: up to ``max_model_len``."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or below ``SAMPLING_EPS``) means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 or -1 disables top-k."""
@@ -52,17 +66,21 @@ class SamplingParams:
     """Return the sampled token's logprob and the top-n alternatives (0..20)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling (OpenAI's semantics: -100
+    bans a token, 100 all but forces it); logprobs stay those of the model."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.validate()
 
     def validate(self) -> None:
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
             f"must be an integer >= 1, got {self.max_tokens!r}",
         )
@@ -77,9 +95,10 @@ class SamplingParams:
             f"must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int) and self.top_k >= -1,
+            _is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
             "top_k",
-            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+            f"must be -1, 0 (disabled) or a positive integer up to {INT32_MAX} (more than "
+            f"the vocabulary keeps every token), got {self.top_k!r}",
         )
         _check(
             _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
@@ -87,9 +106,9 @@ class SamplingParams:
             f"must be in [0, 1], got {self.min_p!r}",
         )
         _check(
-            self.seed is None or isinstance(self.seed, int),
+            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= SEED_MAX),
             "seed",
-            f"must be an integer, got {self.seed!r}",
+            f"must be an integer in [-2^63, 2^64), got {self.seed!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -107,14 +126,32 @@ class SamplingParams:
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
+            len(self.stop) <= MAX_STOP_STRINGS
+            and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters",
         )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids)
+            and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"must be at most {MAX_STOP_TOKEN_IDS} token ids (non-negative integers)",
+        )
+        bias = self.logit_bias or {}
+        _check(
+            len(bias) <= MAX_LOGIT_BIAS
+            and all(_is_int(t) and 0 <= t <= INT32_MAX for t in bias)
+            and all(
+                _is_number(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for b in bias.values()
+            ),
+            "logit_bias",
+            f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
+            f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX,
             "min_tokens",
-            f"must be >= 0, got {self.min_tokens!r}",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
         )
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -130,7 +167,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -142,7 +179,14 @@ class SamplingParams:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+    """A finite int or float (not a bool, not NaN or infinite)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class RequestStatus(enum.Enum):

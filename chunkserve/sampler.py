@@ -1,10 +1,11 @@
 """Batched sampling over the rows of one step that end a prompt or are decodes.
 
-Order per row: penalties (repetition, presence, frequency) on the raw logits; greedy rows
-take the argmax; the others are divided by their temperature, filtered by top-k, top-p and
-min-p, and sampled with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``. A row with a
-seed draws ``E`` from its own generator, so its tokens do not depend on what else shares the
-batch. Logprobs are of the raw model distribution (as in vLLM's default).
+Order per row: penalties (repetition, presence, frequency) on the raw logits, then the
+request's ``logit_bias``; greedy rows (temperature below ``SAMPLING_EPS``) take the argmax;
+the others are divided by their temperature, filtered by top-k, top-p and min-p, and
+sampled with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``. A row with a seed draws
+``E`` from its own generator, so its tokens do not depend on what else shares the batch.
+Logprobs are of the raw model distribution (as in vLLM's default).
 """
 
 from __future__ import annotations
@@ -53,13 +54,21 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), requests)
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            logits = logits.clone() if not any(p.has_penalties for p in params) else logits
+            for i, bias in biased:
+                ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+                values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids, values)
         ban = [
             (i, r)
             for i, r in enumerate(requests)
             if r.num_output_tokens < r.sampling_params.min_tokens
         ]
         if ban:
-            logits = logits.clone() if not any(p.has_penalties for p in params) else logits
+            copied = biased or any(p.has_penalties for p in params)
+            logits = logits if copied else logits.clone()
             for i, r in ban:
                 stop_ids = set(r.sampling_params.stop_token_ids)
                 if not r.sampling_params.ignore_eos:
@@ -108,7 +117,7 @@ class Sampler:
         device = logits.device
         greedy_tokens = logits.argmax(dim=-1)
         temps = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params],
+            [1.0 if p.greedy else p.temperature for p in params],
             dtype=logits.dtype,
             device=device,
         )

@@ -33,6 +33,32 @@ def test_greedy_is_argmax() -> None:
     assert draw({"temperature": 0.0}, n=50) == Counter({0: 50})
 
 
+def test_tiny_temperatures_are_greedy() -> None:
+    """Below 1e-5 a temperature samples greedily (logits / 1e-40 would overflow: NaN)."""
+    assert draw({"temperature": 1e-40}, n=50) == Counter({0: 50})
+    mixed = [req("a", temperature=1e-40), req("b", temperature=1.0, seed=1)]
+    out = Sampler(V, torch.device("cpu"))(LOGITS.expand(2, V).clone(), mixed).token_ids
+    assert out[0] == 0 and 0 <= out[1] < 4
+
+
+def test_logit_bias_shifts_the_logits_not_the_logprobs() -> None:
+    """OpenAI's logit_bias: +100 all but forces a token, -100 bans one; the logprobs stay
+    the model's. Rows without a bias in the same batch are untouched."""
+    sampler = Sampler(V, torch.device("cpu"))
+    rows = [
+        req("forced", temperature=0.0, logit_bias={6: 100.0}, logprobs=1),
+        req("banned", temperature=0.0, logit_bias={0: -100.0}),
+        req("plain", temperature=0.0),
+    ]
+    logits = LOGITS.expand(3, V).clone()
+    result = sampler(logits, rows)
+    assert result.token_ids == [6, 1, 0]
+    assert torch.equal(logits, LOGITS.expand(3, V))  # the caller's logits are not modified
+    logprob, _ = result.logprobs[0]
+    assert logprob == pytest.approx(torch.log_softmax(LOGITS, -1)[6].item())
+    assert set(draw({"temperature": 1.0, "logit_bias": {0: -100.0, 1: -100.0}})) == {2, 3}
+
+
 def test_temperature_one_follows_the_distribution() -> None:
     counts = draw({"temperature": 1.0}, n=8000)
     for tok, p in enumerate(PROBS.tolist()):

@@ -341,10 +341,109 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
+        # Validated against the model and 64-bit ranges at the edge (they were 500s that
+        # failed the requests sharing the step).
+        (
+            {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [999999999]},
+            "stop_token_ids",
+        ),
+        ({"model": MODEL, "prompt": "x", "seed": 18446744073709551616}, "seed"),
+        ({"model": MODEL, "prompt": "x", "top_k": 9223372036854775808}, "top_k"),
+        ({"model": MODEL, "prompt": "x", "priority": 2**63}, "priority"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 2**40}, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"49152": 5}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"12": 101}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"cat": 1}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "stop": ["s"] * 33}, "stop"),
+        ({"model": MODEL, "prompt": "x", "stop": ["x" * 513]}, "stop"),
+        ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(257))}, "stop_token_ids"),
+        # Refused by name instead of silently ignored.
+        (
+            {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"model": MODEL, "prompt": "x", "suffix": "!"}, "suffix"),
+        ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
+        ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+        ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"model": MODEL, "prompt": ["a"] * 16, "n": 16}, "n"),  # 256 sequences in one
     ],
 )
 def test_bad_completion_fields_are_400(server: Server, body: dict, param: str) -> None:
     assert_error(post(server, "/v1/completions", json=body), 400, param)
+
+
+def test_bad_request_beside_good_ones_changes_nothing(server: Server) -> None:
+    """Bad requests sent while good ones stream are refused at the edge: the good ones'
+    tokens are those of a run alone, and the server goes on serving."""
+    client = server.client()
+    prompt = NATURAL_PROMPTS[5]
+    alone = client.completions.create(model=MODEL, prompt=prompt, **greedy(max_tokens=24))
+    bad = {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [999999999]}
+
+    def good(_: int) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, **greedy(max_tokens=24))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        goods = [pool.submit(good, i) for i in range(2)]
+        bads = [pool.submit(post, server, "/v1/completions", json=bad) for _ in range(4)]
+        for f in bads:
+            assert_error(f.result(), 400, "stop_token_ids")
+        for f in goods:
+            assert f.result().choices[0].text == alone.choices[0].text
+    assert_alive(server)
+
+
+def test_tiny_temperature_is_greedy_and_logit_bias_works(server: Server) -> None:
+    client = server.client()
+    prompt = NATURAL_PROMPTS[0]
+    greedy_text = client.completions.create(model=MODEL, prompt=prompt, **greedy()).choices[0]
+    tiny = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1e-40)
+    assert tiny.choices[0].text == greedy_text.text and tiny.choices[0].text
+    ids = httpx.post(server.base + "/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, logit_bias={str(ids[-1]): 100}, **greedy(max_tokens=3)
+    )
+    assert forced.choices[0].text == " banana" * 3
+    first = httpx.post(
+        server.base + "/tokenize", json={"prompt": greedy_text.text, "add_special_tokens": False}
+    ).json()["tokens"][0]
+    banned = client.completions.create(
+        model=MODEL, prompt=prompt, logit_bias={str(first): -100}, **greedy(max_tokens=4)
+    )
+    assert banned.choices[0].text != greedy_text.text[: len(banned.choices[0].text)]
+
+
+def test_streamed_logprobs_cover_every_token(server: Server) -> None:
+    """A stop string that holds text back (a possible match in progress) does not hold back
+    the logprobs: one entry per completion token, in order, and continuous usage stats."""
+    client = server.client()
+    prompt = NATURAL_PROMPTS[3]
+    full = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **greedy())
+    tokens = full.choices[0].logprobs.tokens
+    stop = "".join(tokens[5:9])  # four tokens long: held back while it could match
+    ref = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, stop=[stop], **greedy())
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            logprobs=2,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            **greedy(),
+        )
+    )
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed == ref.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.choices[0].text
+    usage = [c.usage.completion_tokens for c in chunks if c.usage]
+    assert usage == sorted(usage) and usage[-1] == ref.usage.completion_tokens
 
 
 def test_malformed_json_and_wrong_shape(server: Server) -> None:

@@ -30,6 +30,20 @@ def engine() -> Engine:
         ({"logprobs": 50}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"min_tokens": 2**40}, "min_tokens"),
+        ({"stop": ["a"] * 33}, "stop"),
+        ({"stop": ["a" * 513]}, "stop"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-5: 1.0}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, field) -> None:
@@ -58,6 +72,16 @@ def test_prompt_longer_than_max_model_len(engine: Engine) -> None:
 def test_token_ids_outside_vocabulary(engine: Engine) -> None:
     with pytest.raises(ValueError, match="^prompt: token id"):
         engine.add_request([1, 2, 10**6], SamplingParams())
+    with pytest.raises(ValueError, match="^stop_token_ids: token id 999999999"):
+        engine.add_request("hi", SamplingParams(min_tokens=1, stop_token_ids=[999999999]))
+    with pytest.raises(ValueError, match="^logit_bias: token id 49152"):
+        engine.add_request("hi", SamplingParams(logit_bias={49152: 1.0}))
+    with pytest.raises(ValueError, match="^priority:"):
+        engine.add_request("hi", SamplingParams(), priority=2**63)
+    with pytest.raises(ValueError, match="^min_tokens:"):
+        engine.add_request("hi", SamplingParams(max_tokens=None, min_tokens=1000))
+    assert_no_blocks_in_use(engine)
+    assert engine.scheduler.num_waiting == 0
 
 
 def test_duplicate_request_id(engine: Engine) -> None:

@@ -33,6 +33,7 @@ from chunkserve.engine import RequestOutput, TokenLogprob
 from chunkserve.metrics import Metrics
 from chunkserve.request import SamplingParams
 from chunkserve.server.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -309,13 +310,23 @@ class _Handler:
         logprobs: int | None,
     ) -> list[_Choice]:
         """Validate every (prompt, n) pair before anything is queued."""
+        field = body.unsupported()
+        if field is not None:
+            raise APIError(400, f"{field}: not supported by this server", param=field)
+        if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
+                400,
+                f"n: {len(prompts)} prompts x n={body.n} asks for more than "
+                f"{MAX_SEQUENCES_PER_REQUEST} sequences in one request",
+                param="n",
+            )
         choices = []
         for p_index, (text, ids) in enumerate(prompts):
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
                 self.engine.check_request(len(ids), params, body.priority)
                 choices.append(_Choice(len(choices), p_index, ids, text, params))
-        self.state.engine.check_capacity()
+        self.state.engine.check_capacity(len(choices))
         return choices
 
     def streams(
@@ -546,9 +557,12 @@ async def _sse_stream(
     prelude: list[dict[str, Any]] | None = None,
 ) -> AsyncIterator[str]:
     """SSE plumbing shared by both endpoints: the ``prelude`` choices, then one chunk per
-    output that ``render`` makes a choice of (None: nothing to send yet), the usage chunk
-    if asked, an error event if the engine failed the request, and ``[DONE]``."""
+    output that ``render`` makes a choice of (None: nothing to send yet), with the usage so
+    far if ``stream_options.continuous_usage_stats``, the usage chunk if asked, an error
+    event if the engine failed the request, and ``[DONE]``."""
     counts = dict.fromkeys(range(len(choices)), 0)
+    options = body.stream_options
+    continuous = bool(options and options.continuous_usage_stats)
     try:
         for choice in prelude or []:
             yield _sse({**envelope, "choices": [choice]})
@@ -556,7 +570,10 @@ async def _sse_stream(
             counts[index] = len(out.token_ids)
             choice = render(index, out)
             if choice is not None:
-                yield _sse({**envelope, "choices": [choice]})
+                chunk = {**envelope, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = h.usage(prompts, list(counts.values()))
+                yield _sse(chunk)
         if include_usage:
             usage = h.usage(prompts, list(counts.values()))
             yield _sse({**envelope, "choices": [], "usage": usage})
@@ -582,8 +599,8 @@ def _stream_completion(
         if body.echo and index not in echoed:
             echoed.add(index)
             text = (choices[index].prompt_text or "") + text
-        if not text and not out.finished:
-            return None
+        if not text and not out.finished and not out.delta_logprobs:
+            return None  # (a step whose text is held back still sends its logprobs)
         logprobs = None
         if out.delta_logprobs is not None:
             texts = [h.token_str(e.token_id) for e in out.delta_logprobs]
@@ -616,8 +633,8 @@ def _stream_chat(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
-        if not out.delta_text and not out.finished:
-            return None
+        if not out.delta_text and not out.finished and not out.delta_logprobs:
+            return None  # (a step whose text is held back still sends its logprobs)
         return {
             "index": index,
             "delta": {"content": out.delta_text} if out.delta_text else {},

@@ -1,9 +1,12 @@
 """OpenAI-compatible request bodies (pydantic) and their mapping to ``SamplingParams``.
 
-Unknown fields are ignored, as OpenAI's and vLLM's servers do; known fields are type-checked
-(a wrong type is a 400 naming the field). Extensions follow vLLM's names: ``top_k``,
-``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``priority``.
+Unknown fields are ignored, as OpenAI's and vLLM's servers do, except those a client relies
+on and this server cannot honour (``UNSUPPORTED_FIELDS``, ``response_format`` other than
+text, ``best_of`` other than ``n``): a 400 names them. Known fields are type-checked (a wrong
+type is a 400 naming the field). Extensions follow vLLM's names: ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``,
+``include_stop_str_in_output``, ``skip_special_tokens``,
+``stream_options.continuous_usage_stats``.
 """
 
 from __future__ import annotations
@@ -15,14 +18,39 @@ from pydantic import BaseModel, ConfigDict, Field
 from chunkserve.request import SamplingParams
 
 MAX_N = 16
+# Sequences one request may start (prompts x n): OpenAI's cap on n; the rest of the queue
+# belongs to other clients.
+MAX_SEQUENCES_PER_REQUEST = 128
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: a usage object in every chunk (the tokens so far)."""
+
+
+# Fields clients send that this server does not implement: a 400 naming them beats silently
+# ignoring them (a client asking for JSON or tools would get free text back as a success).
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "suffix",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "audio",
+    "prediction",
+)
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Extra fields are kept (not validated) so that ``unsupported`` can name them.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -42,6 +70,37 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     ignore_eos: bool = False
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field this server refuses (it cannot honour it), if any."""
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            if extra.get(name) not in (None, [], {}, False):
+                return name
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return None
+
+    def token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids sent as strings, as OpenAI's are) as
+        integers; ``ValueError`` naming the field for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias: {key!r} is not a token id") from None
+            out[token] = value
+        return out
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
@@ -62,6 +121,9 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.token_biases(),
         )
 
 
