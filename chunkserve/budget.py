@@ -270,7 +270,14 @@ class BudgetController:
             decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
         )
         if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
-            room = max(room, self._room_for_short(scheduler, decode_lens, target))
+            short = self._room_for_short(scheduler, decode_lens, target)
+            if short and decode_lens:
+                # Prompts that fit whole go now, beside one block of the long prompt: the
+                # step that makes their first token is no longer than it must be (a long
+                # chunk on top would add to their TTFT and to everyone's gap).
+                room = short
+            else:
+                room = max(room, short)
         over = room < self.min_prefill_tokens
         block = self.min_prefill_tokens
         if self.policy.kind == "adaptive":

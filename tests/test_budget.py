@@ -26,6 +26,8 @@ from chunkserve.request import Request, SamplingParams
 from chunkserve.scheduler import Scheduler
 from chunkserve.simulate import parse_cost_scale, simulate
 
+BLOCK = 16  # the schedulers below use 16-token blocks
+
 # The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms
 # + 3 ms per 1k prefix keys a chunk reads + 4 ms for the LM head when the step samples
 # + 0.3 ms per 1k padded keys the grouped decodes read.
@@ -337,11 +339,36 @@ def test_short_prompt_during_a_long_chunked_prefill_gets_its_first_token_within_
         sched.add_request(short)
         before = long.num_computed_tokens
         for _ in range(2):
-            step_with(controller, sched, clock, TRUE)
+            _, out, _ = step_with(controller, sched, clock, TRUE)
+            chunks = {c.request.request_id: c.num_tokens for c in out.prefills}
+            if short.request_id in chunks:
+                # The short prompt's step carries it and one block of the long one, not a
+                # long chunk on top: its first token comes as soon as it can.
+                assert chunks.get("long", 0) <= BLOCK, chunks
         assert short.num_output_tokens >= 1, i
         assert long.num_computed_tokens > before  # the long one still moved
         for _ in range(3):
             step_with(controller, sched, clock, TRUE)
+
+
+def test_the_step_that_prefills_a_short_prompt_carries_no_long_chunk() -> None:
+    """Few decodes leave room for long chunks; a short prompt arriving goes in the next
+    step beside one block of the long prompt, so its first token (and everyone's gap) does
+    not wait for a long chunk too."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=2)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(4.0))
+    for _ in range(10):
+        _, out, long_step = step_with(controller, sched, clock, TRUE)
+    assert out.prefills[0].num_tokens >= 4 * BLOCK  # long chunks between short arrivals
+    sched.add_request(
+        Request("s", [7] * 20, SamplingParams(max_tokens=4), max_tokens=4, arrival_time=clock.t)
+    )
+    _, out, measured = step_with(controller, sched, clock, TRUE)
+    chunks = {c.request.request_id: c.num_tokens for c in out.prefills}
+    assert chunks == {"s": 20, "long": BLOCK}, chunks
+    assert measured < long_step
+    assert sched.requests["s"].num_output_tokens == 1
 
 
 def test_fit_recovers_a_linear_model_and_reports_heldout_error() -> None:
