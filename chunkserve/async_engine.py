@@ -5,14 +5,21 @@ loop and the engine thread through a command queue (loop -> engine) and per-requ
 queues fed with ``call_soon_threadsafe`` (engine -> loop). Every engine call happens on the
 engine thread, so ``Engine`` itself needs no locks.
 
-Failure model: a request whose step raises is finished with ``finish_reason="error"`` (the
-HTTP layer turns it into a 500) and the loop goes on; if the loop itself breaks, every
-request in flight fails and ``healthy`` turns False.
+Failure model: a request whose sampling, output processing or admission raises fails alone;
+a step whose forward raises fails its requests (``finish_reason="error"``, a 500 or an SSE
+error event) and the loop goes on. A device error no step recovers from
+(``engine.DeviceError``), or the loop itself breaking, fails every request in flight and
+turns ``healthy`` False (``/health`` and new requests answer 503).
+
+Streams are bounded: the outputs a consumer has not taken are merged into one
+(``merge_outputs``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -21,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from chunkserve.engine import Engine, RequestOutput
+from chunkserve.engine import DeviceError, Engine, RequestOutput
 from chunkserve.request import SamplingParams
 
 logger = logging.getLogger("chunkserve.async")
@@ -50,15 +57,68 @@ class _Abort:
     request_id: str
 
 
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """One output standing for ``old`` then ``new`` (two steps of the same request): the
+    newer cumulative fields, the deltas concatenated."""
+    delta_logprobs = old.delta_logprobs
+    if new.delta_logprobs:
+        delta_logprobs = [*(delta_logprobs or []), *new.delta_logprobs]
+    return dataclasses.replace(
+        new,
+        delta_text=old.delta_text + new.delta_text,
+        delta_token_ids=old.delta_token_ids + new.delta_token_ids,
+        delta_logprobs=delta_logprobs,
+    )
+
+
+def output_bytes(out: RequestOutput) -> int:
+    """About what an output holds in memory: its texts, token ids and logprob entries."""
+    n = len(out.text) + len(out.delta_text) + 8 * (len(out.token_ids) + len(out.delta_token_ids))
+    return n + 64 * len(out.delta_logprobs or ())
+
+
 class _Stream:
-    """The loop-side end of one request's output stream."""
+    """The loop-side end of one request's output stream: at most one output waits, the
+    steps the consumer has not taken yet merged into it (``merge_outputs``), so a client
+    that stops reading holds one output's worth of memory, not one per step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """Called on the engine thread."""
+        # A closed event loop raises: its consumer is gone, nobody reads this stream.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            self._pending = merge_outputs(self._pending, item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The merged outputs not taken yet, then an error if one came."""
+        await self._ready.wait()
+        if self._pending is not None:
+            item: RequestOutput | BaseException = self._pending
+            self._pending = None
+        else:
+            assert self._error is not None
+            item, self._error = self._error, None
+        if self._pending is None and self._error is None:
+            self._ready.clear()
+        return item
+
+    @property
+    def queued_bytes(self) -> int:
+        return 0 if self._pending is None else output_bytes(self._pending)
 
 
 class AsyncEngine:
@@ -70,6 +130,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched on the engine thread only
+        self._live: set[_Stream] = set()  # the same streams, touched on the event loop only
         self._lock = threading.Lock()  # guards the counters below
         self._num_pending = 0  # added, not yet seen by the engine thread
         self._num_waiting = 0
@@ -147,6 +208,7 @@ class AsyncEngine:
         with self._lock:
             self._num_pending += 1
         self._streams_register(request_id, stream)
+        self._live.add(stream)
         self._commands.put(
             _Add(request_id, list(prompt_token_ids), prompt, params, priority, time.monotonic())
         )
@@ -154,7 +216,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -166,8 +228,14 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self._live.discard(stream)
             if not finished:
                 self.abort(request_id)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Output waiting for the streams' consumers (read on the event loop's thread)."""
+        return sum(s.queued_bytes for s in self._live)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -192,6 +260,8 @@ class AsyncEngine:
                     continue
                 try:
                     outputs = engine.step()
+                except DeviceError:
+                    raise  # the device cannot be trusted: the engine is dead
                 except Exception as exc:  # a bug outside the model runner: fail in-flight work
                     logger.exception("engine step raised; failing all in-flight requests")
                     self._fail_all(exc)
@@ -213,8 +283,11 @@ class AsyncEngine:
             if cmd is None:
                 return False
             if isinstance(cmd, _Abort):
-                self.engine.abort_request(cmd.request_id)
                 self._streams.pop(cmd.request_id, None)
+                try:
+                    self.engine.abort_request(cmd.request_id)
+                except Exception:  # the request is gone from the streams either way
+                    logger.exception("abort of %s failed", cmd.request_id)
                 continue
             with self._lock:
                 self._num_pending -= 1
@@ -230,9 +303,13 @@ class AsyncEngine:
                     priority=cmd.priority,
                     arrival_time=cmd.arrival_time,
                 )
-            except ValueError as exc:
+            except ValueError as exc:  # the edge missed a check: a 400 for this request
                 self._streams.pop(cmd.request_id, None)
                 stream.put(exc)
+            except Exception as exc:  # fails this request, not the loop
+                logger.exception("adding %s failed", cmd.request_id)
+                self._streams.pop(cmd.request_id, None)
+                stream.put(RequestFailedError(f"{type(exc).__name__}: {exc}"))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

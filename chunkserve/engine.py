@@ -47,6 +47,34 @@ logger = logging.getLogger("chunkserve")
 # Decode-only steps with more requests than this run eagerly (graph memory grows with size).
 MAX_GRAPH_BATCH_SIZE = 256
 
+# Messages of errors after which the device's state cannot be trusted (a CUDA context after a
+# device-side assert fails every later call): the engine is dead, not the step.
+FATAL_DEVICE_ERRORS = (
+    "CUDA error",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+    "NCCL error",
+    "CUBLAS_STATUS_",
+    "cuDNN error",
+)
+
+
+class DeviceError(RuntimeError):
+    """The device failed in a way no later step can recover from."""
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` leaves the device unusable (out of memory does not: it fails its
+    step only)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return any(m in text for m in FATAL_DEVICE_ERRORS)
+
 
 @dataclass
 class TokenLogprob:
@@ -497,16 +525,26 @@ class Engine:
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # fail this step's requests, keep the engine alive
+            if is_fatal_device_error(exc):
+                raise DeviceError(f"step {self.step_count}: {type(exc).__name__}: {exc}") from exc
             logger.exception(
                 "step %d failed; failing its %d request(s)", self.step_count, len(out.chunks)
             )
             return self._fail_step(out, f"{type(exc).__name__}: {exc}")
         t_fwd = time.perf_counter()
+        failed_outputs = []
+        if result.failed:  # sampling raised for these rows only
+            failed = [c.request for c in out.chunks if c.request.request_id in result.failed]
+            for r in failed:
+                self.scheduler.fail_requests([r], result.failed[r.request_id])
+                failed_outputs.append(self._final_output(r, result.failed[r.request_id]))
         produced = self.scheduler.update(out, result.sampled)
         forward_time = t_fwd - t_sched
         for chunk in out.prefills:
             chunk.request.metrics.prefill_time += forward_time
-        outputs = [self._make_output(r, result.logprobs.get(r.request_id)) for r in produced]
+        outputs = failed_outputs + [
+            self._output_or_error(r, result.logprobs.get(r.request_id)) for r in produced
+        ]
         t_end = time.perf_counter()
 
         # The step's shape, once, for the profile's prediction and the controller.
@@ -554,6 +592,21 @@ class Engine:
         for listener in self.step_listeners:
             listener(stats)
         return outputs
+
+    def _output_or_error(self, request: Request, logprob: tuple | None) -> RequestOutput:
+        """The request's output for this step; if detokenising or the stop-string scan
+        raises, the request fails alone (its blocks freed) and the step goes on."""
+        try:
+            return self._make_output(request, logprob)
+        except Exception as exc:
+            logger.exception("output processing of %s failed", request.request_id)
+            error = f"{type(exc).__name__}: {exc}"
+            if request.is_finished:  # finished by a stop token or length: blocks are free
+                request.error = error
+                request.status = RequestStatus.FINISHED_ERROR
+            else:
+                self.scheduler.fail_requests([request], error)
+            return self._final_output(request, error)
 
     def _fail_step(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
         requests = [c.request for c in out.chunks if not c.request.is_finished]

@@ -4,8 +4,9 @@ paged KV cache, and samples the rows that end a prompt or are decodes.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,12 +19,16 @@ from chunkserve.request import Request
 from chunkserve.sampler import Sampler, SampleResult
 from chunkserve.scheduler import SchedulerOutput
 
+logger = logging.getLogger("chunkserve.runner")
+
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> token, for every chunk that samples
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     layout_time: float = 0.0  # seconds building the BatchLayout and attention metadata
+    # Requests whose sampling raised (request id -> error): only they fail, not the step.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def allocate_kv_caches(
@@ -201,11 +206,33 @@ class ModelRunner:
         if not sampled_requests:
             return RunnerOutput({}, {}, layout_time)
         logits = self.model.compute_logits(hidden)  # [S, V] fp32
-        result: SampleResult = self.sampler(logits, sampled_requests)
-        sampled = {r.request_id: t for r, t in zip(sampled_requests, result.token_ids)}
-        logprobs = {}
-        if result.logprobs is not None:
-            for r, lp in zip(sampled_requests, result.logprobs):
-                if lp is not None:
-                    logprobs[r.request_id] = lp
-        return RunnerOutput(sampled, logprobs, layout_time)
+        try:
+            results = [(sampled_requests, self.sampler(logits, sampled_requests))]
+            failed: dict[str, str] = {}
+        except Exception:
+            if len(sampled_requests) == 1:
+                raise
+            results, failed = self._sample_each(logits, sampled_requests)
+        sampled, logprobs = {}, {}
+        for requests, result in results:
+            sampled.update((r.request_id, t) for r, t in zip(requests, result.token_ids))
+            if result.logprobs is not None:
+                for r, lp in zip(requests, result.logprobs):
+                    if lp is not None:
+                        logprobs[r.request_id] = lp
+        return RunnerOutput(sampled, logprobs, layout_time, failed)
+
+    def _sample_each(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[list[tuple[list[Request], SampleResult]], dict[str, str]]:
+        """The batch's sampling raised: sample row by row, so the row that raises fails
+        only its own request (greedy and seeded rows get the tokens the batch would have
+        given them)."""
+        results, failed = [], {}
+        for i, r in enumerate(requests):
+            try:
+                results.append(([r], self.sampler(logits[i : i + 1], [r])))
+            except Exception as exc:
+                logger.exception("sampling request %s failed", r.request_id)
+                failed[r.request_id] = f"{type(exc).__name__}: {exc}"
+        return results, failed

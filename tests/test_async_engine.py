@@ -15,6 +15,9 @@ from chunkserve.server.api import build_app
 from tests.conftest import assert_no_blocks_in_use
 
 POISON = 7777  # a token id that makes the fake fault fire
+FATAL = 6666  # a token id that makes the fake device fail for good
+SAMPLE_POISON = 5555  # a request with this prompt token fails in the sampler
+OUTPUT_POISON = 4444  # ... in output processing (detokenising)
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +28,33 @@ def engine() -> Engine:
     real = eng.runner.execute
 
     def faulty(out):
+        if any(FATAL in c.request.prompt_token_ids for c in out.chunks):
+            raise RuntimeError("CUDA error: device-side assert triggered")
         if any(POISON in c.request.prompt_token_ids for c in out.chunks):
             raise RuntimeError("injected fault")
         return real(out)
 
     eng.runner.execute = faulty
+    sampler = eng.runner.sampler
+
+    class FaultySampler:
+        def __call__(self, logits, requests):
+            if any(SAMPLE_POISON in r.prompt_token_ids for r in requests):
+                raise IndexError("injected sampling fault")
+            return sampler(logits, requests)
+
+        def __getattr__(self, name):
+            return getattr(sampler, name)
+
+    eng.runner.sampler = FaultySampler()
+    make_output = eng._make_output
+
+    def faulty_output(request, logprob):
+        if OUTPUT_POISON in request.prompt_token_ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected output fault")
+        return make_output(request, logprob)
+
+    eng._make_output = faulty_output
     return eng
 
 
@@ -96,4 +121,87 @@ def test_http_500_for_failed_step_then_serves(engine: Engine) -> None:
         )
         assert r.status_code == 200 and '"server_error"' in r.text and "[DONE]" in r.text
         assert client.get("/health").status_code == 200
+    assert_no_blocks_in_use(engine)
+
+
+@pytest.mark.parametrize(
+    ("poison", "error"), [(SAMPLE_POISON, "sampling fault"), (OUTPUT_POISON, "output fault")]
+)
+def test_a_request_failing_in_sampling_or_output_fails_alone(
+    engine: Engine, poison: int, error: str
+) -> None:
+    """A good and a bad request in the same step: the bad one fails, the good one's tokens
+    are those of a run without it."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    good = [30, 31, 32, 33]
+
+    async def run(with_bad: bool) -> list[int]:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            tasks = [collect(ae.generate(good, params))]
+            if with_bad:
+                tasks.append(collect(ae.generate([poison, 31, 32, 33], params)))
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            if with_bad:
+                assert isinstance(results[1], RequestFailedError), results[1]
+                assert error in str(results[1])
+                assert engine.scheduler.num_running == 0 or engine.has_unfinished()
+            assert ae.healthy
+            return results[0][-1].token_ids
+        finally:
+            ae.stop()
+
+    alone = asyncio.run(run(False))
+    assert asyncio.run(run(True)) == alone and len(alone) == 12
+    assert_no_blocks_in_use(engine)
+
+
+def test_a_fatal_device_error_marks_the_engine_dead(engine: Engine) -> None:
+    app = build_app(AsyncEngine(engine), served_model_name="m")
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        r = client.post("/v1/completions", json={"prompt": [FATAL, 1, 2], "max_tokens": 3})
+        assert r.status_code == 503, r.text
+        # Dead, and it says so: health and every new request answer 503.
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    assert_no_blocks_in_use(engine)  # the in-flight request was aborted as the loop died
+
+
+def test_a_stream_nobody_reads_holds_one_merged_output(engine: Engine) -> None:
+    """The engine produces 200 steps of output for a consumer that does not read: what
+    waits is one output (all deltas merged), about the size of the final text, not 200
+    cumulative copies."""
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            agen = ae.generate([40, 41, 42], params)
+            first = await agen.__anext__()  # started; now the client stops reading
+            for _ in range(600):
+                if not engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.has_unfinished()
+            await asyncio.sleep(0.1)  # the last call_soon_threadsafe lands
+            queued = ae.queued_bytes
+            rest = [o async for o in agen]
+            assert len(rest) == 1 and rest[0].finished  # everything left, merged into one
+            final = rest[0]
+            assert first.delta_token_ids + final.delta_token_ids == final.token_ids
+            assert len(first.delta_logprobs) + len(final.delta_logprobs) == 200
+            assert first.delta_text + final.delta_text == final.text
+            # One final output's worth (texts, ids, logprob entries), with slack: the old
+            # queue held 200 outputs of growing cumulative text, ~100x this.
+            one = len(final.text) * 2 + 8 * 2 * len(final.token_ids) + 64 * 200
+            assert 0 < queued <= one, (queued, one)
+            assert ae.queued_bytes == 0
+        finally:
+            ae.stop()
+
+    asyncio.run(main())
     assert_no_blocks_in_use(engine)

@@ -219,7 +219,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(500, str(exc), "server_error")
+        return _error_response(503, str(exc), "service_unavailable_error")
 
 
 # ---- generation helpers ------------------------------------------------------------------------
@@ -577,7 +577,9 @@ async def _sse_stream(
         if include_usage:
             usage = h.usage(prompts, list(counts.values()))
             yield _sse({**envelope, "choices": [], "usage": usage})
-    except (RequestFailedError, EngineDeadError, ValueError) as exc:
+    except EngineDeadError as exc:
+        yield _sse(error_body(f"request failed: {exc}", "service_unavailable_error", None, 503))
+    except (RequestFailedError, ValueError) as exc:
         yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
     yield _sse("[DONE]")
 
