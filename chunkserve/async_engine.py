@@ -33,6 +33,9 @@ from chunkserve.request import SamplingParams
 
 logger = logging.getLogger("chunkserve.async")
 
+# Seconds ``drain`` gives the streams it ended to hand their error event to the client.
+DELIVERY_GRACE_S = 2.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served."""
@@ -40,6 +43,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """A request's step raised inside the engine (the engine keeps serving others)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """A request ran past its time limit and was aborted."""
 
 
 @dataclass
@@ -55,6 +62,11 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _FailAll:
+    error: BaseException
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -127,7 +139,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _FailAll | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched on the engine thread only
         self._live: set[_Stream] = set()  # the same streams, touched on the event loop only
@@ -139,6 +151,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None
+        self.draining = False  # shutting down: no new requests, the running ones finish
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,7 +188,9 @@ class AsyncEngine:
 
     def check_capacity(self, num_new: int = 1) -> None:
         """Raise ``OverloadedError`` when ``num_new`` more requests (a request's prompts x n)
-        would overfill the waiting queue."""
+        would overfill the waiting queue, or when the server is draining."""
+        if self.draining:
+            raise OverloadedError("server is shutting down; not accepting new requests")
         limit = self.max_waiting_requests
         if limit is not None and num_new > limit:
             raise ValueError(
@@ -196,11 +211,13 @@ class AsyncEngine:
         *,
         prompt: str | None = None,
         priority: int = 0,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a (pre-validated) request and yield its outputs until it finishes.
 
         Closing the iterator early (client gone, cancellation) aborts the request, which
-        frees its KV blocks within one step."""
+        frees its KV blocks within one step; so does running past ``timeout_s`` seconds
+        (``RequestTimeoutError``)."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
         request_id = request_id or self.new_request_id()
@@ -214,9 +231,20 @@ class AsyncEngine:
         )
         self._wakeup.set()
         finished = False
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while True:
-                item = await stream.get()
+                if deadline is None:
+                    item = await stream.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(
+                            stream.get(), max(0.0, deadline - time.monotonic())
+                        )
+                    except TimeoutError:
+                        raise RequestTimeoutError(
+                            f"request timed out after {timeout_s:g} s (--request-timeout)"
+                        ) from None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -236,6 +264,29 @@ class AsyncEngine:
     def queued_bytes(self) -> int:
         """Output waiting for the streams' consumers (read on the event loop's thread)."""
         return sum(s.queued_bytes for s in self._live)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose consumer is still reading (on the event loop's thread)."""
+        return len(self._live)
+
+    async def drain(self, timeout: float, poll_s: float = 0.05) -> int:
+        """Stop admitting requests, wait up to ``timeout`` seconds for the running ones to
+        finish, then end the rest with an ``EngineDeadError`` (their clients get an error
+        body or SSE error event). Returns how many were ended that way."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        left = len(self._live)
+        if left:
+            logger.warning("shutdown timeout (%.1f s): ending %d request(s)", timeout, left)
+            self._commands.put(_FailAll(EngineDeadError("server shutting down")))
+            self._wakeup.set()
+            deadline = time.monotonic() + DELIVERY_GRACE_S
+            while self._live and self.healthy and time.monotonic() < deadline:
+                await asyncio.sleep(poll_s)  # their consumers take the error events
+        return left
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -282,6 +333,9 @@ class AsyncEngine:
                 return True
             if cmd is None:
                 return False
+            if isinstance(cmd, _FailAll):
+                self._fail_all(cmd.error)
+                continue
             if isinstance(cmd, _Abort):
                 self._streams.pop(cmd.request_id, None)
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -51,7 +52,7 @@ class Server:
             "warning",
             *extra,
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
@@ -579,3 +580,89 @@ def test_metrics_text_is_valid(guarded: Server) -> None:
     ):
         assert name in names, name
     assert json.loads(httpx.get(guarded.base + "/health").text)["status"] == "ok"
+
+
+# ---- lifecycle: API key from the environment, request timeout, SIGTERM drain --------------
+@pytest.fixture(scope="module")
+def lifecycle_server() -> Iterator[Server]:
+    s = Server(
+        "--request-timeout",
+        "4",
+        "--shutdown-timeout",
+        "1",
+        env={"CHUNKSERVE_API_KEY": "sekret"},
+    )
+    yield s
+    s.stop()
+
+
+def test_empty_api_key_is_refused_before_loading() -> None:
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-m", "chunkserve", "serve", "--port", str(free_port())],
+        env=dict(os.environ, CHUNKSERVE_API_KEY=" "),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "api_key" in r.stdout + r.stderr
+    assert time.time() - t0 < 60
+
+
+def stream_events(base: str, body: dict, headers: dict) -> list[dict | str]:
+    events: list[dict | str] = []
+    url = base + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_api_key_from_the_environment_and_request_timeout(lifecycle_server: Server) -> None:
+    base = lifecycle_server.base
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(base + "/v1/completions", json=body, timeout=30).status_code == 401
+    auth = {"Authorization": "Bearer sekret"}
+    assert httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=30).is_success
+    # Past --request-timeout: a 504 naming the timeout, or an SSE error event; blocks freed.
+    long = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
+    r = httpx.post(base + "/v1/completions", json=long, headers=auth, timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error", r.text
+    events = stream_events(base, {**long, "stream": True}, auth)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "timeout_error"
+    assert len(events) > 3  # tokens came before the timeout
+    m = lifecycle_server.wait_idle()
+    assert m["chunkserve:kv_cache_blocks_used"] == 0
+
+
+def test_sigterm_drains_then_ends_streams_with_an_error(lifecycle_server: Server) -> None:
+    """SIGTERM: admission stops (503, /health "draining"), a short stream in flight
+    finishes, a long one is ended with an error event after --shutdown-timeout, and the
+    process exits 0; nothing hangs."""
+    base, auth = lifecycle_server.base, {"Authorization": "Bearer sekret"}
+    long = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    short = {**long, "max_tokens": 3}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long_f = pool.submit(stream_events, base, long, auth)
+        time.sleep(1.0)  # the long stream is running
+        short_f = pool.submit(stream_events, base, short, auth)
+        time.sleep(0.3)
+        t0 = time.time()
+        lifecycle_server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        r = httpx.post(base + "/v1/completions", json={**short, "stream": False}, headers=auth)
+        assert r.status_code == 503, r.text
+        short_events = short_f.result(timeout=30)
+        long_events = long_f.result(timeout=30)
+    ended = time.time() - t0
+    assert short_events[-2]["choices"][0]["finish_reason"] == "length"  # finished in time
+    assert long_events[-1] == "[DONE]"
+    assert long_events[-2]["error"]["type"] == "service_unavailable_error", long_events[-2]
+    assert "shutting down" in long_events[-2]["error"]["message"]
+    assert ended < 10, ended  # the 1 s timeout, not the 4 s request timeout or a hang
+    assert lifecycle_server.proc.wait(20) == 0

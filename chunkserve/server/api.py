@@ -28,6 +28,7 @@ from chunkserve.async_engine import (
     EngineDeadError,
     OverloadedError,
     RequestFailedError,
+    RequestTimeoutError,
 )
 from chunkserve.engine import RequestOutput, TokenLogprob
 from chunkserve.metrics import Metrics
@@ -147,6 +148,7 @@ class ServerState:
     api_key: str | None
     metrics: Metrics
     created: int
+    request_timeout: float | None = None
 
 
 def build_app(
@@ -155,12 +157,15 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     engine = async_engine.engine
     metrics = Metrics(engine, served_model_name)
     engine.step_listeners.append(metrics.on_step)
     engine.finish_listeners.append(metrics.on_finish)
-    state = ServerState(async_engine, served_model_name, api_key, metrics, int(time.time()))
+    state = ServerState(
+        async_engine, served_model_name, api_key, metrics, int(time.time()), request_timeout
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -216,6 +221,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestFailedError)
     async def on_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
         return _error_response(500, f"request failed in the engine: {exc}", "server_error")
+
+    @app.exception_handler(RequestTimeoutError)
+    async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
+        return _error_response(504, str(exc), "timeout_error")
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -342,6 +351,7 @@ class _Handler:
                     f"{base_id}-{c.index}",
                     prompt=c.prompt_text,
                     priority=priority,
+                    timeout_s=self.state.request_timeout,
                 ),
             )
             for c in choices
@@ -415,6 +425,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if not state.engine.healthy:
             return _error_response(503, "engine is not running", "service_unavailable_error")
+        if state.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -579,6 +591,8 @@ async def _sse_stream(
             yield _sse({**envelope, "choices": [], "usage": usage})
     except EngineDeadError as exc:
         yield _sse(error_body(f"request failed: {exc}", "service_unavailable_error", None, 503))
+    except RequestTimeoutError as exc:
+        yield _sse(error_body(f"request failed: {exc}", "timeout_error", None, 504))
     except (RequestFailedError, ValueError) as exc:
         yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
     yield _sse("[DONE]")

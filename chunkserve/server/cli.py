@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
+import os
+import signal
 import time
+from types import FrameType
 
 from chunkserve.cli import add_engine_args, command, engine_config_from_args, parse_bytes
 
 logger = logging.getLogger("chunkserve.server")
+
+API_KEY_ENV = "CHUNKSERVE_API_KEY"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -22,8 +29,23 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (default: "
+        f"${API_KEY_ENV}, which keeps the key out of the process list)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT: stop admitting requests (503, /health says draining), let "
+        "the running ones finish for up to this many seconds, then end them with an error",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes",
+        help="end a request that runs longer than this many seconds with a 504 / SSE error "
+        "(default: no limit)",
     )
     p.add_argument(
         "--max-waiting-requests",
@@ -37,14 +59,20 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 @command("serve", "serve the model over an OpenAI-compatible HTTP API", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from chunkserve.async_engine import AsyncEngine
     from chunkserve.engine import Engine
     from chunkserve.server.api import build_app
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("max_waiting_requests: must be >= 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(
+            f"api_key: empty (from --api-key or ${API_KEY_ENV}); unset it or set a key"
+        )
+    if not args.shutdown_timeout >= 0:
+        raise ValueError("shutdown_timeout: must be >= 0 seconds")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError("request_timeout: must be > 0 seconds")
     config = engine_config_from_args(args)
     engine = Engine(config)
     name = args.served_model_name or engine.model_name
@@ -61,17 +89,67 @@ def _serve(args: argparse.Namespace) -> int:
         f"max_waiting_requests={args.max_waiting_requests}",
         flush=True,
     )
+    async_engine = AsyncEngine(engine, args.max_waiting_requests)
     app = build_app(
-        AsyncEngine(engine, args.max_waiting_requests),
+        async_engine,
         served_model_name=name,
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
+        request_timeout=args.request_timeout,
     )
     freeze_startup_heap()
-    uvicorn.run(
+    import uvicorn
+
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
+    _draining_server_class()(config, async_engine, args.shutdown_timeout).run()
     return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, with a drain before it stops: the first SIGTERM/SIGINT stops admission
+        (new requests 503, ``/health`` 503 "draining"), waits for the running requests up to
+        ``shutdown_timeout`` seconds and ends the rest with an error event; then the server
+        exits (0). A second signal exits at once."""
+
+        def __init__(self, config, async_engine, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.async_engine = async_engine
+            self.shutdown_timeout = shutdown_timeout
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._drain_task: asyncio.Task | None = None
+
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self._loop is None or self._drain_task is not None or self.should_exit:
+                super().handle_exit(sig, frame)  # not started, or asked twice: exit now
+                return
+            logger.warning(
+                "%s: draining (up to %.0f s for %d running request(s))",
+                signal.Signals(sig).name,
+                self.shutdown_timeout,
+                self.async_engine.num_streams,
+            )
+            self.async_engine.draining = True  # admission stops now, before the task runs
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            try:
+                await self.async_engine.drain(self.shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+    return DrainingServer
 
 
 def freeze_startup_heap() -> None:
