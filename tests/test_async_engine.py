@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from chunkserve.async_engine import AsyncEngine, RequestFailedError
 from chunkserve.engine import Engine
-from chunkserve.request import SamplingParams
+from chunkserve.request import RequestStatus, SamplingParams
 from chunkserve.server.api import build_app
 from tests.conftest import assert_no_blocks_in_use
 
@@ -89,16 +89,21 @@ def test_abort_by_closing_the_stream(engine: Engine) -> None:
         ae = AsyncEngine(engine)
         ae.start()
         try:
-            params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-            agen = ae.generate([20, 21, 22], params)
+            # To the end of max_model_len (256): far longer than the wait below.
+            params = SamplingParams(max_tokens=253, temperature=0.0, ignore_eos=True)
+            agen = ae.generate([20, 21, 22], params, "closing")
             async for out in agen:
                 if len(out.token_ids) >= 3:
                     break
+            request = engine.get_request("closing")
+            assert request is not None and not request.is_finished
             await agen.aclose()
             for _ in range(100):
                 if not engine.has_unfinished():
                     break
                 await asyncio.sleep(0.05)
+            assert request.status == RequestStatus.FINISHED_ABORTED
+            assert request.num_output_tokens < 100  # stopped by the abort, not by length
         finally:
             ae.stop()
 

@@ -234,10 +234,12 @@ def test_refcounts_hold_under_random_add_abort_finish(ops, chunked: bool, num_bl
         if item[0] == "add":
             _, prefix, tail, max_tokens = item
             r = _req(f"r{len(added)}", prefix, tail, max_tokens)
-            try:
-                sched.add_request(r)
-            except ValueError:
-                continue  # too long for this pool: rejected, nothing held
+            needed = r.num_prompt_tokens + max_tokens
+            if needed > config.max_model_len or kv.num_blocks_for(needed - 1) > kv.num_blocks:
+                with pytest.raises(ValueError, match="max_model_len|blocks"):
+                    sched.add_request(r)  # too long for this engine: refused, nothing held
+                continue
+            sched.add_request(r)
             added.append(r)
         elif item[0] == "step":
             for _ in range(item[1]):

@@ -237,16 +237,26 @@ def test_no_request_starved_under_load() -> None:
     # A stream of short requests must not starve an earlier long one (FCFS head of line).
     sched = make_scheduler(budget=16, block_size=4, max_num_seqs=4, num_blocks=40)
     runner = FakeRunner()
-    sched.add_request(make_request("long", 100, max_tokens=3, arrival=0.0))
-    step = 0
+    added = [make_request("long", 100, max_tokens=3, arrival=0.0)]
+    sched.add_request(added[0])
+    step, long_done = 0, None
     while sched.has_unfinished() and step < 500:
         if step < 200 and step % 2 == 0:
-            sched.add_request(make_request(f"s{step}", 6, max_tokens=3, arrival=1.0 + step))
+            added.append(make_request(f"s{step}", 6, max_tokens=3, arrival=1.0 + step))
+            sched.add_request(added[-1])
         out = sched.schedule()
         sched.update(out, runner(out))
         step += 1
+        if long_done is None and added[0].is_finished:
+            long_done = step
     assert not sched.has_unfinished()
-    assert all(not r.is_finished or r.num_output_tokens for r in sched.requests.values())
+    # The long one finished while shorts still arrived (not after the stream dried up),
+    # and every request got all its tokens.
+    assert long_done is not None and long_done < 200, long_done
+    assert len(added) == 101
+    assert all(r.num_output_tokens == 3 for r in added), [
+        (r.request_id, r.num_output_tokens) for r in added if r.num_output_tokens != 3
+    ]
 
 
 def test_abort_frees_blocks_in_any_state() -> None:

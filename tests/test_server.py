@@ -302,17 +302,26 @@ def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
 
 
 def test_client_disconnect_non_stream_frees_blocks(server: Server) -> None:
+    """A client that gives up on a non-streamed request: the request is aborted (counted
+    as such), long before the generation (the whole context) could end by itself."""
+    before = server.metrics()
+    prompt = NATURAL_PROMPTS[4]
+    n_prompt = len(httpx.post(server.base + "/tokenize", json={"prompt": prompt}).json()["tokens"])
     body = {
         "model": MODEL,
-        "prompt": NATURAL_PROMPTS[4],
-        "max_tokens": 400,
+        "prompt": prompt,
+        "max_tokens": 512 - n_prompt,  # to the end of max_model_len: many seconds of decode
         "temperature": 0.0,
         "ignore_eos": True,
     }
+    t0 = time.time()
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.base + "/v1/completions", json=body, timeout=1.0)
-    m = server.wait_idle()
-    assert m["chunkserve:kv_cache_blocks_used"] == 0
+    m = server.wait_idle(timeout=10)
+    key = "chunkserve:request_success_total{%s}"
+    assert m[key % "abort"] == before[key % "abort"] + 1
+    assert m[key % "length"] == before[key % "length"]  # it did not run to the end
+    assert m["chunkserve:kv_cache_blocks_used"] == 0 and time.time() - t0 < 10
     assert_alive(server)
 
 
