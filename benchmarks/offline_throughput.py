@@ -258,8 +258,7 @@ def render(results: list[dict], args: argparse.Namespace, meta: dict) -> str:
 
 
 def main() -> None:
-    from chunkserve.bench.sweep import git_commit
-    from chunkserve.platform import cpu_description
+    from chunkserve.provenance import cpu_description, git_commit
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

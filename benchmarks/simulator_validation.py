@@ -53,6 +53,7 @@ def main() -> None:
 
     import httpx
 
+    from chunkserve import provenance
     from chunkserve.bench.datasets import WorkloadSpec, build_workload
     from chunkserve.bench.loadgen import run, summarize
     from chunkserve.bench.sweep import ServerProcess, machine_description
@@ -166,6 +167,7 @@ def main() -> None:
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_description(),
+        "commit": provenance.git_commit(),
         "threads": args.threads,
         "profile": args.cost_profile,
         "profile_meta": model.meta.get("fit"),

@@ -88,16 +88,3 @@ def _keep_large_allocations_mapped() -> bool:
     except (OSError, AttributeError):
         return False
     return ok
-
-
-def cpu_description() -> str:
-    """``x86_64 AMD EPYC, 2 cores``: what benchmark results and profiles say they ran on."""
-    name = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {name}, {os.cpu_count()} cores"

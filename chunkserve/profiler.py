@@ -26,7 +26,7 @@ import torch
 from chunkserve.costmodel import CostModel, StepShape, fit, relative_errors
 from chunkserve.engine import Engine
 from chunkserve.kv_cache import cdiv
-from chunkserve.platform import cpu_description
+from chunkserve.provenance import cpu_description, git_commit
 from chunkserve.request import Request, SamplingParams
 from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -223,6 +223,7 @@ def run_profile(
         "threads": torch.get_num_threads(),
         "block_size": engine.block_size,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
         "overhead_s": overhead,
         "fit": {
             "num_shapes": len(shapes),

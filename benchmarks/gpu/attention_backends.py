@@ -21,6 +21,7 @@ import torch
 
 from chunkserve.attention import get_attention_backend
 from chunkserve.kv_cache import KVCacheManager
+from chunkserve.provenance import git_commit
 from chunkserve.request import Request, SamplingParams
 from chunkserve.runner import ModelRunner, allocate_kv_caches
 from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
@@ -138,6 +139,7 @@ def main() -> None:
         "benchmark": "attention backends, one layer (write KV + attention)",
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
         "block_size": args.block_size,

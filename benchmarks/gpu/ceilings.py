@@ -46,11 +46,19 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
-        from chunkserve.platform import cpu_description
+        from chunkserve.provenance import cpu_description
 
         return cpu_description() + ", CPU only"
     except ImportError:
         return "CPU"
+
+
+def commit() -> str | None:
+    try:
+        from chunkserve.provenance import git_commit
+    except ImportError:
+        return None
+    return git_commit()
 
 
 def run_meta(device: torch.device | str, script: str) -> dict:
@@ -61,6 +69,7 @@ def run_meta(device: torch.device | str, script: str) -> dict:
         "machine": device_name(device),
         "device": str(device),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
         "torch": torch.__version__,
         "triton": package_version("triton"),
         "cuda": torch.version.cuda,

@@ -21,6 +21,7 @@ import torch
 
 from chunkserve.bench.datasets import WorkloadSpec, build_workload
 from chunkserve.engine import Engine
+from chunkserve.provenance import git_commit
 from chunkserve.request import SamplingParams
 
 
@@ -111,6 +112,7 @@ def main() -> None:
             "benchmark": "stall scenario replayed in-process (no HTTP)",
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": time.strftime("%Y-%m-%d"),
+            "commit": git_commit(),
             "args": vars(args),
             "rows": rows,
         }

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkserve.cli import command
+from chunkserve.provenance import git_commit
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -148,6 +149,7 @@ def bench_serve(args: argparse.Namespace) -> int:
         out = {
             "base_url": args.base_url,
             "endpoint": args.endpoint,
+            "commit": git_commit(),
             "workload": vars(spec),
             **result,
         }

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from chunkserve.provenance import git_commit
+
 PEERS = ("llamacpp", "llamacpp-b64", "hf")
 
 
@@ -335,26 +337,7 @@ def resumed_runs(
     return [r for r in old["runs"] if (r["name"], r.get("request_rate")) in wanted]
 
 
-def git_commit() -> str | None:
-    """The commit the benchmark ran at (with ``+dirty`` for uncommitted changes), if known."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def machine_description() -> str:
-    from chunkserve.platform import cpu_description
+    from chunkserve.provenance import cpu_description
 
     return f"{cpu_description()}, CPU only"
