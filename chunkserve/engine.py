@@ -186,6 +186,22 @@ class Engine:
 
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_model_len = max_model_len
+        # Everything a bad configuration fails is checked before the weights load.
+        sched_config = config.scheduler_config(max_model_len)
+        self.scheduler_config = sched_config
+        self.budget_policy = config.budget_policy(max_model_len)
+        self.block_size = config.block_size
+        dtype_size = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = model_config.kv_bytes_per_token(dtype_size) * self.block_size
+        sized_by_free_memory = self.device.type == "cuda" and config.kv_cache_memory is None
+        if not sized_by_free_memory:
+            self._size_kv_cache(bytes_per_block)
+        # The cost profile: primes the ITL controller, and with it every step's predicted
+        # time is logged beside the measured one (``StepStats.predicted_time``).
+        self.profile, profile_path = self._load_profile()
+        self.controller = (
+            self._make_controller(profile_path) if self.budget_policy.is_online else None
+        )
         t0 = time.perf_counter()
         self.model = LlamaModel(
             model_config,
@@ -199,34 +215,12 @@ class Engine:
             self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
         del reader
         load_time = time.perf_counter() - t0
+        if sized_by_free_memory:  # what the weights left free
+            self._size_kv_cache(bytes_per_block)
+        num_blocks = self.num_blocks
 
-        self.block_size = config.block_size
-        dtype_size = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = model_config.kv_bytes_per_token(dtype_size) * self.block_size
-        kv_memory = self._kv_cache_memory()
-        num_blocks = kv_memory // bytes_per_block - 1  # one more is the null block
-        capacity = num_blocks * self.block_size
-        if capacity < max_model_len:
-            raise ValueError(
-                f"kv_cache_memory: {kv_memory} bytes hold {capacity} tokens, fewer than "
-                f"max_model_len ({max_model_len}); raise kv_cache_memory to at least "
-                f"{-(-max_model_len // self.block_size) * bytes_per_block} or lower "
-                f"max_model_len"
-            )
-        self.num_blocks = num_blocks
-        self.kv_cache_memory = (num_blocks + 1) * bytes_per_block
-
-        sched_config = config.scheduler_config(max_model_len)
-        self.scheduler_config = sched_config
-        self.budget_policy = config.budget_policy(max_model_len)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_config, self.kv)
-        # The cost profile: primes the ITL controller, and with it every step's predicted
-        # time is logged beside the measured one (``StepStats.predicted_time``).
-        self.profile, profile_path = self._load_profile()
-        self.controller = (
-            self._make_controller(profile_path) if self.budget_policy.is_online else None
-        )
         self._prev_step_end: float | None = None
         on_cuda = self.device.type == "cuda"
         attn = get_attention_backend(
@@ -293,7 +287,7 @@ class Engine:
             load_time,
             num_blocks,
             self.block_size,
-            capacity,
+            num_blocks * self.block_size,
             self.kv_cache_memory / 2**20,
             max_model_len,
             sched_config.max_num_seqs,
@@ -373,6 +367,22 @@ class Engine:
             min_prefill_tokens=self.block_size,
             warmup_steps=0 if model is not None else UNPROFILED_WARMUP_STEPS,
         )
+
+    def _size_kv_cache(self, bytes_per_block: int) -> None:
+        """``num_blocks`` from the KV memory; a cache that cannot hold one sequence of
+        ``max_model_len`` tokens is a configuration error."""
+        kv_memory = self._kv_cache_memory()
+        num_blocks = kv_memory // bytes_per_block - 1  # one more is the null block
+        capacity = num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory: {kv_memory} bytes hold {capacity} tokens, fewer than "
+                f"max_model_len ({self.max_model_len}); raise kv_cache_memory to at least "
+                f"{-(-self.max_model_len // self.block_size) * bytes_per_block} or lower "
+                f"max_model_len"
+            )
+        self.num_blocks = num_blocks
+        self.kv_cache_memory = (num_blocks + 1) * bytes_per_block
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:

@@ -59,6 +59,18 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="session")
+def shared_engine():
+    """One fp32 engine of the embedded model for every test that only needs a loaded model
+    (not a particular budget or cache layout): each load costs seconds. Tests leave it as
+    they found it: every request finished, no blocks held."""
+    from chunkserve.engine import Engine
+
+    engine = Engine(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+    yield engine
+    assert_no_blocks_in_use(engine)
+
+
+@pytest.fixture(scope="session")
 def gguf_path() -> Path:
     return embedded_model_path()
 
@@ -119,3 +131,14 @@ def assert_no_blocks_in_use(engine) -> None:
     )
     kv.pool.check_invariants()
     assert not engine.has_unfinished()
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch):
+    """Configuration errors must come before the weights load (seconds a user waits for
+    nothing): loading fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights loaded before the configuration was checked")
+
+    monkeypatch.setattr("chunkserve.engine.LlamaModel.load_weights", refuse)

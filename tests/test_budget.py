@@ -637,7 +637,7 @@ def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
     assert {s.kind for s in seen} >= {"prefill", "decode"}
 
 
-def test_engine_rejects_a_named_profile_it_cannot_use(tmp_path) -> None:
+def test_engine_rejects_a_named_profile_it_cannot_use(tmp_path, no_weight_loading) -> None:
     from chunkserve.engine import Engine
 
     bad = tmp_path / "old.json"

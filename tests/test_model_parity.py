@@ -16,9 +16,9 @@ from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use
 KV_MEMORY = 64 << 20
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(dtype="float32", max_model_len=1024, kv_cache_memory=KV_MEMORY)
+@pytest.fixture
+def engine(shared_engine) -> Engine:
+    return shared_engine
 
 
 def all_row_logits(engine: Engine, token_ids: list[int], chunk: int) -> torch.Tensor:

@@ -160,9 +160,9 @@ def test_min_tokens_bans_eos() -> None:
 
 
 # ---- through the engine --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(dtype="float32", max_model_len=512, kv_cache_memory=48 << 20)
+@pytest.fixture
+def engine(shared_engine) -> Engine:
+    return shared_engine
 
 
 def generate(engine: Engine, prompts, params_list) -> list:

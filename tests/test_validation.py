@@ -10,9 +10,9 @@ from chunkserve.engine import Engine
 from tests.conftest import assert_no_blocks_in_use
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+@pytest.fixture
+def engine(shared_engine) -> Engine:
+    return shared_engine
 
 
 @pytest.mark.parametrize(
@@ -60,12 +60,13 @@ def test_empty_prompt(engine: Engine) -> None:
 
 
 def test_prompt_longer_than_max_model_len(engine: Engine) -> None:
+    n = engine.max_model_len
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request(list(range(100, 400)), SamplingParams())
+        engine.add_request(list(range(100, 100 + n + 44)), SamplingParams())
     with pytest.raises(
-        ValueError, match="^max_tokens: .*maximum context length is 256"
+        ValueError, match=f"^max_tokens: .*maximum context length is {n}"
     ):  # prompt + max_tokens too long
-        engine.add_request(list(range(100, 300)), SamplingParams(max_tokens=100))
+        engine.add_request(list(range(100, 100 + n - 56)), SamplingParams(max_tokens=100))
     assert_no_blocks_in_use(engine)
 
 
@@ -79,7 +80,7 @@ def test_token_ids_outside_vocabulary(engine: Engine) -> None:
     with pytest.raises(ValueError, match="^priority:"):
         engine.add_request("hi", SamplingParams(), priority=2**63)
     with pytest.raises(ValueError, match="^min_tokens:"):
-        engine.add_request("hi", SamplingParams(max_tokens=None, min_tokens=1000))
+        engine.add_request("hi", SamplingParams(max_tokens=None, min_tokens=engine.max_model_len))
     assert_no_blocks_in_use(engine)
     assert engine.scheduler.num_waiting == 0
 
@@ -164,12 +165,12 @@ def test_unknown_engine_option() -> None:
         EngineConfig.from_kwargs(bogus=1)
 
 
-def test_kv_cache_too_small_for_max_model_len() -> None:
+def test_kv_cache_too_small_for_max_model_len(no_weight_loading) -> None:
     with pytest.raises(ValueError, match="^kv_cache_memory:"):
         Engine(dtype="float32", max_model_len=4096, kv_cache_memory=1 << 20)
 
 
-def test_max_num_seqs_above_budget_with_chunking() -> None:
+def test_max_num_seqs_above_budget_with_chunking(no_weight_loading) -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Engine(
             dtype="float32",
