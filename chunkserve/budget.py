@@ -77,7 +77,11 @@ SCALE_CLIP = (1 / 3, 3.0)
 # LOAD_MARGIN (a queue only drains with room to spare).
 LOAD_WINDOW_S = 30.0
 LOAD_MARGIN = 1.1
-MAX_PREFILL_SHARE = 0.9
+# At most this share, so a step is at most 3x the mean decode step: a load estimate that
+# jumps (a long document just arrived; small chunks measured as costly) must not make
+# second-long steps (measured: 0.9 let single gaps reach 13x the decode step on the stall
+# workload, where a static 64-token budget kept them under 4.5x at the same throughput).
+MAX_PREFILL_SHARE = 2.0 / 3.0
 # With nothing decoding, a step may take this many times its fixed cost (weights, LM head).
 IDLE_STEP_FACTOR = 25.0
 # Without a profile, the load terms wait until the model has seen this many steps.
