@@ -35,6 +35,9 @@ logger = logging.getLogger("chunkserve.async")
 
 # Seconds ``drain`` gives the streams it ended to hand their error event to the client.
 DELIVERY_GRACE_S = 2.0
+# With work to do, a loop that has not come round for this long is stuck (a step on the
+# slowest CPU takes seconds): ``healthy`` turns False.
+STUCK_AFTER_S = 120.0
 
 
 class EngineDeadError(RuntimeError):
@@ -152,6 +155,8 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.draining = False  # shutting down: no new requests, the running ones finish
+        self._beat = time.monotonic()  # the engine loop's last round
+        self._busy = False  # whether that round had work
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,7 +174,13 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        alive = self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        return alive and not self.stuck
+
+    @property
+    def stuck(self) -> bool:
+        """Work is waiting and the loop has not come round for ``STUCK_AFTER_S``."""
+        return self._busy and time.monotonic() - self._beat > STUCK_AFTER_S
 
     @property
     def num_waiting(self) -> int:
@@ -203,6 +214,34 @@ class AsyncEngine:
                 f"adds {num_new} (max_waiting_requests={limit})"
             )
 
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> RequestHandle:
+        """Queue a (pre-validated) request now (on the event loop's thread) and return its
+        handle. Called right after ``check_capacity``, with no await between, so the
+        request counts against ``max_waiting_requests`` from admission on, streaming or
+        not."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
+        request_id = request_id or self.new_request_id()
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            self._num_pending += 1
+        self._streams_register(request_id, stream)
+        self._live.add(stream)
+        self._commands.put(
+            _Add(request_id, list(prompt_token_ids), prompt, params, priority, time.monotonic())
+        )
+        self._wakeup.set()
+        return RequestHandle(self, request_id, stream, timeout_s)
+
     async def generate(
         self,
         prompt_token_ids: Sequence[int],
@@ -218,47 +257,20 @@ class AsyncEngine:
         Closing the iterator early (client gone, cancellation) aborts the request, which
         frees its KV blocks within one step; so does running past ``timeout_s`` seconds
         (``RequestTimeoutError``)."""
-        if not self.healthy:
-            raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
-        request_id = request_id or self.new_request_id()
-        stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
-            self._num_pending += 1
-        self._streams_register(request_id, stream)
-        self._live.add(stream)
-        self._commands.put(
-            _Add(request_id, list(prompt_token_ids), prompt, params, priority, time.monotonic())
+        handle = self.submit(
+            prompt_token_ids,
+            params,
+            request_id,
+            prompt=prompt,
+            priority=priority,
+            timeout_s=timeout_s,
         )
-        self._wakeup.set()
-        finished = False
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outputs = handle.outputs()
         try:
-            while True:
-                if deadline is None:
-                    item = await stream.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(
-                            stream.get(), max(0.0, deadline - time.monotonic())
-                        )
-                    except TimeoutError:
-                        raise RequestTimeoutError(
-                            f"request timed out after {timeout_s:g} s (--request-timeout)"
-                        ) from None
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished:
-                    finished = True
-                    if item.finish_reason == "error":
-                        raise RequestFailedError(item.error or "request failed in the engine")
+            async for item in outputs:
                 yield item
-                if finished:
-                    return
         finally:
-            self._live.discard(stream)
-            if not finished:
-                self.abort(request_id)
+            await outputs.aclose()  # now, not when the collector finds it (aborts it)
 
     @property
     def queued_bytes(self) -> int:
@@ -302,9 +314,11 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stopping:
+                self._beat = time.monotonic()
                 if not self._drain_commands():
                     break
-                if not engine.has_unfinished():
+                self._busy = engine.has_unfinished()
+                if not self._busy:
                     self._update_counts()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
@@ -343,11 +357,14 @@ class AsyncEngine:
                 except Exception:  # the request is gone from the streams either way
                     logger.exception("abort of %s failed", cmd.request_id)
                 continue
-            with self._lock:
-                self._num_pending -= 1
             stream = self._streams.get(cmd.request_id)
             if stream is None:
+                with self._lock:
+                    self._num_pending -= 1
                 continue  # aborted before it reached the engine
+            with self._lock:  # pending -> waiting in one move: admission never sees a gap
+                self._num_pending -= 1
+                self._num_waiting += 1
             try:
                 self.engine.add_request(
                     prompt_token_ids=cmd.prompt_token_ids,
@@ -357,13 +374,15 @@ class AsyncEngine:
                     priority=cmd.priority,
                     arrival_time=cmd.arrival_time,
                 )
-            except ValueError as exc:  # the edge missed a check: a 400 for this request
-                self._streams.pop(cmd.request_id, None)
-                stream.put(exc)
             except Exception as exc:  # fails this request, not the loop
-                logger.exception("adding %s failed", cmd.request_id)
+                with self._lock:
+                    self._num_waiting -= 1
                 self._streams.pop(cmd.request_id, None)
-                stream.put(RequestFailedError(f"{type(exc).__name__}: {exc}"))
+                if isinstance(exc, ValueError):  # the edge missed a check: a 400
+                    stream.put(exc)
+                else:
+                    logger.exception("adding %s failed", cmd.request_id)
+                    stream.put(RequestFailedError(f"{type(exc).__name__}: {exc}"))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -390,6 +409,62 @@ class AsyncEngine:
         with self._lock:
             self._num_waiting = sched.num_waiting
             self._num_running = sched.num_running
+
+
+class RequestHandle:
+    """A request queued by ``AsyncEngine.submit``: ``outputs()`` yields its outputs until it
+    finishes. Closing that iterator early, or dropping a handle whose outputs were never
+    read (a client gone before its response started), aborts the request."""
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, stream: _Stream, timeout_s: float | None
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._timeout_s = timeout_s
+        self._done = False  # finished, or aborted by us
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        stream, timeout_s = self._stream, self._timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        finished = False
+        try:
+            while True:
+                if deadline is None:
+                    item = await stream.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(
+                            stream.get(), max(0.0, deadline - time.monotonic())
+                        )
+                    except TimeoutError:
+                        raise RequestTimeoutError(
+                            f"request timed out after {timeout_s:g} s (--request-timeout)"
+                        ) from None
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                    if item.finish_reason == "error":
+                        raise RequestFailedError(item.error or "request failed in the engine")
+                yield item
+                if finished:
+                    return
+        finally:
+            self._close(aborted=not finished)
+
+    def _close(self, aborted: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._engine._live.discard(self._stream)
+        if aborted:
+            self._engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        self._close(aborted=True)
 
 
 class OverloadedError(RuntimeError):

@@ -409,6 +409,8 @@ class Engine:
         max_tokens = self.check_request(len(token_ids), params, priority)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+        elif request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
         request = Request(
             request_id,
             token_ids,
@@ -419,7 +421,7 @@ class Engine:
             priority=priority,
             prompt=text,
         )
-        self.scheduler.add_request(request)  # may raise ValueError (length, capacity, id)
+        self.scheduler.add_request(request)
         max_stop = max((len(s) for s in params.stop), default=0)
         self._states[request_id] = _OutputState(
             detok=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),

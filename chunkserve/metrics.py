@@ -6,6 +6,8 @@ finished ``RequestOutput``. Each server owns its own ``CollectorRegistry``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -282,6 +284,17 @@ class Metrics:
             self.queue_time.labels(**lab).observe(m.queue_time)
         if m.first_token_time is not None:
             self.prefill_time.labels(**lab).observe(m.prefill_time)
+
+    def track_streams(self, bytes_queued: Callable[[], float]) -> None:
+        """The server's output waiting for slow clients (``AsyncEngine.queued_bytes``), read
+        when ``/metrics`` renders (on the event loop, where it may be read)."""
+        gauge = Gauge(
+            "chunkserve:stream_queued_bytes",
+            "Output waiting for clients that read slower than it is made (merged per stream).",
+            list(self._labels),
+            registry=self.registry,
+        )
+        gauge.labels(**self._labels).set_function(bytes_queued)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

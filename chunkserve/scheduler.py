@@ -157,21 +157,13 @@ class Scheduler:
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        """Queue a request the edge has checked (``Engine.check_request``: its length fits
+        ``max_model_len``, which the engine sized the cache to hold; its id is new)."""
+        assert request.request_id not in self.requests, f"{request.request_id!r} is in use"
         needed = request.num_prompt_tokens + request.max_tokens
-        if needed > self.config.max_model_len:
-            raise ValueError(
-                f"prompt: {request.num_prompt_tokens} prompt tokens + max_tokens "
-                f"{request.max_tokens} = {needed} exceeds max_model_len "
-                f"({self.config.max_model_len})"
-            )
+        assert needed <= self.config.max_model_len, f"{needed} tokens > max_model_len"
         # The last sampled token is never written to the cache, hence ``needed - 1``.
-        if self.kv.num_blocks_for(needed - 1) > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt: needs {self.kv.num_blocks_for(needed - 1)} KV blocks but the cache "
-                f"has only {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
-            )
+        assert self.kv.num_blocks_for(needed - 1) <= self.kv.num_blocks, "cannot ever fit"
         self.requests[request.request_id] = request
         self.arrivals.append(request)
         self.num_added += 1

@@ -210,3 +210,99 @@ def test_a_stream_nobody_reads_holds_one_merged_output(engine: Engine) -> None:
 
     asyncio.run(main())
     assert_no_blocks_in_use(engine)
+
+
+def test_a_stuck_loop_is_unhealthy(engine: Engine, monkeypatch) -> None:
+    """A step that does not return while work waits: after STUCK_AFTER_S health says so,
+    and it recovers when the step does."""
+    import threading
+
+    import chunkserve.async_engine as ae_mod
+
+    release = threading.Event()
+    real_step = engine.step
+
+    def blocked_step(*args, **kwargs):
+        release.wait(30)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(ae_mod, "STUCK_AFTER_S", 0.3)
+    monkeypatch.setattr(engine, "step", blocked_step)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            assert ae.healthy
+            task = asyncio.ensure_future(
+                collect(ae.generate([50, 51], SamplingParams(max_tokens=2, temperature=0.0)))
+            )
+            await asyncio.sleep(1.0)
+            assert ae.stuck and not ae.healthy
+            release.set()
+            outs = await task
+            assert outs[-1].finished
+            await asyncio.sleep(0.6)  # an idle round
+            assert ae.healthy and not ae.stuck
+        finally:
+            release.set()
+            ae.stop()
+
+    asyncio.run(main())
+    assert_no_blocks_in_use(engine)
+
+
+def test_admission_counts_a_request_from_submit_on(engine: Engine, monkeypatch) -> None:
+    """A streaming response starts reading later than its request was admitted; the
+    request counts against max_waiting_requests from ``submit`` on, and while the engine
+    holds it waiting: a third one is refused."""
+    import threading
+
+    from chunkserve.async_engine import OverloadedError
+
+    release = threading.Event()
+    real_step = engine.step
+
+    def blocked_step(*args, **kwargs):
+        release.wait(30)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", blocked_step)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine, max_waiting_requests=2)
+        ae.start()
+        try:
+            params = SamplingParams(max_tokens=2, temperature=0.0)
+            ae.check_capacity(2)
+            handles = [ae.submit([60 + i, 61], params) for i in range(2)]  # not read yet
+            with pytest.raises(OverloadedError):
+                ae.check_capacity(1)
+            await asyncio.sleep(0.3)  # the engine took them (and is stuck in its step)
+            with pytest.raises(OverloadedError):
+                ae.check_capacity(1)
+            release.set()
+            for h in handles:
+                outs = [o async for o in h.outputs()]
+                assert outs[-1].finished
+            for _ in range(40):
+                if ae.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            ae.check_capacity(2)
+            # A handle dropped unread (a client gone before its response started) aborts.
+            ended: list[tuple[str, str | None]] = []
+            engine.finish_listeners.append(lambda o: ended.append((o.request_id, o.finish_reason)))
+            ae.submit([70, 71], SamplingParams(max_tokens=250, ignore_eos=True), "dropped")
+            for _ in range(100):
+                if ended:
+                    break
+                await asyncio.sleep(0.05)
+            assert ended == [("dropped", "abort")]
+            engine.finish_listeners.pop()
+        finally:
+            release.set()
+            ae.stop()
+
+    asyncio.run(main())
+    assert_no_blocks_in_use(engine)

@@ -220,17 +220,19 @@ def test_admission_reserves_room_for_running_outputs() -> None:
     assert a.num_output_tokens == 30 and b.num_output_tokens == 30
 
 
-def test_request_that_can_never_fit_is_rejected() -> None:
+def test_scheduler_trusts_the_edge_and_asserts_what_it_checked() -> None:
+    """Lengths and ids are validated once, by ``Engine.check_request`` (tests there and in
+    the server's); the scheduler asserts them."""
     sched = make_scheduler(block_size=4, num_blocks=3, max_model_len=1000)
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(AssertionError, match="cannot ever fit"):
         sched.add_request(make_request("big", 20, max_tokens=4))
-    assert not sched.has_unfinished()
-
-
-def test_prompt_plus_max_tokens_over_max_model_len_rejected() -> None:
     sched = make_scheduler(max_model_len=32)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(AssertionError, match="max_model_len"):
         sched.add_request(make_request("x", 30, max_tokens=5))
+    sched.add_request(make_request("x", 3))
+    with pytest.raises(AssertionError, match="in use"):
+        sched.add_request(make_request("x", 3))
+    assert sched.num_waiting == 1
 
 
 def test_no_request_starved_under_load() -> None:

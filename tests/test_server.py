@@ -339,48 +339,60 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     return err
 
 
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
-        ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
-        ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"model": MODEL, "prompt": ""}, "prompt"),
-        ({"model": MODEL, "prompt": [1, 2, 10**7]}, "prompt"),
-        ({"model": MODEL}, "prompt"),
-        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
-        # Validated against the model and 64-bit ranges at the edge (they were 500s that
-        # failed the requests sharing the step).
-        (
-            {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [999999999]},
-            "stop_token_ids",
-        ),
-        ({"model": MODEL, "prompt": "x", "seed": 18446744073709551616}, "seed"),
-        ({"model": MODEL, "prompt": "x", "top_k": 9223372036854775808}, "top_k"),
-        ({"model": MODEL, "prompt": "x", "priority": 2**63}, "priority"),
-        ({"model": MODEL, "prompt": "x", "min_tokens": 2**40}, "min_tokens"),
-        ({"model": MODEL, "prompt": "x", "logit_bias": {"49152": 5}}, "logit_bias"),
-        ({"model": MODEL, "prompt": "x", "logit_bias": {"12": 101}}, "logit_bias"),
-        ({"model": MODEL, "prompt": "x", "logit_bias": {"cat": 1}}, "logit_bias"),
-        ({"model": MODEL, "prompt": "x", "stop": ["s"] * 33}, "stop"),
-        ({"model": MODEL, "prompt": "x", "stop": ["x" * 513]}, "stop"),
-        ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(257))}, "stop_token_ids"),
-        # Refused by name instead of silently ignored.
-        (
-            {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
-            "response_format",
-        ),
-        ({"model": MODEL, "prompt": "x", "suffix": "!"}, "suffix"),
-        ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
-        ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
-        ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
-        ({"model": MODEL, "prompt": ["a"] * 16, "n": 16}, "n"),  # 256 sequences in one
-    ],
-)
+# Distinct bad inputs: each must be a 400 naming its field.
+BAD_COMPLETIONS = [
+    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 10**7]}, "prompt"),
+    ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
+    # Validated against the model and 64-bit ranges at the edge (they were 500s that
+    # failed the requests sharing the step).
+    (
+        {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [999999999]},
+        "stop_token_ids",
+    ),
+    ({"model": MODEL, "prompt": "x", "seed": 18446744073709551616}, "seed"),
+    ({"model": MODEL, "prompt": "x", "top_k": 9223372036854775808}, "top_k"),
+    ({"model": MODEL, "prompt": "x", "priority": 2**63}, "priority"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": 2**40}, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"49152": 5}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"12": 101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"cat": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "stop": ["s"] * 33}, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop": ["x" * 513]}, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(257))}, "stop_token_ids"),
+    # Refused by name instead of silently ignored.
+    (
+        {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    ({"model": MODEL, "prompt": "x", "suffix": "!"}, "suffix"),
+    ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"model": MODEL, "prompt": ["a"] * 16, "n": 16}, "n"),  # 256 sequences in one
+    ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "min_p": 2}, "min_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -5}, "top_k"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
 def test_bad_completion_fields_are_400(server: Server, body: dict, param: str) -> None:
     assert_error(post(server, "/v1/completions", json=body), 400, param)
+
+
+def test_there_are_thirty_distinct_bad_inputs() -> None:
+    assert len({json.dumps(b, sort_keys=True) for b, _ in BAD_COMPLETIONS}) >= 30
 
 
 def test_bad_request_beside_good_ones_changes_nothing(server: Server) -> None:
@@ -389,16 +401,18 @@ def test_bad_request_beside_good_ones_changes_nothing(server: Server) -> None:
     client = server.client()
     prompt = NATURAL_PROMPTS[5]
     alone = client.completions.create(model=MODEL, prompt=prompt, **greedy(max_tokens=24))
-    bad = {"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": [999999999]}
 
     def good(_: int) -> str:
         return client.completions.create(model=MODEL, prompt=prompt, **greedy(max_tokens=24))
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         goods = [pool.submit(good, i) for i in range(2)]
-        bads = [pool.submit(post, server, "/v1/completions", json=bad) for _ in range(4)]
-        for f in bads:
-            assert_error(f.result(), 400, "stop_token_ids")
+        bads = [
+            (pool.submit(post, server, "/v1/completions", json=body), param)
+            for body, param in BAD_COMPLETIONS  # every kind, while the good ones run
+        ]
+        for f, param in bads:
+            assert_error(f.result(), 400, param)
         for f in goods:
             assert f.result().choices[0].text == alone.choices[0].text
     assert_alive(server)

@@ -216,6 +216,8 @@ def _targets(runs: list[dict[str, Any]]) -> list[str]:
         out += [
             f"### The best static budget against chunking off ({best['label']})",
             "",
+            "(The targets of the earlier stall sweep, for hand-picked budgets.)",
+            "",
             f"- p99 ITL {off['p99_itl_ms']:.0f} -> {best['p99_itl_ms']:.0f} ms: "
             f"{itl_ratio:.1f}x lower (target >= 5x: {mark(itl_ratio >= 5)}).",
             f"- output throughput {off['output_throughput']:.1f} -> "

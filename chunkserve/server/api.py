@@ -20,7 +20,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkserve import __version__
 from chunkserve.async_engine import (
@@ -28,6 +29,7 @@ from chunkserve.async_engine import (
     EngineDeadError,
     OverloadedError,
     RequestFailedError,
+    RequestHandle,
     RequestTimeoutError,
 )
 from chunkserve.engine import RequestOutput, TokenLogprob
@@ -40,6 +42,7 @@ from chunkserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+    error_responses,
     param_of,
 )
 
@@ -161,6 +164,7 @@ def build_app(
 ) -> FastAPI:
     engine = async_engine.engine
     metrics = Metrics(engine, served_model_name)
+    metrics.track_streams(lambda: async_engine.queued_bytes)
     engine.step_listeners.append(metrics.on_step)
     engine.finish_listeners.append(metrics.on_finish)
     state = ServerState(
@@ -208,6 +212,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own errors (a body it cannot parse, an unknown route, a wrong
+        # method) in the same OpenAI body as ours.
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error_response(exc.status_code, message, kind, headers=exc.headers)
+
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return _error_response(400, str(exc), "invalid_request_error", param_of(exc))
@@ -241,22 +255,26 @@ class _Choice:
     params: SamplingParams
 
 
-async def _merge(
-    streams: list[tuple[int, AsyncIterator[RequestOutput]]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+_Submitted = tuple[int, RequestHandle]  # a choice's index and its queued request
+
+
+async def _merge(submitted: list[_Submitted]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they arrive. Closing this iterator cancels
     the readers, which aborts the unfinished requests."""
     q: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
-    async def pump(index: int, it: AsyncIterator[RequestOutput]) -> None:
+    async def pump(index: int, handle: RequestHandle) -> None:
+        outputs = handle.outputs()
         try:
-            async for item in it:
+            async for item in outputs:
                 q.put_nowait((index, item))
             q.put_nowait((index, None))
         except Exception as exc:
             q.put_nowait((index, exc))
+        finally:
+            await outputs.aclose()  # a cancelled reader aborts its request now
 
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in streams]
+    tasks = [asyncio.create_task(pump(i, handle)) for i, handle in submitted]
     try:
         remaining = len(tasks)
         while remaining:
@@ -338,14 +356,15 @@ class _Handler:
         self.state.engine.check_capacity(len(choices))
         return choices
 
-    def streams(
-        self, choices: list[_Choice], base_id: str, priority: int
-    ) -> list[tuple[int, AsyncIterator[RequestOutput]]]:
+    def submit(self, choices: list[_Choice], base_id: str, priority: int) -> list[_Submitted]:
+        """Queue every choice now, right after ``prepare`` admitted them (no await in
+        between): they count against ``--max-waiting-requests`` from here, streaming or
+        not. A response that never starts drops the handles, which aborts them."""
         eng = self.state.engine
         return [
             (
                 c.index,
-                eng.generate(
+                eng.submit(
                     c.token_ids,
                     c.params,
                     f"{base_id}-{c.index}",
@@ -357,11 +376,9 @@ class _Handler:
             for c in choices
         ]
 
-    async def collect(
-        self, choices: list[_Choice], base_id: str, priority: int
-    ) -> dict[int, RequestOutput]:
+    async def collect(self, submitted: list[_Submitted]) -> dict[int, RequestOutput]:
         finals: dict[int, RequestOutput] = {}
-        async for index, out in _merge(self.streams(choices, base_id, priority)):
+        async for index, out in _merge(submitted):
             if out.finished:
                 finals[index] = out
         return finals
@@ -417,14 +434,22 @@ class _Handler:
         }
 
 
+# A generation answers JSON, or an SSE stream with "stream": true.
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {}, "text/event-stream": {}}},
+    **error_responses(400, 401, 404, 413, 500, 503, 504),
+}
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     h = _Handler(state)
     engine = h.engine
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         if not state.engine.healthy:
-            return _error_response(503, "engine is not running", "service_unavailable_error")
+            why = "stuck: no step finished lately" if state.engine.stuck else "not running"
+            return _error_response(503, f"engine is {why}", "service_unavailable_error")
         if state.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -433,11 +458,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -453,7 +478,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ],
         }
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         h.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -465,7 +490,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ids = h.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         h.check_model(body.model)
         vocab = engine.model_config.vocab_size
@@ -478,7 +503,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             )
         return {"prompt": h.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         h.check_model(body.model)
         prompts = [engine.tokenize_prompt(p) for p in body.prompts()]
@@ -488,13 +513,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         choices = h.prepare(prompts, body, body.max_tokens, body.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        submitted = h.submit(choices, base_id, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream_completion(h, body, prompts, choices, base_id, created, include_usage),
+                _stream_completion(
+                    h, body, prompts, choices, submitted, base_id, created, include_usage
+                ),
                 media_type="text/event-stream",
             )
-        finals = await _until_disconnect(request, h.collect(choices, base_id, body.priority))
+        finals = await _until_disconnect(request, h.collect(submitted))
         out_choices = []
         for c in choices:
             o = finals[c.index]
@@ -520,7 +548,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             }
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         h.check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
@@ -529,13 +557,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        submitted = h.submit(choices, base_id, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream_chat(h, body, prompts, choices, base_id, created, include_usage),
+                _stream_chat(h, body, prompts, choices, submitted, base_id, created, include_usage),
                 media_type="text/event-stream",
             )
-        finals = await _until_disconnect(request, h.collect(choices, base_id, body.priority))
+        finals = await _until_disconnect(request, h.collect(submitted))
         out_choices = [
             {
                 "index": c.index,
@@ -562,7 +591,7 @@ async def _sse_stream(
     h: _Handler,
     body: CompletionRequest | ChatCompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
-    choices: list[_Choice],
+    submitted: list[_Submitted],
     envelope: dict[str, Any],
     include_usage: bool,
     render: Callable[[int, RequestOutput], dict[str, Any] | None],
@@ -572,13 +601,13 @@ async def _sse_stream(
     output that ``render`` makes a choice of (None: nothing to send yet), with the usage so
     far if ``stream_options.continuous_usage_stats``, the usage chunk if asked, an error
     event if the engine failed the request, and ``[DONE]``."""
-    counts = dict.fromkeys(range(len(choices)), 0)
+    counts = dict.fromkeys(range(len(submitted)), 0)
     options = body.stream_options
     continuous = bool(options and options.continuous_usage_stats)
     try:
         for choice in prelude or []:
             yield _sse({**envelope, "choices": [choice]})
-        async for index, out in _merge(h.streams(choices, envelope["id"], body.priority)):
+        async for index, out in _merge(submitted):
             counts[index] = len(out.token_ids)
             choice = render(index, out)
             if choice is not None:
@@ -603,6 +632,7 @@ def _stream_completion(
     body: CompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
     choices: list[_Choice],
+    submitted: list[_Submitted],
     base_id: str,
     created: int,
     include_usage: bool,
@@ -636,7 +666,7 @@ def _stream_completion(
         "created": created,
         "model": h.state.model_name,
     }
-    return _sse_stream(h, body, prompts, choices, envelope, include_usage, render)
+    return _sse_stream(h, body, prompts, submitted, envelope, include_usage, render)
 
 
 def _stream_chat(
@@ -644,6 +674,7 @@ def _stream_chat(
     body: ChatCompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
     choices: list[_Choice],
+    submitted: list[_Submitted],
     base_id: str,
     created: int,
     include_usage: bool,
@@ -673,4 +704,4 @@ def _stream_chat(
         }
         for c in choices
     ]
-    return _sse_stream(h, body, prompts, choices, envelope, include_usage, render, prelude)
+    return _sse_stream(h, body, prompts, submitted, envelope, include_usage, render, prelude)

@@ -205,6 +205,33 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body every 4xx/5xx carries."""
+
+    error: ErrorDetail
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route: its error statuses, all with ``ErrorResponse``."""
+    text = {
+        400: "invalid request (the error names the field)",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "request body too large",
+        500: "the request failed in the engine",
+        503: "overloaded, shutting down, or the engine is dead",
+        504: "the request ran past --request-timeout",
+    }
+    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
+
+
 def error_body(
     message: str,
     err_type: str = "invalid_request_error",

@@ -1,0 +1,63 @@
+"""The short soak CI runs: ``benchmarks/soak.py`` at a small size against its own server.
+Correctness only (no timing): every valid request served, every bad one a 4xx naming its
+field, no hung request, no KV block held after, the server healthy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+
+
+def load_soak():
+    spec = importlib.util.spec_from_file_location("chunkserve_soak", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_soak_serves_everything_and_leaks_nothing(tmp_path: Path) -> None:
+    soak = load_soak()
+    assert len(soak.BAD) >= 30  # distinct bad inputs, each a 4xx naming its field
+    status = soak.main(
+        [
+            "--num-requests",
+            "160",
+            "--concurrency",
+            "6",
+            "--bad-fraction",
+            "0.25",
+            "--max-tokens",
+            "12",
+            "--request-timeout",
+            "60",
+            "--server-args",
+            "--dtype float32 --max-model-len 512 --kv-cache-memory 64MiB",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    doc = json.loads((tmp_path / "soak.json").read_text())
+    s, end = doc["soak"], doc["end"]
+    assert s["valid_errors"] == 0, s["valid_error_examples"]
+    assert s["bad_not_4xx"] == 0, s["bad_examples"]
+    assert s["bad_wrong_param"] == 0
+    assert s["hung"] == 0
+    assert s["bad"] >= 20 and s["valid"] >= 100
+    # Every kind of client behaviour happened, aborts at every stage included.
+    assert set(s["by_plan"]) >= {
+        "abort_before_first",
+        "abort_mid_stream",
+        "abort_nonstream",
+        "n2",
+        "stop",
+        "bad",
+    }
+    assert end == {"kv_blocks_used": 0, "running": 0, "waiting": 0, "healthy": True}
+    assert doc["meta"]["commit"] and "bf16 flags" in doc["meta"]["machine"]
+    assert status == 0
+    assert (tmp_path / "soak.md").read_text().startswith("# Soak")
