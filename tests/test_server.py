@@ -418,6 +418,21 @@ def test_bad_request_beside_good_ones_changes_nothing(server: Server) -> None:
     assert_alive(server)
 
 
+def test_max_completion_tokens_bounds_a_chat_completion(server: Server) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count from one to fifty."}],
+        "max_completion_tokens": 3,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    r = post(server, "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 3
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
 def test_tiny_temperature_is_greedy_and_logit_bias_works(server: Server) -> None:
     client = server.client()
     prompt = NATURAL_PROMPTS[0]
