@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chunkserve.engine import DeviceError, Engine, RequestOutput
 from chunkserve.request import SamplingParams
@@ -242,30 +243,13 @@ class AsyncEngine:
         self._wakeup.set()
         return RequestHandle(self, request_id, stream, timeout_s)
 
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a (pre-validated) request and yield its outputs until it finishes.
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """``submit`` (same arguments), then yield the request's outputs until it finishes.
 
         Closing the iterator early (client gone, cancellation) aborts the request, which
         frees its KV blocks within one step; so does running past ``timeout_s`` seconds
         (``RequestTimeoutError``)."""
-        handle = self.submit(
-            prompt_token_ids,
-            params,
-            request_id,
-            prompt=prompt,
-            priority=priority,
-            timeout_s=timeout_s,
-        )
-        outputs = handle.outputs()
+        outputs = self.submit(*args, **kwargs).outputs()
         try:
             async for item in outputs:
                 yield item

@@ -4,6 +4,7 @@ and the engine goes on serving; aborts free blocks."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -56,6 +57,19 @@ def engine() -> Engine:
 
     eng._make_output = faulty_output
     return eng
+
+
+def block_steps(engine: Engine, monkeypatch) -> threading.Event:
+    """Make the engine's steps wait for the returned event (a step that does not return)."""
+    release = threading.Event()
+    real_step = engine.step
+
+    def blocked_step(*args, **kwargs):
+        release.wait(30)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", blocked_step)
+    return release
 
 
 async def collect(agen):
@@ -215,19 +229,10 @@ def test_a_stream_nobody_reads_holds_one_merged_output(engine: Engine) -> None:
 def test_a_stuck_loop_is_unhealthy(engine: Engine, monkeypatch) -> None:
     """A step that does not return while work waits: after STUCK_AFTER_S health says so,
     and it recovers when the step does."""
-    import threading
-
     import chunkserve.async_engine as ae_mod
 
-    release = threading.Event()
-    real_step = engine.step
-
-    def blocked_step(*args, **kwargs):
-        release.wait(30)
-        return real_step(*args, **kwargs)
-
+    release = block_steps(engine, monkeypatch)
     monkeypatch.setattr(ae_mod, "STUCK_AFTER_S", 0.3)
-    monkeypatch.setattr(engine, "step", blocked_step)
 
     async def main() -> None:
         ae = AsyncEngine(engine)
@@ -256,18 +261,9 @@ def test_admission_counts_a_request_from_submit_on(engine: Engine, monkeypatch) 
     """A streaming response starts reading later than its request was admitted; the
     request counts against max_waiting_requests from ``submit`` on, and while the engine
     holds it waiting: a third one is refused."""
-    import threading
-
     from chunkserve.async_engine import OverloadedError
 
-    release = threading.Event()
-    real_step = engine.step
-
-    def blocked_step(*args, **kwargs):
-        release.wait(30)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "step", blocked_step)
+    release = block_steps(engine, monkeypatch)
 
     async def main() -> None:
         ae = AsyncEngine(engine, max_waiting_requests=2)
