@@ -84,8 +84,8 @@ def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
     return {
         "engine": f"chunkserve {mode}",
         "max_num_batched_tokens": budget,
-        "budget_policy": engine.budget_policy.describe(),
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "budget_policy": engine.core.budget_policy.describe(),
+        "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_out,
         "total_time_s": total,
@@ -95,7 +95,7 @@ def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
         "decode_tok_s": num_out / decode_time,
         "peak_rss_mib": peak_rss_mib(),
         "num_steps": len(stats),
-        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_preemptions": engine.core.scheduler.num_preemptions,
         **split,
     }
 

@@ -1,10 +1,35 @@
-"""chunkserve: an LLM serving engine built around chunked prefill and stall-free batching."""
+"""chunkserve: an LLM serving engine built around chunked prefill and stall-free batching.
 
-from chunkserve.config import EngineConfig
-from chunkserve.engine import Engine, RequestOutput
-from chunkserve.llm import LLM
-from chunkserve.request import SamplingParams
+The public names load on first use, so ``chunkserve --help`` (and any module that needs only
+a part of the package) does not import torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chunkserve.config import EngineConfig
+    from chunkserve.engine import Engine
+    from chunkserve.llm import LLM
+    from chunkserve.outputs import RequestOutput
+    from chunkserve.request import SamplingParams
 
 __version__ = "0.1.0"
 
+_PUBLIC = {
+    "EngineConfig": "chunkserve.config",
+    "Engine": "chunkserve.engine",
+    "LLM": "chunkserve.llm",
+    "RequestOutput": "chunkserve.outputs",
+    "SamplingParams": "chunkserve.request",
+}
+
 __all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chunkserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -29,16 +29,18 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chunkserve.engine import DeviceError, Engine, RequestOutput
+from chunkserve.frontend import WATCHDOG_S, FrontEnd
+from chunkserve.outputs import RequestOutput
 from chunkserve.request import SamplingParams
+from chunkserve.worker import DeviceError
 
 logger = logging.getLogger("chunkserve.async")
 
 # Seconds ``drain`` gives the streams it ended to hand their error event to the client.
 DELIVERY_GRACE_S = 2.0
-# With work to do, a loop that has not come round for this long is stuck (a step on the
-# slowest CPU takes seconds): ``healthy`` turns False.
-STUCK_AFTER_S = 120.0
+# With work to do, an engine that has not finished a step for this long is stuck:
+# ``healthy`` turns False.
+STUCK_AFTER_S = WATCHDOG_S
 
 
 class EngineDeadError(RuntimeError):
@@ -138,10 +140,18 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Drives an ``Engine`` from a background thread; ``generate`` streams outputs."""
+    """Drives a ``FrontEnd`` (an in-process ``Engine``, or a ``MultiprocessEngine`` whose
+    cores run in their own processes) from a background thread; ``generate`` streams
+    outputs."""
 
-    def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: FrontEnd,
+        max_waiting_requests: int | None = None,
+        stuck_after_s: float | None = None,
+    ) -> None:
         self.engine = engine
+        self.stuck_after_s = stuck_after_s  # None: ``STUCK_AFTER_S``
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue[_Add | _Abort | _FailAll | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -156,8 +166,8 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.draining = False  # shutting down: no new requests, the running ones finish
-        self._beat = time.monotonic()  # the engine loop's last round
-        self._busy = False  # whether that round had work
+        self._busy = False  # whether the loop's last round had work
+        self._busy_since = time.monotonic()  # since when
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -172,6 +182,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def healthy(self) -> bool:
@@ -180,8 +191,11 @@ class AsyncEngine:
 
     @property
     def stuck(self) -> bool:
-        """Work is waiting and the loop has not come round for ``STUCK_AFTER_S``."""
-        return self._busy and time.monotonic() - self._beat > STUCK_AFTER_S
+        """Work is waiting and no step has finished for ``STUCK_AFTER_S`` (the in-process
+        engine's step hangs, or a core process stopped reporting)."""
+        last = max(self._busy_since, self.engine.last_progress)
+        limit = STUCK_AFTER_S if self.stuck_after_s is None else self.stuck_after_s
+        return self._busy and time.monotonic() - last > limit
 
     @property
     def num_waiting(self) -> int:
@@ -298,10 +312,12 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stopping:
-                self._beat = time.monotonic()
                 if not self._drain_commands():
                     break
-                self._busy = engine.has_unfinished()
+                busy = engine.has_unfinished()
+                if busy and not self._busy:
+                    self._busy_since = time.monotonic()
+                self._busy = busy
                 if not self._busy:
                     self._update_counts()
                     self._wakeup.wait(timeout=0.5)
@@ -389,10 +405,10 @@ class AsyncEngine:
         self._update_counts()
 
     def _update_counts(self) -> None:
-        sched = self.engine.scheduler
+        engine = self.engine
         with self._lock:
-            self._num_waiting = sched.num_waiting
-            self._num_running = sched.num_running
+            self._num_waiting = engine.num_waiting
+            self._num_running = engine.num_running
 
 
 class RequestHandle:

@@ -3,198 +3,71 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
-from chunkserve.config import EngineConfig
-
-Handler = Callable[[argparse.Namespace], int]
-_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
+from chunkserve.engine_args import add_engine_args, engine_config_from_args
 
 
-def command(
-    name: str, help_text: str, setup: Callable[[argparse.ArgumentParser], None]
-) -> Callable[[Handler], Handler]:
-    def register(fn: Handler) -> Handler:
-        _COMMANDS[name] = (help_text, setup, fn)
-        return fn
+class Command(NamedTuple):
+    """One ``chunkserve`` command. ``setup`` and ``handler`` are ``"module:function"``:
+    ``setup(parser)`` adds the command's arguments, ``handler(args)`` runs it and returns the
+    exit status. Their modules are imported only when the command is chosen, so listing the
+    commands (``chunkserve --help``) imports none of them."""
 
-    return register
-
-
-def parse_bytes(text: str) -> int:
-    """``1073741824``, ``512MiB``, ``2GiB``, ``1.5G`` -> bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if s and s[-1] in units:
-            return int(float(s[:-1]) * units[s[-1]])
-        return int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+    name: str
+    help: str
+    setup: str
+    handler: str
 
 
-def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> None:
-    """Engine flags, named as vLLM names them (SGLang's spelling accepted where noted)."""
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or an HF directory (default: embedded SmolLM2-135M)",
-    )
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (tokenizer.json)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument(
-        "--kv-cache-memory",
-        type=parse_bytes,
-        default=None,
-        help="bytes for the KV cache (e.g. 1GiB); default 1 GiB on CPU",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step: given alone, every step has it (static); with "
-        "--max-decode-slowdown or --itl-slo-ms, the most an adaptive step carries (default: "
-        "adaptive, cap min(8192, max-model-len); 512 with chunking off)",
-    )
-    g.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=None,
-        help="SGLang's name for the budget; -1 disables chunked prefill",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument(
-        "--no-chunked-prefill",
-        action="store_true",
-        help="whole prompts in prefill-only steps (decodes stall): the baseline",
-    )
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument(
-        "--prefill-order",
-        default="shortest",
-        choices=["shortest", "arrival"],
-        help="how a step's prefill share is handed out: shortest (default; prefills in "
-        "progress move a block each, then the prompts with least left, aged by their wait) "
-        "or arrival (policy order)",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse cached KV of shared prompt prefixes (default: on)",
-    )
-    g.add_argument(
-        "--max-num-partial-prefills",
-        type=int,
-        default=0,
-        help="most prompts mid-prefill at once (0: no limit)",
-    )
-    g.add_argument(
-        "--max-long-partial-prefills",
-        type=int,
-        default=1,
-        help="most long prompts mid-prefill at once; short ones start first (0: no limit)",
-    )
-    g.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="prompts with more tokens left are long: at most this many tokens and half the "
-        "budget per step before short ones start (default 4%% of max-model-len; 0: off)",
-    )
-    g.add_argument(
-        "--max-decode-slowdown",
-        type=float,
-        default=None,
-        help="adaptive budget (the default, 2.0): a step that carries prefill may take at "
-        "most this many times as long as its decodes alone, unless the measured prefill load "
-        "needs more (with --max-num-batched-tokens: the cap)",
-    )
-
-    g.add_argument(
-        "--itl-slo-ms",
-        type=float,
-        default=None,
-        help="inter-token latency target: choose each step's budget online to stay under it",
-    )
-    g.add_argument(
-        "--cost-profile",
-        default=None,
-        help="cost model JSON from `chunkserve profile` (with an adaptive budget, the "
-        "default: the saved one, if any); every step's prediction is logged and exported "
-        "beside its time",
-    )
-    g.add_argument(
-        "--schedule-conservativeness",
-        type=float,
-        default=1.0,
-        help="KV room kept for running requests' outputs when admitting (SGLang's flag)",
-    )
-    if sampler_seed:
-        g.add_argument("--seed", type=int, default=0, help="sampler seed of unseeded requests")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
-    )
-    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs (CUDA only)")
-    g.add_argument(
-        "--no-fused-ops",
-        dest="fused_ops",
-        action="store_false",
-        help="plain torch ops instead of the fused Triton norm/rotary/SiLU kernels (CUDA only)",
-    )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "generate",
+        "generate a completion and stream it to the terminal",
+        "chunkserve.cli:_generate_args",
+        "chunkserve.cli:_generate",
+    ),
+    Command(
+        "serve",
+        "serve the model over an OpenAI-compatible HTTP API",
+        "chunkserve.server.cli:_serve_args",
+        "chunkserve.server.cli:_serve",
+    ),
+    Command(
+        "bench",
+        "benchmarks: load generator (serve) and budget sweeps (sweep)",
+        "chunkserve.bench.cli:_bench_args",
+        "chunkserve.bench.cli:_bench",
+    ),
+    Command(
+        "profile",
+        "measure step times on this hardware and fit the cost model",
+        "chunkserve.tuning_cli:_profile_args",
+        "chunkserve.tuning_cli:_profile",
+    ),
+    Command(
+        "tune",
+        "recommend a static --max-num-batched-tokens for an ITL target",
+        "chunkserve.tuning_cli:_tune_args",
+        "chunkserve.tuning_cli:_tune",
+    ),
+    Command(
+        "simulate",
+        "run the real scheduler against a cost model instead of the model",
+        "chunkserve.tuning_cli:_simulate_args",
+        "chunkserve.tuning_cli:_simulate",
+    ),
+)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    budget = args.max_num_batched_tokens
-    chunked = not args.no_chunked_prefill
-    if args.chunked_prefill_size is not None:
-        if args.chunked_prefill_size == -1:
-            chunked = False
-        elif budget is not None and budget != args.chunked_prefill_size:
-            raise ValueError("--chunked-prefill-size and --max-num-batched-tokens disagree")
-        else:
-            budget = args.chunked_prefill_size
-    kwargs = dict(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        enable_chunked_prefill=chunked,
-        scheduling_policy=args.scheduling_policy,
-        prefill_order=args.prefill_order,
-        schedule_conservativeness=args.schedule_conservativeness,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        itl_slo_ms=args.itl_slo_ms,
-        max_decode_slowdown=args.max_decode_slowdown,
-        cost_profile=args.cost_profile,
-        seed=getattr(args, "seed", 0),
-        num_threads=args.num_threads,
-        attention_backend=args.attention_backend,
-        load_format=args.load_format,
-        enforce_eager=args.enforce_eager,
-        fused_ops=args.fused_ops,
-    )
-    kwargs["max_num_batched_tokens"] = budget
-    return EngineConfig(**kwargs)
+def resolve(target: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function (importing its module)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def setup_logging(level: str) -> None:
@@ -220,7 +93,6 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(log_level="warning")
 
 
-@command("generate", "generate a completion and stream it to the terminal", _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     from chunkserve.engine import Engine
     from chunkserve.request import SamplingParams
@@ -257,35 +129,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    _load_commands()
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command in ``COMMANDS``. The arguments of ``command`` (of all
+    commands when None) are set up; the others have only their name and help."""
     parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, setup, fn) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        setup(p)
-        p.set_defaults(handler=fn)
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if command is None or cmd.name == command:
+            resolve(cmd.setup)(p)
+        p.set_defaults(handler=cmd.handler)
     return parser
 
 
-def _load_commands() -> None:
-    """Import the modules that register further commands (each adds itself)."""
-    import importlib
-
-    for module in ("chunkserve.server.cli", "chunkserve.bench.cli", "chunkserve.tuning_cli"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top-level parser has no option that takes a value, so the command is the first
+    # argument that is not an option ("": none given, no command's arguments are set up).
+    chosen = next((a for a in argv if not a.startswith("-")), "")
+    args = build_parser(chosen).parse_args(argv)
     setup_logging(getattr(args, "log_level", "info"))
     try:
-        return args.handler(args)
+        return resolve(args.handler)(args)
     except ValueError as exc:
         print(f"chunkserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -294,7 +159,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the package module so commands register on the same registry.
-    from chunkserve.cli import main as package_main
-
-    sys.exit(package_main())
+    sys.exit(main())

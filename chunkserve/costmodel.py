@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -262,3 +263,22 @@ class OnlineCostModel(CostModel):
 # A deliberately pessimistic guess for when no profile exists: prefill tokens look
 # expensive, so the first budgets are small; measurements then raise them.
 DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3, 1e-3)
+
+
+def default_profile_path(model_path: str, device: str, dtype: str, num_threads: int) -> Path:
+    """``<model>.<device>-<dtype>-t<threads>.profile.json`` beside the model file, or the
+    same name under ~/.cache/chunkserve/profiles when the model's folder is read-only."""
+    name = f"{Path(model_path).name}.{device}-{dtype}-t{num_threads}.profile.json"
+    beside = Path(model_path).parent
+    if os.access(beside, os.W_OK):
+        return beside / name
+    return Path.home() / ".cache" / "chunkserve" / "profiles" / name
+
+
+def find_profile(model_path: str, device: str, dtype: str, num_threads: int) -> Path | None:
+    """The profile saved for this model, device, dtype and thread count, if any."""
+    path = default_profile_path(model_path, device, dtype, num_threads)
+    for candidate in (path, Path.home() / ".cache" / "chunkserve" / "profiles" / path.name):
+        if candidate.is_file():
+            return candidate
+    return None

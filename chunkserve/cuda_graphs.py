@@ -24,20 +24,33 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from chunkserve.attention.base import BatchLayout
+from chunkserve.attention.base import AttentionBackend, BatchLayout
 from chunkserve.kv_cache import NULL_BLOCK
+from chunkserve.model.llama import LlamaModel
 from chunkserve.request import Request
 from chunkserve.scheduler import SchedulerOutput
 
-if TYPE_CHECKING:
-    from chunkserve.runner import ModelRunner
-
 logger = logging.getLogger("chunkserve")
+
+
+class GraphRunner(Protocol):
+    """What ``DecodeGraphs`` uses of the model runner (``runner.ModelRunner`` has it): the
+    runner imports this module, never the other way round."""
+
+    model: LlamaModel
+    attn: AttentionBackend
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    device: torch.device
+
+    def transfer(self, host: np.ndarray) -> torch.Tensor:
+        """One int64 host array to the device."""
+        ...
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -49,7 +62,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch_size: int, max_model_len: int) -> None:
+    def __init__(self, runner: GraphRunner, max_batch_size: int, max_model_len: int) -> None:
         if runner.device.type != "cuda":
             raise ValueError("enforce_eager: CUDA graphs need a CUDA device")
         if not runner.attn.supports_cuda_graphs:

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from chunkserve.config import EngineConfig
-from chunkserve.engine import Engine, RequestOutput
+from chunkserve.engine import Engine
+from chunkserve.outputs import RequestOutput
 from chunkserve.request import SamplingParams
 
 Prompt = str | list[int]

@@ -17,8 +17,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from chunkserve.engine import Engine, RequestOutput, StepStats
+from chunkserve.frontend import FrontEnd
+from chunkserve.outputs import RequestOutput
 from chunkserve.request import RequestStatus
+from chunkserve.step_log import StepStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -76,7 +78,7 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 
 
 class Metrics:
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: FrontEnd, model_name: str) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -212,9 +214,32 @@ class Metrics:
         self.steps = Counter(
             "chunkserve:steps", "Engine steps by kind.", [*labels, "kind"], registry=reg
         )
+        # By engine core (``--data-parallel-size``; one core: engine="0").
+        per_core = [*labels, "engine"]
+        self.core_steps = Counter(
+            "chunkserve:engine_core_steps", "Engine steps by core.", per_core, registry=reg
+        )
+        core_running = Gauge(
+            "chunkserve:engine_core_requests_running",
+            "Requests running, by engine core.",
+            per_core,
+            registry=reg,
+        )
+        core_waiting = Gauge(
+            "chunkserve:engine_core_requests_waiting",
+            "Requests waiting in an engine core's queue (sent, not yet running).",
+            per_core,
+            registry=reg,
+        )
+        core_blocks = Gauge(
+            "chunkserve:engine_core_kv_cache_blocks_used",
+            "KV blocks held by requests, by engine core (each core has its own cache).",
+            per_core,
+            registry=reg,
+        )
         # Gauges read the engine's state when scraped (plain len() reads: safe across
         # threads), so they are never stale, idle engine included.
-        kv, sched, lab = engine.kv, engine.scheduler, self._labels
+        lab = self._labels
         # Every series exists from the start, at zero, so a fresh server's scrape already
         # has them (a rate over a series that appears late misses its first increase).
         for metric in (
@@ -238,11 +263,20 @@ class Metrics:
             metric.labels(**lab)
         for reason in FINISHED_REASONS:
             self.request_success.labels(**lab, finished_reason=reason)
-        self.kv_blocks_total.labels(**lab).set(kv.num_blocks)
-        self.running.labels(**lab).set_function(lambda: sched.num_running)
-        self.waiting.labels(**lab).set_function(lambda: sched.num_waiting)
-        self.kv_usage.labels(**lab).set_function(lambda: kv.usage)
-        self.kv_blocks_used.labels(**lab).set_function(lambda: kv.num_blocks - kv.num_free_blocks)
+        num_blocks = engine.num_blocks
+        self.kv_blocks_total.labels(**lab).set(num_blocks)
+        self.running.labels(**lab).set_function(lambda: engine.num_running)
+        self.waiting.labels(**lab).set_function(lambda: engine.num_waiting)
+        self.kv_usage.labels(**lab).set_function(lambda: engine.kv_blocks_used / num_blocks)
+        self.kv_blocks_used.labels(**lab).set_function(lambda: engine.kv_blocks_used)
+        for i in range(len(engine.core_infos)):
+            core = {**lab, "engine": str(i)}
+            self.core_steps.labels(**core)
+            core_running.labels(**core).set_function(lambda i=i: engine.core_loads()[i].num_running)
+            core_waiting.labels(**core).set_function(lambda i=i: engine.core_loads()[i].num_waiting)
+            core_blocks.labels(**core).set_function(
+                lambda i=i: engine.core_loads()[i].kv_blocks_used
+            )
 
     def on_step(self, s: StepStats) -> None:
         lab = self._labels
@@ -260,6 +294,7 @@ class Metrics:
         if s.num_preempted:
             self.preemptions.labels(**lab).inc(s.num_preempted)
         self.steps.labels(**lab, kind=s.kind).inc()
+        self.core_steps.labels(**lab, engine=str(s.core)).inc()
         self.token_budget.labels(**lab).set(s.token_budget)
         if s.target_time is not None and s.num_prefill_tokens:
             self.step_target.labels(**lab).observe(s.target_time)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from chunkserve.core import EngineCore
 from chunkserve.costmodel import CostModel, StepShape, fit, relative_errors
 from chunkserve.engine import Engine
 from chunkserve.kv_cache import cdiv
@@ -86,35 +86,12 @@ def hardware_description(device: torch.device) -> str:
     return cpu_description()
 
 
-def default_profile_path(engine: Engine) -> Path:
-    """``<model>.<device>-<dtype>-t<threads>.profile.json`` beside the model file, or the
-    same name under ~/.cache/chunkserve/profiles when the model's folder is read-only."""
-    dtype = str(engine.dtype).removeprefix("torch.")
-    name = (
-        f"{Path(engine.model_path).name}.{engine.device.type}-{dtype}-"
-        f"t{torch.get_num_threads()}.profile.json"
-    )
-    beside = Path(engine.model_path).parent
-    if os.access(beside, os.W_OK):
-        return beside / name
-    return Path.home() / ".cache" / "chunkserve" / "profiles" / name
-
-
-def find_profile(engine: Engine) -> Path | None:
-    for path in (
-        default_profile_path(engine),
-        Path.home() / ".cache" / "chunkserve" / "profiles" / default_profile_path(engine).name,
-    ):
-        if path.is_file():
-            return path
-    return None
-
-
 class _ShapeRunner:
     """Runs one fabricated step of a given shape through the engine's model runner."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.worker = core.worker
         self.rng = random.Random(0)
 
     def _request(self, rid: str, num_tokens: int, computed: int, decode: bool) -> Request:
@@ -125,7 +102,7 @@ class _ShapeRunner:
         r = Request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), max_tokens=2)
         if decode:
             r.append_output_token(ids[-1])
-        kv = self.engine.kv
+        kv = self.core.kv
         if not kv.allocate_slots(r, r.num_tokens):
             raise ValueError(
                 "profile: the KV cache is too small for this grid; raise --kv-cache-memory"
@@ -133,8 +110,8 @@ class _ShapeRunner:
         r.num_computed_tokens = computed
         # Zero the blocks: uninitialised memory could hold denormals or NaNs that would
         # distort timings (the engine zeroes blocks on first write).
-        blocks = torch.tensor(r.block_ids, dtype=torch.int64, device=self.engine.device)
-        for k_cache, v_cache in self.engine.runner.kv_caches:
+        blocks = torch.tensor(r.block_ids, dtype=torch.int64, device=self.worker.device)
+        for k_cache, v_cache in self.worker.runner.kv_caches:
             k_cache.index_fill_(0, blocks, 0)
             v_cache.index_fill_(0, blocks, 0)
         return r
@@ -156,19 +133,19 @@ class _ShapeRunner:
         if StepShape.of(out) != shape:  # e.g. a decode that would not sample
             raise AssertionError(f"profile: built {StepShape.of(out)} for {shape}")
         try:
-            self.engine.runner.execute(out)  # warm-up (primitive creation, buffers)
+            self.worker.runner.execute(out)  # warm-up (primitive creation, buffers)
             times = []
             for _ in range(repeats):
-                if self.engine.device.type == "cuda":
+                if self.worker.device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                self.engine.runner.execute(out)
-                if self.engine.device.type == "cuda":
+                self.worker.runner.execute(out)
+                if self.worker.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
         finally:
             for r in reqs:
-                self.engine.kv.free(r)
+                self.core.kv.free(r)
         return statistics.median(times)
 
 
@@ -197,7 +174,7 @@ def run_profile(
     """Measure every shape of ``grid``; fit on most, check on the held-out rest; return the
     profile document (the saved model is fit on all shapes)."""
     shapes = grid_shapes(grid, engine.max_model_len)
-    runner = _ShapeRunner(engine)
+    runner = _ShapeRunner(engine.core)
     times = []
     for i, shape in enumerate(shapes):
         times.append(runner.time_shape(shape, repeats))
@@ -217,11 +194,11 @@ def run_profile(
         "weights": weights,
         "model": engine.model_name,
         "model_path": engine.model_path,
-        "device": engine.device.type,
-        "hardware": hardware_description(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": engine.core.worker.device.type,
+        "hardware": hardware_description(engine.core.worker.device),
+        "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "block_size": engine.block_size,
+        "block_size": engine.core.worker.block_size,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
         "overhead_s": overhead,

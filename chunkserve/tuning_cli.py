@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from chunkserve.cli import add_engine_args, command, engine_config_from_args
+from chunkserve.bench.args import add_workload_args, workload_from_args
+from chunkserve.engine_args import add_engine_args, engine_config_from_args
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -22,15 +23,14 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(log_level="warning")
 
 
-@command("profile", "measure step times on this hardware and fit the cost model", _profile_args)
 def _profile(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from chunkserve.costmodel import default_profile_path
     from chunkserve.engine import Engine
     from chunkserve.profiler import (
         FULL_GRID,
         QUICK_GRID,
-        default_profile_path,
         kv_blocks_needed,
         profile_summary,
         run_profile,
@@ -62,7 +62,16 @@ def _profile(args: argparse.Namespace) -> int:
 
     doc = run_profile(engine, grid, repeats=args.repeats, progress=progress)
     bar.close()
-    path = Path(args.output) if args.output else default_profile_path(engine)
+    path = (
+        Path(args.output)
+        if args.output
+        else default_profile_path(
+            engine.model_path,
+            engine.core.worker.device.type,
+            str(engine.core.worker.dtype).removeprefix("torch."),
+            engine.core.worker.num_threads,
+        )
+    )
     save_profile(doc, path)
     print(profile_summary(doc))
     print(f"saved {path}")
@@ -90,7 +99,6 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-@command("tune", "recommend a static --max-num-batched-tokens for an ITL target", _tune_args)
 def _tune(args: argparse.Namespace) -> int:
     from chunkserve.profiler import tune_table
 
@@ -139,8 +147,6 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _simulate_args(p: argparse.ArgumentParser) -> None:
-    from chunkserve.bench.cli import add_workload_args
-
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument(
         "--noise",
@@ -169,11 +175,7 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(log_level="warning")
 
 
-@command(
-    "simulate", "run the real scheduler against a cost model instead of the model", _simulate_args
-)
 def _simulate(args: argparse.Namespace) -> int:
-    from chunkserve.bench.cli import workload_from_args
     from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document
     from chunkserve.model.loader import load_model_config, resolve_model
     from chunkserve.simulate import parse_cost_scale, simulate

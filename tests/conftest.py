@@ -125,7 +125,7 @@ def hf_model(hf_dir: Path):
 
 
 def assert_no_blocks_in_use(engine) -> None:
-    kv = engine.kv
+    kv = engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks, (
         f"{kv.num_blocks - kv.num_free_blocks} KV blocks still allocated"
     )
@@ -141,4 +141,4 @@ def no_weight_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the configuration was checked")
 
-    monkeypatch.setattr("chunkserve.engine.LlamaModel.load_weights", refuse)
+    monkeypatch.setattr("chunkserve.worker.LlamaModel.load_weights", refuse)

@@ -26,7 +26,7 @@ def engine() -> Engine:
     eng = Engine(
         dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=64
     )
-    real = eng.runner.execute
+    real = eng.core.worker.runner.execute
 
     def faulty(out):
         if any(FATAL in c.request.prompt_token_ids for c in out.chunks):
@@ -35,8 +35,8 @@ def engine() -> Engine:
             raise RuntimeError("injected fault")
         return real(out)
 
-    eng.runner.execute = faulty
-    sampler = eng.runner.sampler
+    eng.core.worker.runner.execute = faulty
+    sampler = eng.core.worker.runner.sampler
 
     class FaultySampler:
         def __call__(self, logits, requests):
@@ -47,15 +47,15 @@ def engine() -> Engine:
         def __getattr__(self, name):
             return getattr(sampler, name)
 
-    eng.runner.sampler = FaultySampler()
-    make_output = eng._make_output
+    eng.core.worker.runner.sampler = FaultySampler()
+    make_output = eng.outputs._make_output
 
-    def faulty_output(request, logprob):
-        if OUTPUT_POISON in request.prompt_token_ids:
+    def faulty_output(state, core_output):
+        if OUTPUT_POISON in state.prompt_token_ids:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected output fault")
-        return make_output(request, logprob)
+        return make_output(state, core_output)
 
-    eng._make_output = faulty_output
+    eng.outputs._make_output = faulty_output
     return eng
 
 
@@ -165,7 +165,7 @@ def test_a_request_failing_in_sampling_or_output_fails_alone(
             if with_bad:
                 assert isinstance(results[1], RequestFailedError), results[1]
                 assert error in str(results[1])
-                assert engine.scheduler.num_running == 0 or engine.has_unfinished()
+                assert engine.core.scheduler.num_running == 0 or engine.has_unfinished()
             assert ae.healthy
             return results[0][-1].token_ids
         finally:

@@ -591,7 +591,7 @@ def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
         max_num_batched_tokens=32,
         cost_profile=str(path),
     )
-    assert engine.controller is None  # no ITL target: the budget stays static
+    assert engine.core.controller is None  # no ITL target: the budget stays static
     metrics = Metrics(engine, "m")
     # A fresh server's scrape already has every series, at zero.
     fresh = {
@@ -607,13 +607,13 @@ def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
     seen = []
     engine.step_listeners.append(seen.append)
     shapes = []
-    real = engine.runner.execute
+    real = engine.core.worker.runner.execute
 
     def recording(out):
         shapes.append(StepShape.of(out))
         return real(out)
 
-    engine.runner.execute = recording
+    engine.core.worker.runner.execute = recording
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(3):
         engine.add_request([100 + i] * 40, params)
@@ -688,9 +688,9 @@ def test_explicit_budget_keeps_the_static_schedule_step_for_step() -> None:
     engine = Engine(
         dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, max_num_batched_tokens=48
     )
-    assert engine.controller is None and engine.budget_policy.kind == "static"
+    assert engine.core.controller is None and engine.core.budget_policy.kind == "static"
     chunks, budgets, sampled = [], [], []
-    real = engine.runner.execute
+    real = engine.core.worker.runner.execute
 
     def recording(out):
         chunks.append([(c.request.request_id, c.start, c.num_tokens) for c in out.chunks])
@@ -699,7 +699,7 @@ def test_explicit_budget_keeps_the_static_schedule_step_for_step() -> None:
         sampled.append(dict(result.sampled))
         return result
 
-    engine.runner.execute = recording
+    engine.core.worker.runner.execute = recording
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[100 + i] * n for i, n in enumerate((30, 200, 9, 120))]
     for p in prompts:
@@ -708,7 +708,9 @@ def test_explicit_budget_keeps_the_static_schedule_step_for_step() -> None:
         engine.step()
     assert set(budgets) == {48}
     # The same requests through the scheduler alone, fed the engine's sampled tokens.
-    sched = Scheduler(engine.scheduler_config, KVCacheManager(engine.num_blocks, 16))
+    sched = Scheduler(
+        engine.core.scheduler_config, KVCacheManager(engine.core.worker.num_blocks, 16)
+    )
     for i, p in enumerate(prompts):
         sched.add_request(Request(f"req-{i}", p, params, max_tokens=6))
     replay = []

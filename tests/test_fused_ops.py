@@ -94,14 +94,14 @@ def test_model_with_fused_ops_matches_plain(tiny_model_dir) -> None:  # noqa: F8
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for p in _prompts(5):
         engine.add_request(prompt_token_ids=p, sampling_params=params)
-    out = engine.scheduler.schedule()
-    layout, _ = engine.runner.build_layout(out)
-    runner = engine.runner
+    out = engine.core.scheduler.schedule()
+    layout, _ = engine.core.worker.runner.build_layout(out)
+    runner = engine.core.worker.runner
     hidden = {}
     for fused in (False, True):
-        engine.model.fused_ops = fused
+        engine.core.worker.model.fused_ops = fused
         meta = runner.attn.prepare(layout)
         with torch.inference_mode():
-            hidden[fused] = engine.model(layout, runner.kv_caches, runner.attn, meta)
+            hidden[fused] = engine.core.worker.model(layout, runner.kv_caches, runner.attn, meta)
     n = layout.num_tokens
     assert _rel(hidden[True][:n], hidden[False][:n]) < 1e-5

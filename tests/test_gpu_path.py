@@ -72,7 +72,7 @@ def _greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, **kwargs
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.token_ids
-    assert engine.kv.num_free_blocks == engine.num_blocks  # nothing leaked
+    assert engine.core.kv.num_free_blocks == engine.core.worker.num_blocks  # nothing leaked
     return [done[i] for i in ids]
 
 
@@ -115,9 +115,9 @@ def test_cuda_graph_engine_replays_decode_steps(tiny_model_dir: Path) -> None:
     engine = Engine(
         model=str(tiny_model_dir), load_format="dummy", device="cuda", kv_cache_memory=8 << 20
     )
-    assert engine.cuda_graphs and engine.runner.graphs is not None
+    assert engine.core.worker.cuda_graphs and engine.core.worker.runner.graphs is not None
     replays = []
-    graphs = engine.runner.graphs
+    graphs = engine.core.worker.runner.graphs
     original = graphs.run
 
     def counting_run(out):  # type: ignore[no-untyped-def]
@@ -143,13 +143,13 @@ def test_cuda_graphs_need_cuda_and_a_capturable_backend(tiny_model_dir: Path) ->
                 attention_backend="torch",
                 kv_cache_memory=8 << 20,
             )
-            engine.runner.enable_decode_graphs(4, 64)
+            engine.core.worker.runner.enable_decode_graphs(4, 64)
     engine = Engine(
         model=str(tiny_model_dir), load_format="dummy", device="cpu", kv_cache_memory=8 << 20
     )
-    assert not engine.cuda_graphs  # CPU: nothing to capture
+    assert not engine.core.worker.cuda_graphs  # CPU: nothing to capture
     with pytest.raises(ValueError, match="enforce_eager"):
-        engine.runner.enable_decode_graphs(4, 64)
+        engine.core.worker.runner.enable_decode_graphs(4, 64)
 
 
 def test_capture_sizes() -> None:
@@ -168,8 +168,8 @@ def test_batch_metadata_is_one_buffer(tiny_model_dir: Path) -> None:
     for p in _prompts(4):
         engine.add_request(prompt_token_ids=p, sampling_params=params)
     engine.step()
-    out = engine.scheduler.schedule()
-    layout, _ = engine.runner.build_layout(out)
+    out = engine.core.scheduler.schedule()
+    layout, _ = engine.core.worker.runner.build_layout(out)
     names = (
         "input_ids",
         "positions",

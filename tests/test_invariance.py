@@ -81,7 +81,7 @@ def test_adaptive_default_matches_unchunked(reference) -> None:
     greedy tokens are those of the unchunked run."""
     prompts, expected = reference
     engine = make_engine()
-    assert engine.budget_policy.kind == "adaptive" and engine.controller is not None
+    assert engine.core.budget_policy.kind == "adaptive" and engine.core.controller is not None
     steps = []
     engine.step_listeners.append(steps.append)
     assert run_staggered(engine, prompts) == expected
@@ -104,7 +104,7 @@ BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # fp32 K+V of 16 tokens over 30 laye
 def preemption_reference() -> list[list[int]]:
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
     tokens = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
-    assert engine.scheduler.num_preemptions == 0
+    assert engine.core.scheduler.num_preemptions == 0
     return tokens
 
 
@@ -120,7 +120,7 @@ def test_preemption_matches_unpreempted(preemption_reference, chunked: bool) -> 
         kv_cache_memory=31 * BYTES_PER_BLOCK,
         max_model_len=480,
     )
-    assert engine.num_blocks == 30
+    assert engine.core.worker.num_blocks == 30
     assert run_staggered(engine, preemption_workload(), PREEMPT_TOKENS) == preemption_reference
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     assert_no_blocks_in_use(engine)

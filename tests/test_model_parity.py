@@ -29,16 +29,21 @@ def all_row_logits(engine: Engine, token_ids: list[int], chunk: int) -> torch.Te
     try:
         for start in range(0, len(token_ids), chunk):
             n = min(chunk, len(token_ids) - start)
-            assert engine.kv.allocate_slots(req, n)
+            assert engine.core.kv.allocate_slots(req, n)
             out = SchedulerOutput(prefills=[ScheduledChunk(req, start, n)])
             with torch.inference_mode():
-                layout, _ = engine.runner.build_layout(out)
-                meta = engine.runner.attn.prepare(layout)
-                hidden = engine.model(layout, engine.runner.kv_caches, engine.runner.attn, meta)
-                rows.append(engine.model.compute_logits(hidden))
+                layout, _ = engine.core.worker.runner.build_layout(out)
+                meta = engine.core.worker.runner.attn.prepare(layout)
+                hidden = engine.core.worker.model(
+                    layout,
+                    engine.core.worker.runner.kv_caches,
+                    engine.core.worker.runner.attn,
+                    meta,
+                )
+                rows.append(engine.core.worker.model.compute_logits(hidden))
             req.num_computed_tokens += n
     finally:
-        engine.kv.free(req)
+        engine.core.kv.free(req)
     return torch.cat(rows)
 
 
@@ -103,7 +108,7 @@ def test_hf_safetensors_dir_loads_and_matches_gguf(hf_dir: Path, engine: Engine)
 
 def test_bf16_close_to_fp32(engine: Engine) -> None:
     bf16 = Engine(dtype="bfloat16", max_model_len=1024, kv_cache_memory=KV_MEMORY)
-    assert bf16.dtype == torch.bfloat16
+    assert bf16.core.worker.dtype == torch.bfloat16
     ids = engine.tokenizer.encode(NATURAL_PROMPTS[4])
     a = all_row_logits(bf16, ids, 8)
     b = all_row_logits(engine, ids, 8)

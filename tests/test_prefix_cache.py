@@ -89,7 +89,7 @@ def test_cache_on_matches_off(uncached) -> None:
 def test_cache_on_unchunked_matches(uncached) -> None:
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=1024)
     assert run(engine, shared_prefix_prompts(), stagger=4) == uncached
-    assert engine.kv.num_hit_tokens > 0
+    assert engine.core.kv.num_hit_tokens > 0
     assert_no_blocks_in_use(engine)
 
 
@@ -105,8 +105,8 @@ def test_cache_under_preemption_matches(uncached) -> None:
     )
     expected = run(make_engine(enable_prefix_caching=False), shared_prefix_prompts(), 16, 4)
     assert run(engine, shared_prefix_prompts(), stagger=1, max_tokens=16) == expected
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.kv.num_hit_tokens > 0
+    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.core.kv.num_hit_tokens > 0
     assert_no_blocks_in_use(engine)
 
 
@@ -236,7 +236,7 @@ def test_refcounts_hold_under_random_add_abort_finish(ops, chunked: bool, num_bl
             r = _req(f"r{len(added)}", prefix, tail, max_tokens)
             needed = r.num_prompt_tokens + max_tokens
             if needed > config.max_model_len or kv.num_blocks_for(needed - 1) > kv.num_blocks:
-                continue  # the edge refuses it (Engine.check_request); never reaches here
+                continue  # the edge refuses it (InputProcessor.check_request); never reaches here
             sched.add_request(r)
             added.append(r)
         elif item[0] == "step":

@@ -704,3 +704,63 @@ def test_sigterm_drains_then_ends_streams_with_an_error(lifecycle_server: Server
     assert "shutting down" in long_events[-2]["error"]["message"]
     assert ended < 10, ended  # the 1 s timeout, not the 4 s request timeout or a hang
     assert lifecycle_server.proc.wait(20) == 0
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """The server's engine-core processes (multiprocessing's spawned children; not its
+    resource tracker)."""
+    pids = []
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    cores = []
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                cores.append(pid)
+    return cores
+
+
+def test_core_killed_mid_stream_errors_and_health_503() -> None:
+    """``kill -9`` of the engine-core process: the streams in flight end with an error event
+    and the non-streamed request with a 5xx body, ``/health`` answers 503 within seconds,
+    new requests 503, ``/metrics`` still answers; the server itself does not hang."""
+    s = Server("--data-parallel-size", "2", "--watchdog-timeout", "5")
+    try:
+        pids = core_pids(s.proc.pid)
+        assert len(pids) == 2, pids
+        long = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            streams = [
+                pool.submit(stream_events, s.base, {**long, "stream": True}, {}) for _ in range(2)
+            ]
+            plain = pool.submit(httpx.post, s.base + "/v1/completions", json=long, timeout=60)
+            time.sleep(1.5)  # all three are running
+            os.kill(pids[0], signal.SIGKILL)
+            t0 = time.time()
+            while httpx.get(s.base + "/health", timeout=10).status_code == 200:
+                assert time.time() - t0 < 10, "/health still 200"
+                time.sleep(0.1)
+            for f in streams:
+                events = f.result(timeout=30)
+                assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
+            r = plain.result(timeout=30)
+            assert r.status_code >= 500 and "error" in r.json(), r.text
+        assert time.time() - t0 < 15
+        r = httpx.post(s.base + "/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+        assert httpx.get(s.base + "/metrics", timeout=10).status_code == 200
+    finally:
+        s.stop()
+    assert s.proc.wait(20) is not None
+    time.sleep(1.0)
+    for pid in pids:  # no core outlives its server
+        assert not alive(pid), pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False

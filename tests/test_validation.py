@@ -82,7 +82,7 @@ def test_token_ids_outside_vocabulary(engine: Engine) -> None:
     with pytest.raises(ValueError, match="^min_tokens:"):
         engine.add_request("hi", SamplingParams(max_tokens=None, min_tokens=engine.max_model_len))
     assert_no_blocks_in_use(engine)
-    assert engine.scheduler.num_waiting == 0
+    assert engine.core.scheduler.num_waiting == 0
 
 
 def test_duplicate_request_id(engine: Engine) -> None:
@@ -99,7 +99,7 @@ def test_generate_with_one_bad_prompt_queues_nothing(engine: Engine) -> None:
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
     assert_no_blocks_in_use(engine)
-    assert engine.scheduler.num_waiting == 0
+    assert engine.core.scheduler.num_waiting == 0
 
 
 def test_unknown_model_path() -> None:

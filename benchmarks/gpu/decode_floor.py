@@ -117,7 +117,7 @@ def run_batch(eng, batch: int, args: argparse.Namespace, seed: int) -> dict:
         timed, contexts = [], []
         for _ in range(args.steps):
             # keys each decode attends over: its computed tokens plus the one it adds
-            contexts.append(sum(r.num_computed_tokens + 1 for r in eng.scheduler.running))
+            contexts.append(sum(r.num_computed_tokens + 1 for r in eng.core.scheduler.running))
             eng.step()
             s = stats[-1]
             if s.kind != "decode" or s.num_decode_tokens != batch:
@@ -142,8 +142,8 @@ def run_batch(eng, batch: int, args: argparse.Namespace, seed: int) -> dict:
 
 def floor_row(eng, batch: int, meas: dict, copy_gbs: float) -> dict:
     cfg = eng.model_config
-    elsize = torch.tensor([], dtype=eng.dtype).element_size()
-    weights, embed = weight_read_bytes(eng.model, cfg.tie_word_embeddings)
+    elsize = torch.tensor([], dtype=eng.core.worker.dtype).element_size()
+    weights, embed = weight_read_bytes(eng.core.worker.model, cfg.tie_word_embeddings)
     gather = 0 if cfg.tie_word_embeddings else batch * cfg.hidden_size * elsize
     kv = meas["sum_context"] * cfg.kv_bytes_per_token(elsize)
     total = weights + gather + kv
@@ -291,8 +291,10 @@ def main() -> None:
                     **engine_kwargs(args, device),
                 )
                 build_s = time.perf_counter() - t0
-                backend_name = getattr(eng.runner.attn, "name", type(eng.runner.attn).__name__)
-                graphs = bool(getattr(eng, "cuda_graphs", False))
+                backend_name = getattr(
+                    eng.core.worker.runner.attn, "name", type(eng.core.worker.runner.attn).__name__
+                )
+                graphs = bool(eng.core.worker.cuda_graphs)
                 print(
                     f"   engine built in {build_s:.1f} s: attention {backend_name}, "
                     f"CUDA graphs {'on' if graphs else 'off'}",
@@ -314,7 +316,7 @@ def main() -> None:
                     "cuda_graphs": graphs,
                     "context_len": args.context_len,
                     "engine_build_s": build_s,
-                    "kv_cache_memory": eng.kv_cache_memory,
+                    "kv_cache_memory": eng.core.worker.kv_cache_memory,
                 }
                 try:
                     meas = run_batch(eng, b, args, seed=args.seed + 1000 * i)

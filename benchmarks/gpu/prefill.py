@@ -68,7 +68,7 @@ def prefill_flops(cfg, n: int) -> dict:
 
 def engine_padding(eng, n: int) -> int:
     """Tokens the runner actually computes for an n-token step, where it pads batches."""
-    if not getattr(eng.runner, "pad_batches", False):
+    if not getattr(eng.core.worker.runner, "pad_batches", False):
         return n
     try:
         from chunkserve.runner import padded_num_tokens
@@ -136,7 +136,9 @@ def run_model(model: str, args: argparse.Namespace, device: torch.device, matmul
         log_stats_interval=10**6,
     )
     build_s = time.perf_counter() - t0
-    backend_name = getattr(eng.runner.attn, "name", type(eng.runner.attn).__name__)
+    backend_name = getattr(
+        eng.core.worker.runner.attn, "name", type(eng.core.worker.runner.attn).__name__
+    )
     print(f"   engine built in {build_s:.1f} s, attention {backend_name}", flush=True)
     cfg = eng.model_config
     rows = []

@@ -1,8 +1,8 @@
 """The stall scenario replayed inside one process, no HTTP: the same seeded workload as
 ``chunkserve bench sweep --dataset stall`` (short chats at a Poisson rate, long documents at a
 fixed interval, token ids, EOS ignored), fed to an ``Engine`` at the requests' arrival times;
-each token's time is taken when ``step()`` returns it. This isolates what the scheduler and
-the model do from the serving path (HTTP, SSE, the engine thread sharing the GIL).
+each output with new text is timed when ``step()`` returns it (``chunkserve.bench.replay``).
+This isolates what the scheduler and the model do from the serving path (HTTP, SSE).
 
     python benchmarks/gpu/stall_offline.py --model .gpu/models/llama3-8b --load-format dummy \
         --budgets off,256,512,1024 --num-prompts 200 --request-rate 10 --long-interval 2
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import time
 
@@ -20,46 +19,25 @@ import numpy as np
 import torch
 
 from chunkserve.bench.datasets import WorkloadSpec, build_workload
+from chunkserve.bench.loadgen import summarize
+from chunkserve.bench.replay import replay
 from chunkserve.engine import Engine
 from chunkserve.provenance import git_commit
-from chunkserve.request import SamplingParams
 
 
-def replay(engine: Engine, workload, max_duration: float) -> dict:
-    pending = sorted(workload, key=lambda r: r.arrival)
-    kinds, times, starts = {}, {}, {}
-    t0 = time.perf_counter()
-    i = 0
-    while (i < len(pending) or engine.has_unfinished()) and time.perf_counter() - t0 < max_duration:
-        now = time.perf_counter() - t0
-        while i < len(pending) and pending[i].arrival <= now:
-            r = pending[i]
-            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            rid = engine.add_request(prompt_token_ids=r.prompt, sampling_params=params)
-            kinds[rid], times[rid], starts[rid] = r.kind, [], t0 + r.arrival
-            i += 1
-        if not engine.has_unfinished():
-            time.sleep(min(0.001, max(0.0, pending[i].arrival - now)))
-            continue
-        outs = engine.step()
-        t = time.perf_counter()
-        for o in outs:
-            times[o.request_id].extend([t] * len(o.delta_token_ids))
-    duration = time.perf_counter() - t0
-    itl = np.array([b - a for ts in times.values() for a, b in itertools.pairwise(ts)]) * 1e3
-    ttft_short = [
-        (ts[0] - starts[r]) * 1e3 for r, ts in times.items() if ts and kinds[r] == "short"
-    ]
-    out_tokens = sum(len(ts) for ts in times.values())
+def replay_stall(engine: Engine, workload, max_duration: float) -> dict:
+    records, duration = replay(engine, workload, max_duration=max_duration)
+    s = summarize(records, duration)
+    short = [r for r in records if r.kind == "short" and r.ttft is not None]
     return {
         "duration_s": duration,
-        "completed": sum(1 for ts in times.values() if ts),
-        "output_tokens": out_tokens,
-        "output_throughput": out_tokens / duration,
-        "p50_itl_ms": float(np.percentile(itl, 50)),
-        "p99_itl_ms": float(np.percentile(itl, 99)),
-        "max_itl_ms": float(itl.max()),
-        "median_ttft_short_ms": float(np.median(ttft_short)),
+        "completed": s["completed"],
+        "output_tokens": s["total_output_tokens"],
+        "output_throughput": s["output_throughput"],
+        "p50_itl_ms": s["median_itl_ms"],
+        "p99_itl_ms": s["p99_itl_ms"],
+        "max_itl_ms": s["max_itl_ms"],
+        "median_ttft_short_ms": 1e3 * float(np.median([r.ttft for r in short])),
     }
 
 
@@ -96,7 +74,7 @@ def main() -> None:
             long_interval=args.long_interval,
         )
         workload = build_workload(spec, engine.tokenizer)
-        row = {"config": budget, **replay(engine, workload, args.max_duration)}
+        row = {"config": budget, **replay_stall(engine, workload, args.max_duration)}
         rows.append(row)
         print(
             f"{budget:>6}: p50 ITL {row['p50_itl_ms']:.1f} ms, p99 {row['p99_itl_ms']:.1f}, max "

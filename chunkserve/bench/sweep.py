@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from chunkserve.bench.args import add_workload_args, workload_from_args
 from chunkserve.provenance import git_commit
 
 PEERS = ("llamacpp", "llamacpp-b64", "hf")
@@ -35,8 +36,6 @@ class Config:
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
-    from chunkserve.bench.cli import add_workload_args
-
     p.add_argument("--name", default="stall_sweep", help="results folder name")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument(
@@ -240,7 +239,6 @@ def request_rates(args: argparse.Namespace) -> list[float]:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from chunkserve.bench.cli import workload_from_args
     from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document, run
     from chunkserve.bench.report import write_report
 

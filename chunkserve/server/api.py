@@ -32,8 +32,8 @@ from chunkserve.async_engine import (
     RequestHandle,
     RequestTimeoutError,
 )
-from chunkserve.engine import RequestOutput, TokenLogprob
 from chunkserve.metrics import Metrics
+from chunkserve.outputs import RequestOutput, TokenLogprob
 from chunkserve.request import SamplingParams
 from chunkserve.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -351,7 +351,7 @@ class _Handler:
         for p_index, (text, ids) in enumerate(prompts):
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
-                self.engine.check_request(len(ids), params, body.priority)
+                self.engine.inputs.check_request(len(ids), params, body.priority)
                 choices.append(_Choice(len(choices), p_index, ids, text, params))
         self.state.engine.check_capacity(len(choices))
         return choices
@@ -506,7 +506,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         h.check_model(body.model)
-        prompts = [engine.tokenize_prompt(p) for p in body.prompts()]
+        prompts = [engine.inputs.tokenize_prompt(p) for p in body.prompts()]
         prompts = [
             (text if text is not None else h.tokenizer.decode(ids), ids) for text, ids in prompts
         ]

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
-import time
 from types import FrameType
 
-from chunkserve.cli import add_engine_args, command, engine_config_from_args, parse_bytes
+from chunkserve.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 
 logger = logging.getLogger("chunkserve.server")
 
@@ -54,12 +52,36 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="answer 503 with Retry-After when this many requests wait",
     )
     p.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 << 20)
+    p.add_argument(
+        "--core-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process, beside the API server's (default: "
+        "on; --no-core-process steps it on a thread of the server's process)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "--dp",
+        type=int,
+        default=1,
+        help="engine-core processes, each with its own KV cache and --num-threads; requests "
+        "go to the least loaded, or the one holding their prompt's prefix",
+    )
+    p.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=None,
+        help="with requests in flight and no engine step finished for this many seconds "
+        "(default 120), "
+        "the engine is hung: /health answers 503; a hung core process is killed and its "
+        "requests end with an error",
+    )
     add_engine_args(p)
 
 
-@command("serve", "serve the model over an OpenAI-compatible HTTP API", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
     from chunkserve.async_engine import AsyncEngine
+    from chunkserve.core_client import MultiprocessEngine
     from chunkserve.engine import Engine
     from chunkserve.server.api import build_app
 
@@ -73,23 +95,37 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("shutdown_timeout: must be >= 0 seconds")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError("request_timeout: must be > 0 seconds")
+    from chunkserve.frontend import WATCHDOG_S
+
+    watchdog = WATCHDOG_S if args.watchdog_timeout is None else args.watchdog_timeout
+    if not watchdog > 0:
+        raise ValueError("watchdog_timeout: must be > 0 seconds")
+    if args.data_parallel_size < 1:
+        raise ValueError("data_parallel_size: must be >= 1")
+    if args.data_parallel_size > 1 and not args.core_process:
+        raise ValueError("data_parallel_size: more than one core needs --core-process")
     config = engine_config_from_args(args)
-    engine = Engine(config)
+    if args.core_process:
+        engine = MultiprocessEngine(config, args.data_parallel_size, watchdog)
+    else:
+        engine = Engine(config)
     name = args.served_model_name or engine.model_name
-    sc = engine.scheduler_config
+    sc, info = config.scheduler_config(engine.max_model_len), engine.core_infos[0]
     print(
-        f"chunkserve {name}: http://{args.host}:{args.port}/v1 | device={engine.device} "
-        f"dtype={str(engine.dtype).removeprefix('torch.')} threads={_threads()} | "
-        f"KV cache {engine.num_blocks} blocks x {engine.block_size} tokens = "
-        f"{engine.num_blocks * engine.block_size} tokens "
-        f"({engine.kv_cache_memory / 2**20:.0f} MiB) | max_model_len={engine.max_model_len} "
+        f"chunkserve {name}: http://{args.host}:{args.port}/v1 | device={info.device} "
+        f"dtype={info.dtype} threads={info.num_threads} | "
+        f"engine core: {'process' if args.core_process else 'thread'} "
+        f"x{len(engine.core_infos)} | "
+        f"KV cache {info.num_blocks} blocks x {info.block_size} tokens = "
+        f"{info.num_blocks * info.block_size} tokens "
+        f"({info.kv_cache_memory / 2**20:.0f} MiB) | max_model_len={engine.max_model_len} "
         f"max_num_seqs={sc.max_num_seqs} chunked_prefill={sc.enable_chunked_prefill} "
-        f"scheduling_policy={sc.policy} | budget {engine.budget_policy.describe()} | "
+        f"scheduling_policy={sc.policy} | budget {info.budget_policy} | "
         f"api_key={'set' if args.api_key else 'none'} "
         f"max_waiting_requests={args.max_waiting_requests}",
         flush=True,
     )
-    async_engine = AsyncEngine(engine, args.max_waiting_requests)
+    async_engine = AsyncEngine(engine, args.max_waiting_requests, watchdog)
     app = build_app(
         async_engine,
         served_model_name=name,
@@ -97,6 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes,
         request_timeout=args.request_timeout,
     )
+    from chunkserve.platform import freeze_startup_heap
+
     freeze_startup_heap()
     import uvicorn
 
@@ -150,26 +188,3 @@ def _draining_server_class():
                 self.should_exit = True
 
     return DrainingServer
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (the model's modules, the tokenizer's
-    vocabulary, the app) out of the garbage collector's reach, as vLLM does. Otherwise each
-    full collection walks ~200k of them: ~100 ms with the GIL held, a stall of every stream
-    (measured on the 2-core CPU: it put single gaps of 300-390 ms into runs held to 250 ms).
-    Only for a process that keeps its engine until it exits: frozen objects are never
-    collected."""
-    t0 = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    logger.info(
-        "froze %d start-up objects out of the GC (%.0f ms)",
-        gc.get_freeze_count(),
-        1e3 * (time.perf_counter() - t0),
-    )
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()

@@ -1,0 +1,417 @@
+"""The engine core: the scheduler, the budget controller and the worker. Token ids in, token
+ids and step statistics out; no text anywhere in it.
+
+``EngineCore.step()`` = budget ``decide`` -> ``Scheduler.schedule`` -> ``Worker.execute`` ->
+``Scheduler.update``, then one ``CoreOutput`` per request that got a token or ended, and one
+``StepStats`` record (logged). Requests come in checked (``inputs.InputProcessor``): the core
+asserts what the edge validated instead of validating it again. Text (detokenising, stop
+strings) is the front end's (``outputs.OutputProcessor``): a stop string it finds comes back
+as ``finish_requests``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chunkserve.budget import UNPROFILED_WARMUP_STEPS, BudgetController
+from chunkserve.config import EngineConfig, ModelConfig
+from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel, StepShape, find_profile
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
+from chunkserve.request import Request, RequestStatus, SamplingParams
+from chunkserve.scheduler import Scheduler, SchedulerOutput
+from chunkserve.step_log import StepLogger, StepStats
+from chunkserve.worker import DeviceError, Worker
+
+logger = logging.getLogger("chunkserve")
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    return config.max_model_len or model_config.max_position_embeddings
+
+
+@dataclass
+class CoreRequest:
+    """A request as the core takes it: token ids, checked at the edge."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved (``InputProcessor.check``)
+    arrival_time: float | None = None
+    priority: int = 0
+
+
+@dataclass
+class CoreTiming:
+    """The core's side of a request's timing (the front end times its tokens itself)."""
+
+    first_scheduled_time: float | None = None
+    prefill_time: float = 0.0  # seconds in steps that computed its prompt
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, request: Request) -> CoreTiming:
+        m = request.metrics
+        return cls(m.first_scheduled_time, m.prefill_time, m.num_preemptions)
+
+
+@dataclass
+class CoreOutput:
+    """What one step added to one request: its new token ids (and their logprobs), and how
+    it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (its logprob, the top alternatives as (token id, logprob)).
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    timing: CoreTiming | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CoreInfo:
+    """What a front end prints and exports about a core it may not look into."""
+
+    pid: int
+    device: str
+    dtype: str
+    num_threads: int
+    num_blocks: int
+    block_size: int
+    kv_cache_memory: int
+    budget_policy: str
+
+
+@dataclass
+class CoreLoad:
+    """A core's queues and cache, for gauges and routing."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+
+
+@dataclass
+class CoreStep:
+    """One step's outputs and statistics (``stats`` is None when nothing ran)."""
+
+    outputs: list[CoreOutput] = field(default_factory=list)
+    stats: StepStats | None = None
+
+
+class EngineCore:
+    """Synchronous core. Not thread-safe: one thread drives it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...],
+        source: ModelSource | None = None,
+        model_config: ModelConfig | None = None,
+        reader: Any = None,
+        index: int = 0,
+    ) -> None:
+        """``source``, ``model_config`` and ``reader`` as the front end loaded them (in
+        process), else resolved here (a core in its own process). ``index``: which core of
+        a data-parallel group this is."""
+        self.config = config
+        self.index = index
+        if source is None:
+            source = resolve_model(config.model, weights=config.load_format != "dummy")
+        if model_config is None:
+            model_config, reader = load_model_config(source)
+        self.model_config = model_config
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len = resolve_max_model_len(config, model_config)
+        # Everything a bad configuration fails is checked before the weights load.
+        self.scheduler_config = sched_config = config.scheduler_config(max_model_len)
+        self.budget_policy = config.budget_policy(max_model_len)
+        self.worker = Worker(config, model_config, max_model_len)
+        # The cost profile: primes the online controller, and with it every step's
+        # predicted time is logged beside the measured one (``StepStats.predicted_time``).
+        self.profile, profile_path = self._load_profile(str(source.path))
+        self.controller = (
+            self._make_controller(profile_path) if self.budget_policy.is_online else None
+        )
+        self.worker.load(source, reader, sched_config.max_num_seqs)
+        self.kv = KVCacheManager(
+            self.worker.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(sched_config, self.kv)
+        self.step_count = 0
+        self._prev_step_end: float | None = None
+        self._log = StepLogger(config.log_stats_interval)
+        w = self.worker
+        logger.info(
+            "chunkserve engine core: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
+            "fused_ops=%s weights loaded in %.1fs | KV cache: %d blocks x %d tokens = %d "
+            "tokens (%.0f MiB) | max_model_len=%d max_num_seqs=%d chunked_prefill=%s "
+            "policy=%s | %s",
+            source.name,
+            w.device,
+            str(w.dtype).removeprefix("torch."),
+            w.attention.name,
+            w.cuda_graphs,
+            w.model.fused_ops,
+            w.load_time,
+            w.num_blocks,
+            w.block_size,
+            w.num_blocks * w.block_size,
+            w.kv_cache_memory / 2**20,
+            max_model_len,
+            sched_config.max_num_seqs,
+            sched_config.enable_chunked_prefill,
+            sched_config.policy,
+            self.budget_policy.describe(),
+        )
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _load_profile(self, model_path: str) -> tuple[CostModel | None, Path | None]:
+        """The cost profile named by ``cost_profile``, else (with an online budget) the one
+        saved for this model, device, dtype and thread count, if any."""
+        path = self.config.cost_profile
+        if path is None and self.budget_policy.is_online:
+            w = self.worker
+            dtype = str(w.dtype).removeprefix("torch.")
+            path = find_profile(model_path, w.device.type, dtype, w.num_threads)
+        if path is None:
+            return None, None
+        try:
+            return CostModel.load(path), Path(path)
+        except ValueError as exc:
+            if self.config.cost_profile:
+                raise  # the user named it: say what is wrong with it
+            logger.warning(
+                "online budget: ignoring the profile found (%s); re-run `chunkserve profile`",
+                exc,
+            )
+            return None, None
+
+    def _make_controller(self, path: Path | None) -> BudgetController:
+        """The online budget controller, primed from the profile if one was loaded."""
+        model = self.profile
+        policy = self.budget_policy.describe()
+        if model is not None:
+            online = OnlineCostModel(model.weights, prior_weight=1.0, meta=model.meta)
+            logger.info(
+                "%s: cost model from %s (measured %s on %s)",
+                policy,
+                path,
+                model.meta.get("date", "?"),
+                model.meta.get("hardware", "?"),
+            )
+        else:
+            online = OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0)
+            logger.info(
+                "%s: no profile (`chunkserve profile` makes one); starting from a safe "
+                "small budget and learning from measured steps",
+                policy,
+            )
+        return BudgetController(
+            online,
+            self.budget_policy,
+            min_prefill_tokens=self.config.block_size,
+            warmup_steps=0 if model is not None else UNPROFILED_WARMUP_STEPS,
+        )
+
+    def info(self) -> CoreInfo:
+        w = self.worker
+        return CoreInfo(
+            pid=os.getpid(),
+            device=str(w.device),
+            dtype=str(w.dtype).removeprefix("torch."),
+            num_threads=w.num_threads,
+            num_blocks=w.num_blocks,
+            block_size=w.block_size,
+            kv_cache_memory=w.kv_cache_memory,
+            budget_policy=self.budget_policy.describe(),
+        )
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, req: CoreRequest) -> None:
+        """Queue a request the front end checked. A request id in use is a ``ValueError``
+        (ids are the caller's: the only check the edge cannot make)."""
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        self.scheduler.add_request(
+            Request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.params,
+                max_tokens=req.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=req.arrival_time,
+                priority=req.priority,
+            )
+        )
+
+    def abort_request(self, request_id: str) -> CoreOutput | None:
+        """Stop a request and free its blocks at once; its final output, or None if it was
+        not in flight."""
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        return self._final(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests the front end finished (a stop string): their blocks free now."""
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.scheduler.finish_request(request, status)
+                self.worker.forget(request_id)
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """A request whose output processing raised: it ends alone, its blocks free."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.fail_requests([request], error)
+            self.worker.forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def load(self) -> CoreLoad:
+        kv = self.kv
+        return CoreLoad(
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            kv.num_blocks - kv.num_free_blocks,
+        )
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, token_budget: int | None = None) -> CoreStep:
+        """Run one iteration: an output for every request that got a token or ended in it."""
+        t_start = time.perf_counter()
+        kv = self.kv
+        queried, hits = kv.num_queried_tokens, kv.num_hit_tokens
+        decision = None
+        if token_budget is None and self.controller is not None:
+            decision = self.controller.decide(self.scheduler)
+            token_budget = decision.token_budget
+        out = self.scheduler.schedule(token_budget)
+        t_sched = time.perf_counter()
+        if out.is_empty:
+            self._prev_step_end = None  # idle: the next gap starts afresh
+            return CoreStep()
+        try:
+            result = self.worker.execute(out)
+        except DeviceError as exc:
+            raise DeviceError(f"step {self.step_count}: {exc}") from exc
+        except Exception as exc:  # fail this step's requests, keep the core alive
+            logger.exception(
+                "step %d failed; failing its %d request(s)", self.step_count, len(out.chunks)
+            )
+            return CoreStep(self._fail_step(out, f"{type(exc).__name__}: {exc}"))
+        t_fwd = time.perf_counter()
+        outputs = []
+        if result.failed:  # sampling raised for these rows only
+            for chunk in out.chunks:
+                r = chunk.request
+                error = result.failed.get(r.request_id)
+                if error is not None:
+                    self.scheduler.fail_requests([r], error)
+                    outputs.append(self._final(r, error))
+        produced = self.scheduler.update(out, result.sampled)
+        forward_time = t_fwd - t_sched
+        for chunk in out.prefills:
+            chunk.request.metrics.prefill_time += forward_time
+        for r in produced:
+            logprob = result.logprobs.get(r.request_id)
+            outputs.append(
+                CoreOutput(
+                    r.request_id,
+                    [r.output_token_ids[-1]],
+                    None if logprob is None else [logprob],
+                    r.finish_reason,
+                    r.stop_reason,
+                    r.num_cached_tokens,
+                    CoreTiming.of(r),
+                )
+            )
+            if r.is_finished:
+                self.worker.forget(r.request_id)
+        t_end = time.perf_counter()
+        # The step's shape, once, for the profile's prediction and the controller.
+        shape = StepShape.of(out) if self.profile or self.controller else None
+        stats = self._stats(out, result, decision, shape, outputs, (queried, hits))
+        stats.loop_gap = None if self._prev_step_end is None else t_start - self._prev_step_end
+        stats.schedule_time = (t_sched - t_start) + (t_end - t_fwd)
+        stats.forward_time = forward_time
+        stats.wall_time = t_end - t_start
+        self.step_count += 1
+        if self.controller is not None:
+            # A step with decodes follows the previous one without idling in between (its
+            # requests were running): the time since that one ended is their token gap.
+            gap = stats.loop_gap
+            interval = gap + stats.wall_time if out.decodes and gap is not None else None
+            self.controller.observe(out, stats.wall_time, interval, shape)
+        self._prev_step_end = t_end
+        self._log.log(stats)
+        return CoreStep(outputs, stats)
+
+    def _stats(self, out, result, decision, shape, outputs, kv_before) -> StepStats:
+        """The step's record; its times are the caller's to fill in."""
+        kv = self.kv
+        new = [c for c in out.prefills if c.start == c.request.num_cached_tokens]
+        return StepStats(
+            step=self.step_count,
+            kind=out.kind,
+            num_prefill_seqs=len(out.prefills),
+            num_new_seqs=len(new),
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_cached_tokens=sum(c.request.num_cached_tokens for c in new),
+            num_preempted=len(out.preempted),
+            num_running=out.num_running,
+            num_waiting=out.num_waiting,
+            kv_usage=out.kv_usage,
+            token_budget=out.token_budget,
+            schedule_time=0.0,
+            forward_time=0.0,
+            layout_time=result.layout_time,
+            wall_time=0.0,
+            num_finished=sum(1 for o in outputs if o.finished),
+            num_generated_tokens=len(result.sampled),
+            prefix_cache_queries=kv.num_queried_tokens - kv_before[0],
+            prefix_cache_hits=kv.num_hit_tokens - kv_before[1],
+            predicted_time=self.profile.predict(shape) if self.profile else None,
+            target_time=decision.target_s if decision else None,
+            over_target=bool(decision and decision.over_target and out.prefills),
+            core=self.index,
+        )
+
+    def _fail_step(self, out: SchedulerOutput, error: str) -> list[CoreOutput]:
+        requests = [c.request for c in out.chunks if not c.request.is_finished]
+        self.scheduler.fail_requests(requests, error)
+        return [self._final(r, error) for r in requests]
+
+    def _final(self, request: Request, error: str | None = None) -> CoreOutput:
+        """The last output of a request that ends without a new token (abort, error)."""
+        self.worker.forget(request.request_id)
+        return CoreOutput(
+            request.request_id,
+            [],
+            None,
+            request.finish_reason,
+            request.stop_reason,
+            request.num_cached_tokens,
+            CoreTiming.of(request),
+            error,
+        )

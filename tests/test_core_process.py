@@ -1,0 +1,182 @@
+"""The engine core in its own process (``MultiprocessEngine``): the same outputs as in
+process, aborts that free blocks in the right core, a core that dies or hangs failing its
+requests instead of hanging them, and data-parallel routing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from chunkserve.config import EngineConfig
+from chunkserve.core_client import CoreDeadError, MultiprocessEngine, prefix_hashes
+from chunkserve.request import SamplingParams
+from tests.conftest import NATURAL_PROMPTS, random_prompt
+
+# The shared in-process engine's configuration (tests/conftest.py), so outputs compare.
+CONFIG = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+
+
+def run(engine, requests, timeout: float = 120.0) -> dict[str, dict]:
+    """Add ``(prompt, params)`` pairs, step until all finish; per request: the final output
+    and the text and token ids its deltas add up to (what a stream sends)."""
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    got = {i: {"text": "", "tokens": [], "final": None} for i in ids}
+    deadline = time.monotonic() + timeout
+    while any(g["final"] is None for g in got.values()):
+        assert time.monotonic() < deadline, "requests did not finish"
+        for out in engine.step():
+            g = got.get(out.request_id)
+            if g is None:
+                continue
+            g["text"] += out.delta_text
+            g["tokens"] += out.delta_token_ids
+            if out.finished:
+                g["final"] = out
+    return {i: got[i] for i in ids}
+
+
+def mixed_requests() -> list[tuple]:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    return [
+        *((p, greedy) for p in NATURAL_PROMPTS),
+        (NATURAL_PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)),
+        (NATURAL_PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])),
+        (NATURAL_PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.8, seed=7)),
+        (NATURAL_PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.8, seed=8)),
+        (random_prompt(__import__("random").Random(0), 300), greedy),
+    ]
+
+
+def assert_same(a: dict[str, dict], b: dict[str, dict]) -> None:
+    for (ia, ga), (ib, gb) in zip(a.items(), b.items(), strict=True):
+        fa, fb = ga["final"], gb["final"]
+        assert fa.token_ids == fb.token_ids, (ia, ib)
+        assert fa.text == fb.text
+        assert fa.finish_reason == fb.finish_reason
+        assert fa.stop_reason == fb.stop_reason
+        assert ga["text"] == fa.text and ga["tokens"] == fa.token_ids  # deltas add up
+        assert gb["text"] == fb.text and gb["tokens"] == fb.token_ids
+        if fa.logprobs is not None or fb.logprobs is not None:
+            assert [x.token_id for x in fa.logprobs] == [x.token_id for x in fb.logprobs]
+            for x, y in zip(fa.logprobs, fb.logprobs, strict=True):
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert fb.metrics is not None and fb.metrics.ttft is not None
+
+
+@pytest.fixture(scope="module")
+def remote():
+    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG))
+    yield engine
+    engine.shutdown()
+    assert all(not c.process.is_alive() for c in engine._cores)
+
+
+def test_outputs_equal_in_process(remote, shared_engine) -> None:
+    requests = mixed_requests()
+    assert_same(run(shared_engine, requests), run(remote, requests))
+    assert remote.kv_blocks_used == 0 and not remote.has_unfinished()
+
+
+def test_abort_frees_blocks_in_the_core(remote) -> None:
+    rid = remote.add_request(
+        random_prompt(__import__("random").Random(1), 200),
+        SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
+    )
+    deadline = time.monotonic() + 60
+    while not any(o.request_id == rid and o.token_ids for o in remote.step()):
+        assert time.monotonic() < deadline
+    assert remote.kv_blocks_used > 0
+    assert remote.abort_request(rid)
+    final = None
+    while final is None:
+        assert time.monotonic() < deadline
+        final = next((o for o in remote.step() if o.request_id == rid and o.finished), None)
+    assert final.finish_reason == "abort"
+    assert remote.kv_blocks_used == 0 and remote.num_running == 0
+    assert not remote.abort_request(rid)  # no longer in flight
+
+
+def test_edge_errors_never_reach_the_core(remote) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        remote.add_request("hi", SamplingParams(max_tokens=5000))
+    with pytest.raises(ValueError, match="prompt: token id"):
+        remote.add_request([1, 10**9], SamplingParams(max_tokens=2))
+    assert not remote.has_unfinished()
+
+
+def test_bad_configuration_is_a_value_error_from_the_core() -> None:
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        MultiprocessEngine(EngineConfig.from_kwargs(**{**CONFIG, "kv_cache_memory": 1 << 20}))
+
+
+def wait_dead(engine, timeout: float = 15.0) -> CoreDeadError:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            engine.step()
+        except CoreDeadError as exc:
+            return exc
+    raise AssertionError("the engine did not notice its core was gone")
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_dead_or_hung_core_is_an_error_not_a_hang(how: str) -> None:
+    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), watchdog_s=2.0)
+    try:
+        engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True))
+        while not engine.step():
+            pass
+        pid = engine.core_infos[0].pid
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        exc = wait_dead(engine)
+        assert ("exited" in str(exc)) if how == "kill" else ("watchdog" in str(exc))
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(CoreDeadError):
+            engine.add_request("again", SamplingParams(max_tokens=2))
+    finally:
+        engine.shutdown(timeout=5)
+    assert all(not c.process.is_alive() for c in engine._cores)
+
+
+def test_prefix_hashes_chain_full_blocks() -> None:
+    a = prefix_hashes(list(range(40)), 16)
+    b = prefix_hashes([*range(32), 99, 98], 16)
+    assert len(a) == 2 and a == b  # only full blocks; the third differs but is partial
+    assert prefix_hashes([5, *range(1, 40)], 16)[1] != a[1]  # a chain: block 0 counts
+
+
+def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
+    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2)
+    try:
+        assert engine.data_parallel_size == 2
+        assert len({i.pid for i in engine.core_infos}) == 2
+        requests = mixed_requests()
+        ids = [engine.add_request(p, sp) for p, sp in requests]
+        cores = [engine.core_of(i) for i in ids]
+        assert set(cores) == {0, 1}, cores  # both serve
+        for i in ids:
+            engine.abort_request(i)
+        while engine.has_unfinished():
+            engine.step()
+        # The same outputs as one in-process core.
+        assert_same(run(shared_engine, requests), run(engine, requests))
+        # A repeated long prefix goes where it went before, though that core is busier.
+        rng = __import__("random").Random(2)
+        doc = random_prompt(rng, 256)
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        first = engine.add_request(doc + random_prompt(rng, 5), params)
+        home = engine.core_of(first)
+        other = engine.add_request(random_prompt(rng, 64), params)
+        assert engine.core_of(other) != home  # the least loaded
+        again = engine.add_request(doc + random_prompt(rng, 7), params)
+        assert engine.core_of(again) == home
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.kv_blocks_used == 0
+    finally:
+        engine.shutdown()
