@@ -135,21 +135,24 @@ def boundary_cost(rounds: int = 2000, batch: int = 64) -> dict:
 
 
 def decode_step_time(threads: int, batch: int = 64, steps: int = 30) -> float:
-    """Mean in-process decode step with ``batch`` requests running."""
+    """Mean in-process decode step with ``batch`` requests running (all prefilled first)."""
     engine = Engine(num_threads=threads, log_stats_interval=10**9)
     times: list[float] = []
-    engine.step_listeners.append(
-        lambda s: (
+
+    def record(s) -> None:
+        if s.kind == "decode" and s.num_decode_tokens == batch:
             times.append(s.wall_time)
-            if s.kind == "decode" and s.num_decode_tokens == batch
-            else None
-        )
-    )
-    params = SamplingParams(max_tokens=steps + 5, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
+
+    engine.step_listeners.append(record)
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    ids = [
         engine.add_request(prompt_token_ids=[100 + i] * 32, sampling_params=params)
-    while engine.has_unfinished():
+        for i in range(batch)
+    ]
+    while len(times) < steps:
         engine.step()
+    for rid in ids:
+        engine.abort_request(rid)
     return statistics.fmean(times)
 
 
