@@ -123,6 +123,7 @@ class MultiprocessEngine(FrontEnd):
                         address,
                         report_address,
                         logging.getLogger("chunkserve").getEffectiveLevel(),
+                        data_parallel_size,
                     ),
                     name=f"chunkserve-core{i}",
                     daemon=True,

@@ -113,9 +113,10 @@ def run_core(
     command_address: str,
     report_address: str,
     log_level: int = logging.INFO,
+    data_parallel_size: int = 1,
 ) -> None:
     """The core process's main: build the core, report ready, serve commands until told to
-    stop or orphaned."""
+    stop or orphaned. With several cores on CUDA, core ``index`` takes GPU ``index``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s core{index}: %(message)s"
@@ -129,6 +130,8 @@ def run_core(
     reports.connect(report_address)
     enc, dec = encoder(), command_decoder()
     try:
+        if data_parallel_size > 1:
+            _pick_gpu(config.device, index, data_parallel_size)
         core = EngineCore(config, eos_token_ids, index=index)
     except Exception as exc:
         logger.exception("engine core %d failed to start", index)
@@ -147,6 +150,20 @@ def run_core(
         commands.close(linger=0)
         reports.close()
         ctx.term()
+
+
+def _pick_gpu(device: str, index: int, data_parallel_size: int) -> None:
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return  # CPU cores share the machine: each takes --num-threads of it
+    found = torch.cuda.device_count()
+    if found < data_parallel_size:
+        raise ValueError(
+            f"data_parallel_size: {data_parallel_size} engine cores need as many GPUs, "
+            f"found {found}"
+        )
+    torch.cuda.set_device(index)
 
 
 def _serve(index, core: EngineCore, commands, reports, enc, dec, parent: int) -> None:

@@ -163,6 +163,7 @@ def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
             engine.abort_request(i)
         while engine.has_unfinished():
             engine.step()
+        assert [load.kv_blocks_used for load in engine.core_loads()] == [0, 0]
         # The same outputs as one in-process core.
         assert_same(run(shared_engine, requests), run(engine, requests))
         # A repeated long prefix goes where it went before, though that core is busier.
