@@ -12,9 +12,10 @@ blocks routed to it before), unless that core has ``AFFINITY_SLACK`` more outsta
 than the least loaded one; otherwise to the least loaded. Outstanding work is the tokens a
 core still has to compute for its requests in flight (prompt, plus the outputs still due).
 
-A core that dies (killed, the device failed) or never starts is an error no step recovers
-from: ``step()`` raises ``CoreDeadError`` (a ``DeviceError``), the async engine fails every
-request in flight and ``/health`` answers 503.
+A core that dies (killed, the device failed), never starts, or reports no step for
+``watchdog_s`` seconds while it has requests in flight (hung: it is killed) is an error no
+step recovers from: ``step()`` raises ``CoreDeadError`` (a ``DeviceError``), the async
+engine fails every request in flight and ``/health`` answers 503.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class _Core:
     info: CoreInfo | None = None
     load: CoreLoad = field(default_factory=CoreLoad)
     outstanding: int = 0  # tokens still to compute for its requests in flight
+    # Its last report, or its first request after it had none: the watchdog counts from here.
+    quiet_since: float = field(default_factory=time.monotonic)
 
 
 class MultiprocessEngine(FrontEnd):
@@ -106,7 +109,6 @@ class MultiprocessEngine(FrontEnd):
         self._routed: list[OrderedDict[int, None]] = []
         self._closed = False
         self._dead: str | None = None  # why the cores cannot serve, once they cannot
-        self._quiet_since = time.monotonic()  # the last report, or the first request after
         spawn = multiprocessing.get_context("spawn")
         try:
             for i in range(data_parallel_size):
@@ -186,17 +188,23 @@ class MultiprocessEngine(FrontEnd):
             raise CoreDeadError(self._dead)
         if not self._reports.poll(POLL_MS):
             self._check_alive()
-            quiet = time.monotonic() - self._quiet_since
-            if self._owner and quiet > self.watchdog_s:
-                self._die(f"no engine core reported a step for {quiet:.0f} s (watchdog)")
+            now = time.monotonic()
+            for core in self._cores:
+                quiet = now - core.quiet_since
+                if core.outstanding and quiet > self.watchdog_s:
+                    self._die(
+                        f"engine core {core.index} reported no step for {quiet:.0f} s with "
+                        f"requests in flight (watchdog)"
+                    )
             return []
-        self._quiet_since = time.monotonic()
         report = self._dec.decode(self._reports.recv())
         if isinstance(report, CoreDead):
             self._die(f"engine core {report.core} died: {report.message}")
         if not isinstance(report, StepReport):
             self._die(f"unexpected report from a core: {report!r}")
-        self._cores[report.core].load = report.load
+        core = self._cores[report.core]
+        core.load = report.load
+        core.quiet_since = time.monotonic()
         for out in report.outputs:
             if out.finished:
                 self._release(out.request_id)
@@ -226,9 +234,9 @@ class MultiprocessEngine(FrontEnd):
 
     # ---- the core's side -------------------------------------------------------------------
     def _core_add(self, request: CoreRequest) -> None:
-        if not self._owner:
-            self._quiet_since = time.monotonic()  # the watchdog counts from here
         core = self._route(request)
+        if not core.outstanding:
+            core.quiet_since = time.monotonic()  # the watchdog counts from here
         work = len(request.prompt_token_ids) + request.max_tokens
         self._owner[request.request_id] = (core, work)
         core.outstanding += work

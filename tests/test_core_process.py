@@ -181,3 +181,22 @@ def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
         assert engine.kv_blocks_used == 0
     finally:
         engine.shutdown()
+
+
+def test_one_hung_core_trips_the_watchdog_while_the_other_reports() -> None:
+    engine = MultiprocessEngine(
+        EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2, watchdog_s=2.0
+    )
+    try:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in NATURAL_PROMPTS[:2]]
+        assert {engine.core_of(i) for i in ids} == {0, 1}
+        started: set[str] = set()
+        while len(started) < 2:
+            started |= {o.request_id for o in engine.step()}
+        os.kill(engine.core_infos[0].pid, signal.SIGSTOP)
+        exc = wait_dead(engine)
+        assert "engine core 0" in str(exc) and "watchdog" in str(exc)
+    finally:
+        engine.shutdown(timeout=5)
+    assert all(not c.process.is_alive() for c in engine._cores)
