@@ -101,6 +101,9 @@ class BudgetDecision:
     predicted_s: float  # predicted time of the step at that budget
     target_s: float | None  # the step time planned for (None: no prefill waiting)
     over_target: bool  # prefill is waiting and not one block fits: a block runs anyway
+    # Most draft tokens (speculative decoding) the decodes may carry; None: any the budget
+    # leaves (nothing waits to be prefilled).
+    draft_budget: int | None = None
 
 
 class BudgetController:
@@ -258,8 +261,10 @@ class BudgetController:
                 starts.append(r.num_computed_tokens)
             else:
                 decode_lens.append(r.num_tokens)
+        drafts = self._pending_drafts(scheduler, len(decode_lens))
         if not starts and not scheduler.waiting:
-            self.last = BudgetDecision(len(decode_lens), len(decode_lens), 0, 0.0, None, False)
+            budget = len(decode_lens) + drafts
+            self.last = BudgetDecision(budget, len(decode_lens), 0, 0.0, None, False)
             return self.last
         if not starts:
             starts.append(scheduler.waiting[0].num_computed_tokens)
@@ -288,8 +293,12 @@ class BudgetController:
             # Whole blocks: chunks end on block boundaries, so a room of 31 would move 16.
             room = min(self.max_prefill_tokens, -(-room // block) * block)
         room = max(room, block)
+        # Draft tokens are the decodes' and go first, out of the room (verify rows cost
+        # about what prefill rows do); one block of prefill still moves.
+        draft_room = min(drafts, room - block)
+        room = max(block, room - draft_room)
         predicted = self.model.predict(
-            StepShape(tuple(decode_lens), ((prefill_start, room),), prefill_samples=1)
+            StepShape(tuple(decode_lens), ((prefill_start, room + draft_room),), prefill_samples=1)
         )
         if over:
             self.num_over_target += 1
@@ -306,9 +315,27 @@ class BudgetController:
                     self.num_over_target,
                 )
         self.last = BudgetDecision(
-            len(decode_lens) + room, len(decode_lens), room, predicted, target, over
+            len(decode_lens) + draft_room + room,
+            len(decode_lens),
+            room,
+            predicted,
+            target,
+            over,
+            draft_room,
         )
         return self.last
+
+    @staticmethod
+    def _pending_drafts(scheduler, num_decodes: int) -> int:
+        """Draft tokens the running decodes would carry next step (speculative decoding)."""
+        limit = scheduler.config.spec_disable_by_batch_size
+        if limit and num_decodes >= limit:
+            return 0
+        return sum(
+            min(len(r.draft_token_ids), scheduler.max_drafts(r))
+            for r in scheduler.running
+            if r.draft_token_ids and r.status == RequestStatus.RUNNING and not r.is_prefilling
+        )
 
     def observe(
         self,

@@ -7,6 +7,7 @@ from the model file. ``SchedulerConfig`` is the pure-Python slice the scheduler 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ DEFAULT_BUDGET_CAP = 8192
 # decodes alone would (the streams slow down at most this much, whatever the hardware).
 DEFAULT_DECODE_SLOWDOWN = 2.0
 BUDGET_POLICIES = ("static", "adaptive", "itl-target")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -86,6 +89,120 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's JSON form). Each step, a decode
+    carries up to ``num_speculative_tokens`` draft tokens that the target verifies in the same
+    forward pass as the step's prefill chunks (``speculative``).
+
+    - ``ngram``: prompt lookup, no extra model: the longest suffix of the sequence of
+      ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens that occurred before proposes
+      the tokens that followed it.
+    - ``draft_model``: a small model of the same vocabulary (``model``: a .gguf file or an HF
+      directory; it may be the target itself) proposes them, its KV cache kept in step with
+      the target's blocks.
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    """No drafts in a step with at least this many running decodes (None: always)."""
+    min_acceptance_rate: float = 0.1
+    """A request whose drafts are accepted less often than this (over its last
+    ``ACCEPTANCE_WINDOW`` draft tokens) stops speculating for a while (0: never)."""
+
+    def __post_init__(self) -> None:
+        name = "speculative_config"
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"{name}.method",
+            f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        _require(
+            _is_int(self.num_speculative_tokens)
+            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"{name}.num_speculative_tokens",
+            f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got "
+            f"{self.num_speculative_tokens!r}",
+        )
+        for field_name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, field_name)
+            _require(
+                _is_int(value) and 1 <= value <= 64,
+                f"{name}.{field_name}",
+                f"must be an integer in [1, 64], got {value!r}",
+            )
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"{name}.prompt_lookup_min",
+            f"({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        if self.method == "draft_model":
+            _require(
+                isinstance(self.model, str) and bool(self.model),
+                f"{name}.model",
+                "the draft model's path is required with method draft_model",
+            )
+        else:
+            _require(self.model is None, f"{name}.model", "only method draft_model takes a model")
+        _require(
+            self.disable_by_batch_size is None
+            or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+            f"{name}.disable_by_batch_size",
+            f"must be an integer >= 1 or null, got {self.disable_by_batch_size!r}",
+        )
+        _require(
+            isinstance(self.min_acceptance_rate, (int, float))
+            and not isinstance(self.min_acceptance_rate, bool)
+            and 0.0 <= self.min_acceptance_rate < 1.0,
+            f"{name}.min_acceptance_rate",
+            f"must be in [0, 1), got {self.min_acceptance_rate!r}",
+        )
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a JSON object (text), a dict or a SpeculativeConfig; None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config: must be a JSON object, got {type(value).__name__}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(
+                f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(names))})"
+            )
+        if "method" not in value:
+            raise ValueError(f"speculative_config.method: required, one of {SPECULATIVE_METHODS}")
+        return cls(**value)
+
+    def describe(self) -> str:
+        if self.method == "ngram":
+            what = f"ngram {self.prompt_lookup_min}..{self.prompt_lookup_max}"
+        else:
+            what = f"draft model {self.model}"
+        off = (
+            f", off at >= {self.disable_by_batch_size} decodes"
+            if self.disable_by_batch_size
+            else ""
+        )
+        return f"{what}, {self.num_speculative_tokens} tokens{off}"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler needs; built by the engine from ``EngineConfig``."""
 
@@ -115,6 +232,9 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.15
     new_token_ratio_decay_steps: int = 600
     output_estimate_clip: int = 4096
+    # Speculative decoding: no draft tokens in a step with at least this many decodes (0: no
+    # limit). Drafts come with the requests (``Request.draft_token_ids``).
+    spec_disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         _require(
@@ -300,8 +420,14 @@ class EngineConfig:
     (``chunkserve:step_time_over_predicted``)."""
     log_stats_interval: int = 20
     """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    """Speculative decoding (``SpeculativeConfig``; a dict or JSON text in vLLM's form, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4}``). None: off."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
         _require(
@@ -420,6 +546,11 @@ class EngineConfig:
             long_prefill_token_threshold=threshold,
             init_new_token_ratio=min(1.0, 0.7 * self.schedule_conservativeness),
             min_new_token_ratio=min(1.0, 0.15 * self.schedule_conservativeness),
+            spec_disable_by_batch_size=(
+                (self.speculative_config.disable_by_batch_size or 0)
+                if self.speculative_config
+                else 0
+            ),
         )
 
     def replace(self, **changes: Any) -> EngineConfig:

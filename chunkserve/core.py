@@ -25,6 +25,7 @@ from chunkserve.kv_cache import KVCacheManager
 from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
 from chunkserve.request import Request, RequestStatus, SamplingParams
 from chunkserve.scheduler import Scheduler, SchedulerOutput
+from chunkserve.speculative import Speculator
 from chunkserve.step_log import StepLogger, StepStats
 from chunkserve.worker import DeviceError, Worker
 
@@ -151,6 +152,8 @@ class EngineCore:
             self.worker.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(sched_config, self.kv)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, max_model_len) if spec else None
         self.step_count = 0
         self._prev_step_end: float | None = None
         self._log = StepLogger(config.log_stats_interval)
@@ -159,7 +162,7 @@ class EngineCore:
             "chunkserve engine core: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
             "fused_ops=%s weights loaded in %.1fs | KV cache: %d blocks x %d tokens = %d "
             "tokens (%.0f MiB) | max_model_len=%d max_num_seqs=%d chunked_prefill=%s "
-            "policy=%s | %s",
+            "policy=%s | %s | speculative: %s",
             source.name,
             w.device,
             str(w.dtype).removeprefix("torch."),
@@ -176,6 +179,7 @@ class EngineCore:
             sched_config.enable_chunked_prefill,
             sched_config.policy,
             self.budget_policy.describe(),
+            spec.describe() if spec else "off",
         )
 
     # ---- setup -----------------------------------------------------------------------------
@@ -302,10 +306,11 @@ class EngineCore:
         kv = self.kv
         queried, hits = kv.num_queried_tokens, kv.num_hit_tokens
         decision = None
+        draft_budget = None
         if token_budget is None and self.controller is not None:
             decision = self.controller.decide(self.scheduler)
-            token_budget = decision.token_budget
-        out = self.scheduler.schedule(token_budget)
+            token_budget, draft_budget = decision.token_budget, decision.draft_budget
+        out = self.scheduler.schedule(token_budget, draft_budget)
         t_sched = time.perf_counter()
         if out.is_empty:
             self._prev_step_end = None  # idle: the next gap starts afresh
@@ -328,17 +333,21 @@ class EngineCore:
                 if error is not None:
                     self.scheduler.fail_requests([r], error)
                     outputs.append(self._final(r, error))
+        before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         produced = self.scheduler.update(out, result.sampled)
         forward_time = t_fwd - t_sched
         for chunk in out.prefills:
             chunk.request.metrics.prefill_time += forward_time
+        num_generated = 0
         for r in produced:
-            logprob = result.logprobs.get(r.request_id)
+            new = r.output_token_ids[before[r.request_id] :]
+            num_generated += len(new)
+            logprobs = result.logprobs.get(r.request_id)
             outputs.append(
                 CoreOutput(
                     r.request_id,
-                    [r.output_token_ids[-1]],
-                    None if logprob is None else [logprob],
+                    new,
+                    None if logprobs is None else logprobs[: len(new)],
                     r.finish_reason,
                     r.stop_reason,
                     r.num_cached_tokens,
@@ -347,10 +356,19 @@ class EngineCore:
             )
             if r.is_finished:
                 self.worker.forget(r.request_id)
+        spec = None
+        if self.speculator is not None:
+            spec = self.speculator.record(out.decodes)
+            self._propose()
         t_end = time.perf_counter()
         # The step's shape, once, for the profile's prediction and the controller.
         shape = StepShape.of(out) if self.profile or self.controller else None
         stats = self._stats(out, result, decision, shape, outputs, (queried, hits))
+        stats.num_generated_tokens = num_generated
+        if spec is not None and spec.drafts:
+            stats.num_drafts, stats.num_draft_tokens = spec.drafts, spec.draft_tokens
+            stats.num_accepted_tokens = spec.accepted
+            stats.accepted_per_position = spec.per_position
         stats.loop_gap = None if self._prev_step_end is None else t_start - self._prev_step_end
         stats.schedule_time = (t_sched - t_start) + (t_end - t_fwd)
         stats.forward_time = forward_time
@@ -365,6 +383,30 @@ class EngineCore:
         self._prev_step_end = t_end
         self._log.log(stats)
         return CoreStep(outputs, stats)
+
+    def _propose(self) -> None:
+        """Drafts for the next step of every running decode (speculative decoding)."""
+        assert self.speculator is not None
+        decodes = [
+            r
+            for r in self.scheduler.running
+            if r.status == RequestStatus.RUNNING and not r.is_prefilling
+        ]
+        if self.speculator.config.method == "ngram":
+            self.speculator.propose_ngram(decodes)
+            return
+        wanted = []
+        for r in decodes:
+            k = self.speculator.num_wanted(r)
+            # The draft model writes its KV at the positions it proposes from: their slots
+            # must be the request's (the next step's allocation covers them anyway). Drafts
+            # are optional: they never take the blocks the decodes' next tokens may need.
+            spare = self.kv.num_free_blocks - len(decodes)
+            if k and self.kv.num_new_blocks(r, k) <= spare and self.kv.allocate_slots(r, k):
+                wanted.append((r, k))
+            else:
+                r.draft_token_ids = []
+        self.worker.propose_drafts(wanted)
 
     def _stats(self, out, result, decision, shape, outputs, kv_before) -> StepStats:
         """The step's record; its times are the caller's to fill in."""
@@ -388,7 +430,6 @@ class EngineCore:
             layout_time=result.layout_time,
             wall_time=0.0,
             num_finished=sum(1 for o in outputs if o.finished),
-            num_generated_tokens=len(result.sampled),
             prefix_cache_queries=kv.num_queried_tokens - kv_before[0],
             prefix_cache_hits=kv.num_hit_tokens - kv_before[1],
             predicted_time=self.profile.predict(shape) if self.profile else None,

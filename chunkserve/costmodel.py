@@ -101,11 +101,13 @@ class StepShape:
 
     @classmethod
     def of(cls, out: Any) -> StepShape:
-        """From a ``SchedulerOutput``."""
+        """From a ``SchedulerOutput``. A decode with draft tokens (speculative decoding) is
+        priced as what it runs: a short chunk at its position, whose rows are sampled."""
+        verifies = [c for c in out.decodes if c.draft_token_ids]
         return cls(
-            tuple(c.end for c in out.decodes),
-            tuple((c.start, c.num_tokens) for c in out.prefills),
-            sum(1 for c in out.prefills if c.samples),
+            tuple(c.end for c in out.decodes if not c.draft_token_ids),
+            tuple((c.start, c.num_tokens) for c in out.prefills + verifies),
+            sum(1 for c in out.prefills if c.samples) + len(verifies),
         )
 
 

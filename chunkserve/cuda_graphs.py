@@ -140,7 +140,9 @@ class DecodeGraphs:
 
     def fits(self, out: SchedulerOutput) -> bool:
         """Decode-only steps with at most the largest captured batch replay a graph."""
-        return not out.prefills and 0 < len(out.decodes) <= self.sizes[-1]
+        return (
+            not out.prefills and not out.num_draft_tokens and 0 < len(out.decodes) <= self.sizes[-1]
+        )
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Replay the graph for this decode-only step; return hidden states [D, hidden] of

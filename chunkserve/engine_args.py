@@ -138,6 +138,14 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         action="store_false",
         help="plain torch ops instead of the fused Triton norm/rotary/SiLU kernels (CUDA only)",
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON (vLLM\'s form): {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; also '
+        '"disable_by_batch_size", "min_acceptance_rate"',
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -177,6 +185,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
         fused_ops=args.fused_ops,
+        speculative_config=args.speculative_config,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)

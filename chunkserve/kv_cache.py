@@ -199,6 +199,15 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(n))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens (rejected draft tokens
+        wrote there; the next step allocates what it needs)."""
+        keep = max(self.num_blocks_for(request.num_computed_tokens), request.num_published_blocks)
+        if len(request.block_ids) > keep:
+            extra = request.block_ids[keep:]
+            del request.block_ids[keep:]
+            self.pool.free(extra[::-1])
+
     def free(self, request: Request) -> None:
         """Release all of a request's blocks (finish, abort or preemption)."""
         if request.block_ids:

@@ -184,6 +184,30 @@ class Metrics:
             labels,
             registry=reg,
         )
+        self.spec_drafts = Counter(
+            "chunkserve:spec_decode_num_drafts",
+            "Speculative decoding: decodes verified with draft tokens.",
+            labels,
+            registry=reg,
+        )
+        self.spec_draft_tokens = Counter(
+            "chunkserve:spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            labels,
+            registry=reg,
+        )
+        self.spec_accepted_tokens = Counter(
+            "chunkserve:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            labels,
+            registry=reg,
+        )
+        self.spec_accepted_per_pos = Counter(
+            "chunkserve:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0: first).",
+            [*labels, "position"],
+            registry=reg,
+        )
         self.prefix_queries = Counter(
             "chunkserve:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -293,6 +317,13 @@ class Metrics:
             self.prefix_hits.labels(**lab).inc(s.prefix_cache_hits)
         if s.num_preempted:
             self.preemptions.labels(**lab).inc(s.num_preempted)
+        if s.num_draft_tokens:
+            self.spec_drafts.labels(**lab).inc(s.num_drafts)
+            self.spec_draft_tokens.labels(**lab).inc(s.num_draft_tokens)
+            self.spec_accepted_tokens.labels(**lab).inc(s.num_accepted_tokens)
+            for pos, n in enumerate(s.accepted_per_position or ()):
+                if n:
+                    self.spec_accepted_per_pos.labels(**lab, position=str(pos)).inc(n)
         self.steps.labels(**lab, kind=s.kind).inc()
         self.core_steps.labels(**lab, engine=str(s.core)).inc()
         self.token_budget.labels(**lab).set(s.token_budget)

@@ -163,22 +163,34 @@ class OutputProcessor:
     def _make_output(self, state: _RequestState, co: CoreOutput) -> RequestOutput:
         if not co.new_token_ids:
             return self.final(co)
-        if state.logprobs is not None and co.new_logprobs is not None:
-            for token, (logprob, top) in zip(co.new_token_ids, co.new_logprobs):
-                state.logprobs.append(TokenLogprob(token, logprob, top))
-        state.token_ids.extend(co.new_token_ids)
-        state.detok.add_tokens(co.new_token_ids)
         finished, finish_reason, stop_reason = co.finished, co.finish_reason, co.stop_reason
-        if finished:
-            state.detok.flush()
-        full = state.detok.text
         params = state.params
-        if params.stop:
-            hit = find_stop(full, len(state.text), params.stop)
-            if hit is not None:
-                idx, stop = hit
-                full = full[: idx + len(stop) if params.include_stop_str_in_output else idx]
-                finished, finish_reason, stop_reason = True, "stop", stop
+        tokens = co.new_token_ids
+        if not params.stop:
+            state.detok.add_tokens(tokens)
+            if finished:
+                state.detok.flush()
+            full = state.detok.text
+        else:
+            # A token at a time: a stop string ends the output at the token that completes
+            # it, also when a step brings several (accepted draft tokens).
+            for n, token in enumerate(tokens, 1):
+                state.detok.add_tokens([token])
+                if finished and n == len(tokens):
+                    state.detok.flush()
+                full = state.detok.text
+                hit = find_stop(full, len(state.text), params.stop)
+                if hit is not None:
+                    idx, stop = hit
+                    full = full[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                    finished, finish_reason, stop_reason = True, "stop", stop
+                    tokens = tokens[:n]
+                    break
+        if state.logprobs is not None and co.new_logprobs is not None:
+            for token, (logprob, top) in zip(tokens, co.new_logprobs):
+                state.logprobs.append(TokenLogprob(token, logprob, top))
+        state.token_ids.extend(tokens)
+        del state.metrics.token_times[len(state.token_ids) :]  # tokens cut by a stop string
         state.text = full
         visible = len(full) if finished else max(state.sent_len, len(full) - state.holdback)
         delta_text = full[state.sent_len : visible]

@@ -260,6 +260,17 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
+@dataclass
+class SpecState:
+    """A request's speculation record: draft tokens proposed and accepted, and (after
+    acceptance stayed low) the output count up to which it does not speculate."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    recent: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted)
+    paused_until: int = 0  # number of output tokens
+
+
 _request_counter = itertools.count()
 
 
@@ -306,6 +317,10 @@ class Request:
         self.cache_key = b""
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Speculative decoding: tokens proposed to follow ``token_ids`` (the next step
+        # verifies them; see ``speculative``), and the request's recent acceptance.
+        self.draft_token_ids: list[int] = []
+        self.spec = SpecState()
 
     # ---- derived state -------------------------------------------------------------------
     @property

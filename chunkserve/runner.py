@@ -4,6 +4,7 @@ paged KV cache, and samples the rows that end a prompt or are decodes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,17 +16,19 @@ from chunkserve.attention import AttentionBackend, BatchLayout
 from chunkserve.cuda_graphs import DecodeGraphs
 from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
-from chunkserve.request import Request
-from chunkserve.sampler import Sampler, SampleResult
-from chunkserve.scheduler import SchedulerOutput
+from chunkserve.sampler import Sampler
+from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger("chunkserve.runner")
 
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int]  # request id -> token, for every chunk that samples
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # request id -> its new tokens (one; with drafts, the accepted ones then the target's
+    # own), for every chunk that samples
+    sampled: dict[str, list[int]]
+    # request id -> per new token (its logprob, the top alternatives)
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]
     layout_time: float = 0.0  # seconds building the BatchLayout and attention metadata
     # Requests whose sampling raised (request id -> error): only they fail, not the step.
     failed: dict[str, str] = field(default_factory=dict)
@@ -108,11 +111,17 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs
 
-    def build_layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[Request]]:
-        """Flatten the step's chunks (prefills, then decodes) into one batch; also return
-        the requests whose rows are sampled, in ``logits_indices`` order."""
+    def build_layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[ScheduledChunk]]:
+        """Flatten the step's chunks into one batch: the multi-row queries first (prefill
+        chunks, then decodes with draft tokens: a decode with k drafts is a (k+1)-row query
+        over its own cache, causal among the drafts, as a chunk is), then the one-row
+        decodes. Also return the chunks whose rows are sampled, in ``logits_indices`` order
+        (every row of a decode with drafts is; one row of the others)."""
         bs = self.block_size
-        chunks = out.chunks
+        verifies = [c for c in out.decodes if c.draft_token_ids]
+        singles = [c for c in out.decodes if not c.draft_token_ids] if verifies else out.decodes
+        multi = out.prefills + verifies
+        chunks = multi + singles
         num_tokens = out.num_batched_tokens
         padded = padded_num_tokens(num_tokens) if self.pad_batches else num_tokens
         # Padding rows: token 0 at position 0; they write no KV (see write_kv).
@@ -125,7 +134,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         fresh_blocks: list[int] = []
-        sampled_requests: list[Request] = []
+        sampled_chunks: list[ScheduledChunk] = []
         row = 0
         for chunk in chunks:
             r, s, n = chunk.request, chunk.start, chunk.num_tokens
@@ -136,7 +145,11 @@ class ModelRunner:
                 slots[row] = table[s // bs] * bs + s % bs
             else:
                 pos = np.arange(s, s + n)
-                input_ids[row : row + n] = r.token_ids[s : s + n]
+                if chunk.draft_token_ids:
+                    input_ids[row] = r.token_ids[s]
+                    input_ids[row + 1 : row + n] = chunk.draft_token_ids
+                else:
+                    input_ids[row : row + n] = r.token_ids[s : s + n]
                 positions[row : row + n] = pos
                 slots[row : row + n] = np.asarray(table)[pos // bs] * bs + pos % bs
             first = -(-s // bs) * bs  # first block-aligned position in [s, s + n)
@@ -146,9 +159,12 @@ class ModelRunner:
             context_start.append(s)
             seq_lens.append(s + n)
             tables.append(table)
-            if chunk.samples:
+            if chunk.draft_token_ids:
+                logits_rows.extend(range(row - n, row))
+                sampled_chunks.append(chunk)
+            elif chunk.samples:
                 logits_rows.append(row - 1)
-                sampled_requests.append(r)
+                sampled_chunks.append(chunk)
 
         max_blocks = max((len(t) for t in tables), default=0)
         width = max(max_blocks, 1)
@@ -179,60 +195,102 @@ class ModelRunner:
 
         layout = BatchLayout(
             **views,
-            num_prefill_seqs=len(out.prefills),
-            num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens,
+            num_prefill_seqs=len(multi),
+            num_prefill_tokens=sum(c.num_tokens for c in multi),
+            num_decode_tokens=len(singles),
             query_start_host=query_start,
             context_start_host=context_start,
             seq_lens_k_host=seq_lens,
             block_tables_host=tables,
             block_size=bs,
         )
-        return layout, sampled_requests
+        return layout, sampled_chunks
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
+    ) -> RunnerOutput:
+        """Run the step. ``draft_probs``: a draft model's distributions of the drafts it
+        sampled (request id -> [k, V]), for rejection sampling; n-gram drafts have none."""
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(out):
             # Decode-only: every row is sampled, in order.
-            hidden, sampled_requests = self.graphs.run(out)
+            hidden, _ = self.graphs.run(out)
+            sampled_chunks = list(out.decodes)
             layout_time = self.graphs.last_layout_time
         else:
-            layout, sampled_requests = self.build_layout(out)
+            layout, sampled_chunks = self.build_layout(out)
             meta = self.attn.prepare(layout)
             layout_time = time.perf_counter() - t0
             hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
             hidden = hidden[layout.logits_indices]
-        if not sampled_requests:
+        if not sampled_chunks:
             return RunnerOutput({}, {}, layout_time)
         logits = self.model.compute_logits(hidden)  # [S, V] fp32
-        try:
-            results = [(sampled_requests, self.sampler(logits, sampled_requests))]
-            failed: dict[str, str] = {}
-        except Exception:
-            if len(sampled_requests) == 1:
-                raise
-            results, failed = self._sample_each(logits, sampled_requests)
-        sampled, logprobs = {}, {}
-        for requests, result in results:
-            sampled.update((r.request_id, t) for r, t in zip(requests, result.token_ids))
-            if result.logprobs is not None:
-                for r, lp in zip(requests, result.logprobs):
-                    if lp is not None:
-                        logprobs[r.request_id] = lp
-        return RunnerOutput(sampled, logprobs, layout_time, failed)
+        result = RunnerOutput({}, {}, layout_time)
+        # Consecutive chunks of one kind (one row, or a decode with drafts) sample together.
+        row = 0
+        for verify, group in itertools.groupby(sampled_chunks, key=_has_drafts):
+            group = list(group)
+            n = sum(c.num_tokens for c in group) if verify else len(group)
+            self._sample_group(logits[row : row + n], group, verify, draft_probs, result)
+            row += n
+        return result
 
-    def _sample_each(
-        self, logits: torch.Tensor, requests: list[Request]
-    ) -> tuple[list[tuple[list[Request], SampleResult]], dict[str, str]]:
-        """The batch's sampling raised: sample row by row, so the row that raises fails
-        only its own request (greedy and seeded rows get the tokens the batch would have
-        given them)."""
-        results, failed = [], {}
-        for i, r in enumerate(requests):
+    def _sample_group(
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        verify: bool,
+        draft_probs: dict[str, torch.Tensor] | None,
+        result: RunnerOutput,
+    ) -> None:
+        """Sample (or verify) the rows of these chunks into ``result``. If the batch raises,
+        chunk by chunk, so the one that raises fails only its own request (greedy and
+        seeded rows get the tokens the batch would have given them)."""
+        try:
+            self._sample_batch(logits, chunks, verify, draft_probs, result)
+            return
+        except Exception:
+            if len(chunks) == 1:
+                raise
+        row = 0
+        for c in chunks:
+            n = c.num_tokens if verify else 1
             try:
-                results.append(([r], self.sampler(logits[i : i + 1], [r])))
+                self._sample_batch(logits[row : row + n], [c], verify, draft_probs, result)
             except Exception as exc:
-                logger.exception("sampling request %s failed", r.request_id)
-                failed[r.request_id] = f"{type(exc).__name__}: {exc}"
-        return results, failed
+                logger.exception("sampling request %s failed", c.request.request_id)
+                result.failed[c.request.request_id] = f"{type(exc).__name__}: {exc}"
+            row += n
+
+    def _sample_batch(
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        verify: bool,
+        draft_probs: dict[str, torch.Tensor] | None,
+        result: RunnerOutput,
+    ) -> None:
+        requests = [c.request for c in chunks]
+        if verify:
+            probs = None
+            if draft_probs:
+                probs = [draft_probs.get(r.request_id) for r in requests]
+            sample = self.sampler.verify(
+                logits, requests, [c.draft_token_ids for c in chunks], probs
+            )
+            tokens = sample.token_ids
+            lps = sample.logprobs
+        else:
+            sample = self.sampler(logits, requests)
+            tokens = [[t] for t in sample.token_ids]
+            lps = None if sample.logprobs is None else [lp and [lp] for lp in sample.logprobs]
+        for i, r in enumerate(requests):
+            result.sampled[r.request_id] = tokens[i]  # type: ignore[assignment]
+            if lps is not None and lps[i] is not None:
+                result.logprobs[r.request_id] = lps[i]  # type: ignore[assignment]
+
+
+def _has_drafts(chunk: ScheduledChunk) -> bool:
+    return bool(chunk.draft_token_ids)

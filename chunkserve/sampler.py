@@ -26,6 +26,30 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
+class SampleRow:
+    """Row j of a decode with drafts, as the sampler sees it: the request with its first j
+    draft tokens taken as output (penalties and the min_tokens ban count them)."""
+
+    def __init__(self, request: Request, extra: list[int]) -> None:
+        self.request = request
+        self.extra = extra
+        self.request_id = request.request_id
+        self.sampling_params = request.sampling_params
+        self.eos_token_ids = request.eos_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.extra
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.extra
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.extra)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -51,7 +75,128 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._process(logits, requests)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests)
+        token_list = tokens.tolist()
 
+        result = SampleResult(token_list)
+        if raw_logprobs is not None:
+            result.logprobs = self._gather_logprobs(raw_logprobs, tokens, params)
+        return result
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        drafts: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None] | None = None,
+    ) -> SampleResult:
+        """Speculative verification. Request i has ``len(drafts[i]) + 1`` consecutive rows of
+        ``logits``: row j is the target's distribution after its tokens and the first j
+        drafts. Returns per request the accepted drafts then one token of the target's own
+        (``token_ids[i]`` a list), and their logprobs.
+
+        Greedy rows accept a draft exactly when it is the target's argmax (the tokens are
+        those of decoding without drafts). Sampled rows use rejection sampling (Leviathan et
+        al. 2023; Chen et al. 2023): draft d from q is kept with probability
+        min(1, p(d) / q(d)); the first rejected one is replaced by a sample of
+        norm(max(p - q, 0)); all kept, one more from p. The tokens then follow the target's
+        distribution p (after temperature, top-k, top-p, min-p) exactly. ``draft_probs[i]``
+        is q, [k, V] (a draft model's); None: the drafts were proposed deterministically
+        (q one-hot, n-gram)."""
+        rows: list[Request | SampleRow] = []
+        for r, d in zip(requests, drafts):
+            rows.append(r)
+            rows.extend(SampleRow(r, list(d[:j])) for j in range(1, len(d) + 1))
+        params = [r.sampling_params for r in rows]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        processed = self._process(logits, rows)
+        argmax = processed.argmax(dim=-1).tolist()
+        probs = None
+        if not all(p.greedy for p in params):
+            probs = self.distributions(processed, rows)
+        out_tokens: list[list[int]] = []
+        emitted_rows: list[int] = []
+        row0 = 0
+        for i, (r, d) in enumerate(zip(requests, drafts)):
+            k = len(d)
+            if r.sampling_params.greedy:
+                a = 0
+                while a < k and d[a] == argmax[row0 + a]:
+                    a += 1
+                tokens = list(d[:a]) + [argmax[row0 + a]]
+            else:
+                assert probs is not None
+                q = draft_probs[i] if draft_probs is not None else None
+                tokens = self._rejection_sample(probs[row0 : row0 + k + 1], r, d, q)
+            out_tokens.append(tokens)
+            emitted_rows.extend(range(row0, row0 + len(tokens)))
+            row0 += k + 1
+
+        result = SampleResult(out_tokens)  # type: ignore[arg-type]
+        if raw_logprobs is not None:
+            idx = torch.tensor(emitted_rows, dtype=torch.int64, device=logits.device)
+            flat = [t for tokens in out_tokens for t in tokens]
+            emitted = torch.tensor(flat, dtype=torch.int64, device=logits.device)
+            row_params = [params[j] for j in emitted_rows]
+            per_row = self._gather_logprobs(raw_logprobs[idx], emitted, row_params)
+            grouped, n = [], 0
+            for r, tokens in zip(requests, out_tokens):
+                lps = per_row[n : n + len(tokens)]
+                n += len(tokens)
+                grouped.append(lps if r.sampling_params.logprobs is not None else None)
+            result.logprobs = grouped  # type: ignore[assignment]
+        return result
+
+    def _generator_of(self, request: Request) -> torch.Generator:
+        if request.sampling_params.seed is None:
+            return self._generator
+        return self._row_generator(request)
+
+    def _uniform(self, request: Request) -> float:
+        gen = self._generator_of(request)
+        return torch.rand((), generator=gen, device=self.device).item()
+
+    def draw(self, p: torch.Tensor, request: Request) -> int:
+        """One token from the distribution ``p`` [V] (need not be normalised), by the same
+        exponential race as plain sampling, from the request's generator if seeded."""
+        gen = self._generator_of(request)
+        noise = torch.empty_like(p).exponential_(generator=gen)
+        return int((p / noise).argmax())
+
+    def _rejection_sample(
+        self, p: torch.Tensor, request: Request, drafts: Sequence[int], q: torch.Tensor | None
+    ) -> list[int]:
+        """``p``: [k + 1, V] target probabilities; ``q``: [k, V] draft probabilities or None
+        (one-hot at the drafts)."""
+        p_host = p[:, list(drafts)] if drafts else None
+        tokens: list[int] = []
+        for j, d in enumerate(drafts):
+            assert p_host is not None
+            p_d = float(p_host[j, j])
+            q_d = 1.0 if q is None else float(q[j, d])
+            if q_d > 0 and self._uniform(request) * q_d < p_d:
+                tokens.append(d)
+                continue
+            if q is None:
+                residual = p[j].clone()
+                residual[d] = 0.0
+            else:
+                residual = (p[j] - q[j]).clamp_(min=0.0)
+            if float(residual.sum()) <= 0.0:  # p and q agree: any token of p is exact
+                residual = p[j]
+            tokens.append(self.draw(residual, request))
+            return tokens
+        tokens.append(self.draw(p[len(drafts)], request))
+        return tokens
+
+    def _process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Penalties, logit biases and the min_tokens ban (a copy if any applies)."""
+        params = [r.sampling_params for r in requests]
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), requests)
         biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
@@ -75,17 +220,7 @@ class Sampler:
                     stop_ids |= r.eos_token_ids
                 if stop_ids:
                     logits[i, sorted(stop_ids)] = float("-inf")
-
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, requests)
-        token_list = tokens.tolist()
-
-        result = SampleResult(token_list)
-        if raw_logprobs is not None:
-            result.logprobs = self._gather_logprobs(raw_logprobs, tokens, params)
-        return result
+        return logits
 
     # ---- penalties -----------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -116,6 +251,26 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         device = logits.device
         greedy_tokens = logits.argmax(dim=-1)
+        probs = self.distributions(logits, requests)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            draw = torch.empty(
+                (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
+            ).exponential_(generator=self._generator)
+            noise[unseeded] = draw
+        for i, r in enumerate(requests):
+            if params[i].seed is not None:
+                noise[i].exponential_(generator=self._row_generator(r))
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_tokens, sampled)
+
+    def distributions(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k, top-p and min-p
+        (greedy rows at temperature 1; their probabilities are not used)."""
+        params = [r.sampling_params for r in requests]
+        device = logits.device
         temps = torch.tensor(
             [1.0 if p.greedy else p.temperature for p in params],
             dtype=logits.dtype,
@@ -146,20 +301,7 @@ class Sampler:
             mp = torch.tensor(min_p, dtype=probs.dtype, device=device)
             threshold = probs.max(dim=-1, keepdim=True).values * mp[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            draw = torch.empty(
-                (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
-            ).exponential_(generator=self._generator)
-            noise[unseeded] = draw
-        for i, r in enumerate(requests):
-            if params[i].seed is not None:
-                noise[i].exponential_(generator=self._row_generator(r))
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        return probs
 
     @staticmethod
     def _gather_logprobs(

@@ -41,13 +41,17 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    # A decode's draft tokens (speculative decoding): the chunk is the request's last token
+    # then these, ``1 + len(draft_token_ids)`` rows, each sampled to verify the next.
+    draft_token_ids: list[int] = field(default_factory=list)
     # True if this chunk ends the request's known tokens: its last row is sampled. Fixed
     # when the chunk is made, so it still describes the step after ``update`` appended the
     # sampled token (cost models read the step's shape then).
     samples: bool = field(init=False)
+    num_accepted: int = field(init=False, default=0)  # drafts verification accepted
 
     def __post_init__(self) -> None:
-        self.samples = self.end == self.request.num_tokens
+        self.samples = self.end - len(self.draft_token_ids) == self.request.num_tokens
 
     def extend(self, extra: int) -> None:
         """Grow the chunk by ``extra`` tokens (the scheduler's leftover budget)."""
@@ -85,7 +89,12 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return len(self.decodes)
+        """Decode rows, draft tokens included."""
+        return sum(c.num_tokens for c in self.decodes)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft_token_ids) for c in self.decodes)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -203,13 +212,17 @@ class Scheduler:
         return request
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self, token_budget: int | None = None, draft_budget: int | None = None
+    ) -> SchedulerOutput:
         """Build the next step. ``token_budget`` overrides ``max_num_batched_tokens`` for this
-        step (an online controller may shrink it); decodes are always served."""
+        step (an online controller may shrink it); decodes are always served.
+        ``draft_budget``: most draft tokens the decodes may carry (None: what the budget
+        leaves after one token per decode)."""
         budget = self.config.max_num_batched_tokens if token_budget is None else token_budget
         out = SchedulerOutput(token_budget=budget)
         if self.config.enable_chunked_prefill:
-            self._schedule_chunked(out, budget)
+            self._schedule_chunked(out, budget, draft_budget)
         else:
             self._schedule_unchunked(out, budget)
         if out.preempted:
@@ -227,14 +240,47 @@ class Scheduler:
         out.kv_usage = self.kv.usage
         return out
 
-    def _schedule_chunked(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput, draft_budget: int | None) -> None:
+        """Every running decode, one token each plus its draft tokens (speculative
+        decoding) while ``draft_budget`` lasts (None: what the step's budget leaves after
+        one token per decode); never dropped for prefill."""
+        decodes = [
+            r for r in self.running if r.status == RequestStatus.RUNNING and not r.is_prefilling
+        ]
+        if draft_budget is None:
+            draft_budget = out.token_budget - len(decodes)
+        limit = self.config.spec_disable_by_batch_size
+        if limit and len(decodes) >= limit:
+            draft_budget = 0
+        for request in decodes:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for an earlier decode's blocks
+            drafts = request.draft_token_ids
+            request.draft_token_ids = []
+            k = min(len(drafts), max(0, draft_budget), self.max_drafts(request))
+            if k and not self.kv.can_allocate(request, 1 + k):
+                k = 0  # drafts are optional: never preempt for them
+            if self._reserve(request, 1 + k, out):
+                draft_budget -= k
+                out.decodes.append(
+                    ScheduledChunk(request, request.num_computed_tokens, 1 + k, drafts[:k])
+                )
+
+    def max_drafts(self, request: Request) -> int:
+        """Drafts a decode may verify: the step emits at most 1 + k tokens, within
+        ``max_tokens`` and ``max_model_len``."""
+        left = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return max(0, left - 1)
+
+    def _schedule_chunked(
+        self, out: SchedulerOutput, budget: int, draft_budget: int | None = None
+    ) -> None:
         cfg = self.config
-        # 1. Running decodes, one token each, never dropped for prefill.
-        for request in list(self.running):
-            if request.status != RequestStatus.RUNNING or request.is_prefilling:
-                continue
-            if self._reserve(request, 1, out):
-                out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+        # 1. Running decodes first, with their drafts.
+        self._schedule_decodes(out, draft_budget)
 
         prefilling = [
             r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
@@ -365,9 +411,7 @@ class Scheduler:
                 break
         if out.prefills:
             return
-        for request in list(self.running):
-            if request.status == RequestStatus.RUNNING and self._reserve(request, 1, out):
-                out.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+        self._schedule_decodes(out, None)
 
     def _try_admit(
         self, request: Request, budget: int | None, headroom: float, out: SchedulerOutput
@@ -478,6 +522,7 @@ class Scheduler:
         out.prefills = [c for c in out.prefills if c.request is not request]
         self.running.remove(request)
         self.kv.free(request)
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
@@ -487,30 +532,46 @@ class Scheduler:
         self._insert(self.waiting, request)
 
     # ---- after the forward pass ----------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[Request]:
         """Advance counters by the computed chunks and append sampled tokens.
 
-        ``sampled`` maps request id to the token sampled from that request's last row, for
-        every chunk with ``samples``. Returns the requests that got a new token this step
-        (finished ones included, already out of the queues)."""
+        ``sampled`` maps request id to the tokens a chunk with ``samples`` produced: one (a
+        list or a bare id), or with draft tokens the accepted drafts then the target's own
+        token. They are
+        appended one by one; a stop condition ends the request there (later ones are
+        dropped). Returns the requests that got new tokens this step (finished ones
+        included, already out of the queues)."""
         now = self.clock()
         produced = []
         for chunk in out.chunks:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += chunk.num_tokens
+            tokens = sampled[request.request_id] if chunk.samples else []
+            if isinstance(tokens, int):
+                tokens = [tokens]
+            if chunk.draft_token_ids:
+                # Rows computed with the right tokens: the last one and the accepted drafts.
+                chunk.num_accepted = len(tokens) - 1
+                request.num_computed_tokens += len(tokens)
+            else:
+                request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(request)
             if not chunk.samples:
                 continue
-            request.append_output_token(sampled[request.request_id])
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            request.metrics.token_times.append(now)
             produced.append(request)
-            status = request.check_stop_token(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request, status)
+            for token in tokens:
+                request.append_output_token(token)
+                request.metrics.token_times.append(now)
+                status = request.check_stop_token(self.config.max_model_len)
+                if status is not None:
+                    self.finish_request(request, status)
+                    break
+            else:
+                if chunk.draft_token_ids:
+                    self.kv.trim(request)  # blocks only rejected drafts wrote
         return produced
 
     def fail_requests(self, requests: Iterable[Request], error: str) -> None:

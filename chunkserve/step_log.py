@@ -45,6 +45,12 @@ class StepStats:
     target_time: float | None = None
     over_target: bool = False
     core: int = 0  # which engine core (data parallel) ran the step
+    # Speculative decoding: draft tokens the decodes carried (part of num_decode_tokens),
+    # and how many verification accepted.
+    num_drafts: int = 0  # decodes that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] | None = None  # accepted drafts by position
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,31 +66,36 @@ class StepLogger:
         self._tokens = 0
         self._time = 0.0
         self._steps = 0
+        self._drafts = 0
+        self._accepted = 0
 
     def log(self, s: StepStats) -> None:
         if s.kind == "decode":
             self._steps += 1
-            self._tokens += s.num_decode_tokens
+            self._tokens += s.num_generated_tokens
             self._time += s.wall_time
+            self._drafts += s.num_draft_tokens
+            self._accepted += s.num_accepted_tokens
             if self._steps < self.decode_interval:
                 return
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                "#queue-req: %d, gen throughput (token/s): %.1f, step: %.1f ms",
+                "#queue-req: %d, gen throughput (token/s): %.1f, step: %.1f ms%s",
                 s.num_running,
                 s.num_decode_tokens,
                 s.kv_usage,
                 s.num_waiting,
                 self._tokens / max(self._time, 1e-9),
                 1e3 * self._time / self._steps,
+                _spec(self._drafts, self._accepted),
             )
-            self._steps = self._tokens = 0
+            self._steps = self._tokens = self._drafts = self._accepted = 0
             self._time = 0.0
             return
         logger.info(
             "%s batch. #new-seq: %d, #prefill-seq: %d, #new-token: %d, #cached-token: %d, "
             "#decode-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d, "
-            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s%s%s",
+            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s%s%s%s",
             "Mixed" if s.kind == "mixed" else "Prefill",
             s.num_new_seqs,
             s.num_prefill_seqs,
@@ -101,4 +112,11 @@ class StepLogger:
             "" if s.predicted_time is None else f", predicted {1e3 * s.predicted_time:.1f} ms",
             "" if s.target_time is None else f", target {1e3 * s.target_time:.1f} ms",
             " (over target: one block)" if s.over_target else "",
+            _spec(s.num_draft_tokens, s.num_accepted_tokens),
         )
+
+
+def _spec(drafts: int, accepted: int) -> str:
+    if not drafts:
+        return ""
+    return f", spec accepted {accepted}/{drafts} draft tokens ({100 * accepted / drafts:.0f}%)"

@@ -23,9 +23,10 @@ from chunkserve.config import (
     EngineConfig,
     ModelConfig,
 )
+from chunkserve.draft import DraftModel
 from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
-from chunkserve.model.loader import ModelSource, iter_weights
+from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.request import Request, SamplingParams
 from chunkserve.runner import ModelRunner, RunnerOutput, allocate_kv_caches
@@ -81,6 +82,16 @@ class Worker:
         self.block_size = config.block_size
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
         self._bytes_per_block = model_config.kv_bytes_per_token(dtype_size) * self.block_size
+        # A draft model (speculative decoding) is found and checked now; its KV pool shares
+        # the target's block ids, so every block costs both.
+        self.draft: DraftModel | None = None
+        self._draft_source = self._draft_config = self._draft_reader = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self._open_draft(spec.model)
+            assert self._draft_config is not None
+            per_token = self._draft_config.kv_bytes_per_token(dtype_size)
+            self._bytes_per_block += per_token * self.block_size
         # On a GPU without a given size the cache takes what the weights leave free: sized
         # in ``load``. Everywhere else now, so a cache too small fails before the weights load.
         self._sized_by_free_memory = self.device.type == "cuda" and config.kv_cache_memory is None
@@ -90,6 +101,20 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.cuda_graphs = False
         self.load_time = 0.0
+
+    def _open_draft(self, path: str | None) -> None:
+        name = "speculative_config.model"
+        try:
+            source = resolve_model(path, weights=self.config.load_format != "dummy")
+            draft_config, reader = load_model_config(source)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"{name}: the draft model's vocabulary ({draft_config.vocab_size} tokens) "
+                f"is not the target's ({self.model_config.vocab_size})"
+            )
+        self._draft_source, self._draft_config, self._draft_reader = source, draft_config, reader
 
     @property
     def num_threads(self) -> int:
@@ -142,6 +167,22 @@ class Worker:
             self.device,
             pad_batches=not on_cuda,
         )
+        if self._draft_config is not None:
+            assert self._draft_source is not None
+            self.draft = DraftModel(
+                self._draft_source,
+                self._draft_config,
+                self._draft_reader,
+                dtype=self.dtype,
+                device=self.device,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                attention_backend=config.attention_backend,
+                seed=config.seed,
+                dummy_weights=config.load_format == "dummy",
+            )
+            self._draft_reader = None
         graphs_ok = self.attention.supports_cuda_graphs
         self.cuda_graphs = on_cuda and not config.enforce_eager and graphs_ok
         if on_cuda and not config.enforce_eager and not graphs_ok:
@@ -161,7 +202,21 @@ class Worker:
         other exceptions fail the step's requests only."""
         assert self.runner is not None, "Worker.load first"
         try:
-            return self.runner.execute(out)
+            if self.draft is None:
+                return self.runner.execute(out)
+            result = self.runner.execute(out, self.draft.probs)
+            self.draft.follow(out)
+            return result
+        except Exception as exc:
+            if is_fatal_device_error(exc):
+                raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
+            raise
+
+    def propose_drafts(self, wanted: list[tuple[Request, int]]) -> None:
+        """The draft model's tokens for these decodes (speculative decoding)."""
+        assert self.draft is not None, "no draft model"
+        try:
+            self.draft.propose(wanted)
         except Exception as exc:
             if is_fatal_device_error(exc):
                 raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
@@ -170,6 +225,8 @@ class Worker:
     def forget(self, request_id: str) -> None:
         """A request ended: drop its per-request sampling state."""
         self.sampler.forget(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def _warm_up(self) -> None:
         """Run a prefill step and a mixed step (a two-block chunk beside a decode) over the

@@ -24,6 +24,10 @@ from chunkserve.attention.base import AttentionBackend, BatchLayout
 from chunkserve.decode_groups import split_decode_groups
 
 PREFILL_BLOCK_ROWS = 128
+# Chunks of at most this many rows that continue a cached sequence (a decode with draft
+# tokens being verified, or the short tail of a prompt) are batched like decodes: one padded
+# gather and two matmuls per group instead of a gather and a loop per chunk.
+SHORT_CHUNK_ROWS = 17
 
 
 @dataclass
@@ -45,9 +49,24 @@ class _DecodeGroup:
 
 
 @dataclass
+class _ShortGroup:
+    """Short chunks batched: ``m`` sequences, each padded to ``r`` query rows."""
+
+    m: int
+    r: int
+    q_index: torch.Tensor  # [m * r] rows of the batch to gather (padding repeats a real row)
+    valid: torch.Tensor  # [m * r] bool, real rows
+    out_rows: torch.Tensor  # [number of real rows] rows of the batch they fill, in order
+    block_ids: torch.Tensor  # [m * num_blocks] int64
+    mask: torch.Tensor  # [m, r, 1, S] bool, True = a key the row must not see
+    num_blocks: int
+
+
+@dataclass
 class _TorchMetadata:
     prefills: list[_PrefillChunk] = field(default_factory=list)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
+    short_groups: list[_ShortGroup] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,10 +97,14 @@ class TorchAttentionBackend(AttentionBackend):
         if self._head_idx.device != device:
             self._head_idx = self._head_idx.to(device)
             self._kv_head_idx = self._kv_head_idx.to(device)
+        short: list[int] = []
         for i in range(layout.num_prefill_seqs):
             start_row, end_row = layout.query_start_host[i], layout.query_start_host[i + 1]
             ctx_len = layout.seq_lens_k_host[i]
             pos0 = layout.context_start_host[i]
+            if pos0 > 0 and end_row - start_row <= SHORT_CHUNK_ROWS:
+                short.append(i)
+                continue
             if pos0 == 0:
                 meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, None))
                 continue
@@ -91,6 +114,11 @@ class TorchAttentionBackend(AttentionBackend):
             )
             meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, block_ids))
 
+        if short:
+            lengths = [layout.seq_lens_k_host[i] for i in short]
+            for group in split_decode_groups(lengths, bs):
+                seqs = [short[g] for g in group]
+                meta.short_groups.append(self._short_group(layout, seqs, device))
         p = layout.num_prefill_seqs
         if layout.num_decode_tokens:
             lengths = layout.seq_lens_k_host[p:]
@@ -98,6 +126,38 @@ class TorchAttentionBackend(AttentionBackend):
             for group in split_decode_groups(lengths, bs):
                 meta.decode_groups.append(self._decode_group(layout, group, row0, device))
         return meta
+
+    def _short_group(
+        self, layout: BatchLayout, seqs: list[int], device: torch.device
+    ) -> _ShortGroup:
+        bs = layout.block_size
+        qs = layout.query_start_host
+        rows = [qs[i + 1] - qs[i] for i in seqs]
+        r = max(rows)
+        lengths = [layout.seq_lens_k_host[i] for i in seqs]
+        max_blocks = -(-max(lengths) // bs)
+        q_index, valid, out_rows, limits = [], [], [], []
+        for i, n, length in zip(seqs, rows, lengths):
+            start = length - n  # position of the chunk's first row
+            for j in range(r):
+                q_index.append(qs[i] + min(j, n - 1))
+                valid.append(j < n)
+                limits.append(start + min(j, n - 1) + 1)  # row j sees keys [0, start + j]
+            out_rows.extend(range(qs[i], qs[i] + n))
+        idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+        block_ids = layout.block_tables[idx, :max_blocks].reshape(-1).long()
+        key_pos = torch.arange(max_blocks * bs, device=device)
+        limit = torch.tensor(limits, device=device).view(len(seqs), r, 1, 1)
+        return _ShortGroup(
+            m=len(seqs),
+            r=r,
+            q_index=torch.tensor(q_index, dtype=torch.int64, device=device),
+            valid=torch.tensor(valid, dtype=torch.bool, device=device),
+            out_rows=torch.tensor(out_rows, dtype=torch.int64, device=device),
+            block_ids=block_ids,
+            mask=key_pos.view(1, 1, 1, -1) >= limit,
+            num_blocks=max_blocks,
+        )
 
     def _decode_group(
         self, layout: BatchLayout, group: list[int], row0: int, device: torch.device
@@ -147,6 +207,10 @@ class TorchAttentionBackend(AttentionBackend):
                 q[rows], kc, vc, chunk.ctx_len - (chunk.row_end - chunk.row_start)
             )
 
+        for short in metadata.short_groups:
+            o = self._short(q.index_select(0, short.q_index), k_cache, v_cache, short)
+            out.index_copy_(0, short.out_rows, o[short.valid])
+
         for group in metadata.decode_groups:
             if group.contiguous_start is not None:
                 r0 = group.contiguous_start
@@ -182,6 +246,30 @@ class TorchAttentionBackend(AttentionBackend):
             probs = probs.view(hkv, g * n, kend)
             out[:, :, r0:r1] = torch.bmm(probs, vt[:, :kend]).view(hkv, g, n, hd)
         return out.permute(2, 0, 1, 3).reshape(num_rows, self.num_heads, hd)
+
+    def _short(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _ShortGroup
+    ) -> torch.Tensor:
+        """Short chunks as decodes with ``r`` query rows each: [m * r, H, hd] -> same."""
+        m, r = group.m, group.r
+        h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        width = hkv * hd
+        seq = group.num_blocks * k_cache.shape[1]
+        total_blocks = group.block_ids.numel()
+        kd = torch.index_select(
+            k_cache, 0, group.block_ids, out=self._buffer(0, k_cache, total_blocks)
+        ).view(m, seq, width)
+        vd = torch.index_select(
+            v_cache, 0, group.block_ids, out=self._buffer(1, v_cache, total_blocks)
+        ).view(m, seq, width)
+        # Queries block-diagonal over KV heads, as in ``_decode``.
+        qb = q.new_zeros(m * r, h, hkv, hd)
+        qb[:, self._head_idx, self._kv_head_idx] = q * self.scale
+        scores = torch.bmm(qb.view(m, r * h, width), kd.transpose(1, 2)).view(m, r, h, seq)
+        scores.masked_fill_(group.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(m, r * h, seq)
+        o = torch.bmm(probs, vd).view(m * r, h, hkv, hd)
+        return o[:, self._head_idx, self._kv_head_idx]
 
     def _causal_mask(self, n: int, device: torch.device) -> torch.Tensor:
         """[n, n] bool, True above the diagonal (the keys a row must not see)."""
