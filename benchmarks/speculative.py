@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -78,15 +79,17 @@ def make_prompts(kind: str, n: int, seed: int = 0) -> list[list[dict]]:
     return out
 
 
-def decode_run(spec, conversations, batch: int, max_tokens: int, threads) -> dict:
-    """Generate for every conversation, ``batch`` at a time; decode tok/s of the decode-only
-    steps, and the tokens."""
-    engine = Engine(speculative_config=spec, num_threads=threads, log_stats_interval=10**9)
+def decode_run(engine: Engine, conversations, batch: int, max_tokens: int) -> dict:
+    """Generate for every conversation, ``batch`` at a time. Decode tok/s: each stream's
+    tokens after its first over the time from its first token to its last (1 / TPOT), times
+    the streams running together: what ``batch`` concurrent streams decode per second."""
     steps = []
     engine.step_listeners.append(steps.append)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     tokens: list[list[int]] = []
+    decode_tokens, decode_s, total_s = 0, 0.0, 0.0
     for i in range(0, len(conversations), batch):
+        t0 = time.perf_counter()
         ids = [
             engine.add_request(engine.tokenizer.encode_chat(c), params)
             for c in conversations[i : i + batch]
@@ -95,50 +98,67 @@ def decode_run(spec, conversations, batch: int, max_tokens: int, threads) -> dic
         while engine.has_unfinished():
             for o in engine.step():
                 if o.finished:
-                    done[o.request_id] = o.token_ids
-        tokens.extend(done[r] for r in ids)
-    dec = [s for s in steps if s.num_prefill_tokens == 0]
-    made = sum(s.num_generated_tokens for s in dec)
-    seconds = sum(s.wall_time + (s.loop_gap or 0.0) for s in dec)
-    drafts = sum(s.num_draft_tokens for s in dec)
-    accepted = sum(s.num_accepted_tokens for s in dec)
+                    done[o.request_id] = o
+        total_s += time.perf_counter() - t0
+        outs = [done[r] for r in ids]
+        tokens.extend(o.token_ids for o in outs)
+        decode_tokens += len(outs) * sum(len(o.token_ids) - 1 for o in outs)
+        decode_s += sum(o.metrics.token_times[-1] - o.metrics.first_token_time for o in outs)
+    engine.step_listeners.remove(steps.append)
+    drafts = sum(s.num_draft_tokens for s in steps)
+    accepted = sum(s.num_accepted_tokens for s in steps)
+    with_decodes = [s for s in steps if s.num_decode_tokens]
     return {
-        "decode_tok_s": made / seconds,
-        "decode_tokens": made,
-        "decode_steps": len(dec),
+        "decode_tok_s": decode_tokens / decode_s,
+        "output_tok_s": sum(len(t) for t in tokens) / total_s,
         "draft_tokens": drafts,
         "accepted_tokens": accepted,
         "acceptance": accepted / drafts if drafts else None,
-        "tokens_per_step": made / max(1, len(dec)),
+        "tokens_per_step": sum(s.num_generated_tokens for s in with_decodes)
+        / max(1, sum(s.num_decode_tokens - s.num_draft_tokens for s in with_decodes)),
         "output_tokens": sum(len(t) for t in tokens),
         "tokens": tokens,
-        "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
-        "threads": engine.core.worker.num_threads,
     }
 
 
 def decode_section(args) -> list[dict]:
+    """Off and n-gram alternately, ``--repeats`` times each (the VM's speed drifts between
+    runs): medians, and every run's number."""
+    off_engine = Engine(num_threads=args.threads, log_stats_interval=10**9)
+    on_engine = Engine(speculative_config=NGRAM, num_threads=args.threads, log_stats_interval=10**9)
     rows = []
     for kind in ("repetitive", "free"):
         for batch in (1, 16):
             n = args.batch1_prompts if batch == 1 else batch
             convs = make_prompts(kind, n, seed=batch)
-            off = decode_run(None, convs, batch, args.max_tokens, args.threads)
-            on = decode_run(NGRAM, convs, batch, args.max_tokens, args.threads)
+            runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+            for _ in range(args.repeats):
+                runs["off"].append(decode_run(off_engine, convs, batch, args.max_tokens))
+                runs["ngram"].append(decode_run(on_engine, convs, batch, args.max_tokens))
+            off, on = runs["off"][0], runs["ngram"][0]
+
+            def med(side: str, key: str, runs=runs) -> float:
+                return statistics.median(r[key] for r in runs[side])
+
             row = {
                 "workload": kind,
                 "batch": batch,
                 "prompts": n,
-                "off_tok_s": off["decode_tok_s"],
-                "ngram_tok_s": on["decode_tok_s"],
-                "speedup": on["decode_tok_s"] / off["decode_tok_s"],
+                "off_tok_s": med("off", "decode_tok_s"),
+                "ngram_tok_s": med("ngram", "decode_tok_s"),
+                "off_runs": [r["decode_tok_s"] for r in runs["off"]],
+                "ngram_runs": [r["decode_tok_s"] for r in runs["ngram"]],
+                "off_output_tok_s": med("off", "output_tok_s"),
+                "ngram_output_tok_s": med("ngram", "output_tok_s"),
                 "acceptance": on["acceptance"],
                 "tokens_per_step": on["tokens_per_step"],
                 "identical_tokens": off["tokens"] == on["tokens"],
                 "output_tokens": [off["output_tokens"], on["output_tokens"]],
-                "dtype": off["dtype"],
-                "threads": off["threads"],
+                "dtype": str(off_engine.core.worker.dtype).removeprefix("torch."),
+                "threads": off_engine.core.worker.num_threads,
             }
+            row["speedup"] = row["ngram_tok_s"] / row["off_tok_s"]
+            row["output_speedup"] = row["ngram_output_tok_s"] / row["off_output_tok_s"]
             rows.append(row)
             print(
                 f"{kind:10s} batch {batch:2d}: off {row['off_tok_s']:.1f} tok/s, ngram "
@@ -196,8 +216,11 @@ def draft_section(args) -> dict:
         "num_speculative_tokens": 3,
     }
     convs = make_prompts("repetitive", 2, seed=7)
-    off = decode_run(None, convs, 1, args.max_tokens // 2, args.threads)
-    on = decode_run(spec, convs, 1, args.max_tokens // 2, args.threads)
+    off = decode_run(
+        Engine(num_threads=args.threads, log_stats_interval=10**9), convs, 1, args.max_tokens // 2
+    )
+    draft = Engine(speculative_config=spec, num_threads=args.threads, log_stats_interval=10**9)
+    on = decode_run(draft, convs, 1, args.max_tokens // 2)
     res = {
         "draft": "the target itself (SmolLM2-135M)",
         "off_tok_s": off["decode_tok_s"],
@@ -240,14 +263,16 @@ def report(doc: dict) -> str:
         "",
         "## Decode speed, speculation off vs n-gram (k=4)",
         "",
-        "| workload | batch | off tok/s | ngram tok/s | speedup | acceptance | tokens/step "
-        "| same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | batch | decode tok/s off | ngram | speedup | output tok/s (prefill "
+        "included) speedup | acceptance | tokens per decode per step | output tokens off / "
+        "ngram | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["decode"]:
         lines.append(
             f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} "
-            f"| {r['speedup']:.2f}x | {r['acceptance'] or 0:.2f} | {r['tokens_per_step']:.2f} "
+            f"| {r['speedup']:.2f}x | {r['output_speedup']:.2f}x | {r['acceptance'] or 0:.2f} "
+            f"| {r['tokens_per_step']:.2f} | {r['output_tokens'][0]} / {r['output_tokens'][1]} "
             f"| {r['identical_tokens']} |"
         )
     if doc["decode"]:
@@ -293,6 +318,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch1-prompts", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each side")
     ap.add_argument("--stall-prompts", type=int, default=24)
     ap.add_argument("--request-rate", type=float, default=0.4)
     ap.add_argument("--long-interval", type=float, default=15.0)

@@ -307,6 +307,14 @@ class EngineCore:
         queried, hits = kv.num_queried_tokens, kv.num_hit_tokens
         decision = None
         draft_budget = None
+        if self.speculator is not None:
+            self.speculator.plan(
+                [
+                    r
+                    for r in self.scheduler.running
+                    if r.status == RequestStatus.RUNNING and not r.is_prefilling
+                ]
+            )
         if token_budget is None and self.controller is not None:
             decision = self.controller.decide(self.scheduler)
             token_budget, draft_budget = decision.token_budget, decision.draft_budget
@@ -380,6 +388,10 @@ class EngineCore:
             gap = stats.loop_gap
             interval = gap + stats.wall_time if out.decodes and gap is not None else None
             self.controller.observe(out, stats.wall_time, interval, shape)
+        if self.speculator is not None:
+            self.speculator.observe_step(
+                out.kind, len(out.decodes), out.num_draft_tokens, stats.wall_time
+            )
         self._prev_step_end = t_end
         self._log.log(stats)
         return CoreStep(outputs, stats)

@@ -37,6 +37,9 @@ class _Ahead:
         self.sampling_params = request.sampling_params
         self.block_ids = request.block_ids
         self.token_ids = request.token_ids + drafts
+        # Seeded rows are keyed by output position: the draft's noise at a position is the
+        # target's there (coupled draws: the draft matches when the two models agree).
+        self.num_output_tokens = request.num_output_tokens + len(drafts)
 
     @property
     def num_tokens(self) -> int:

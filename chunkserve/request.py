@@ -269,6 +269,8 @@ class SpecState:
     num_accepted_tokens: int = 0
     recent: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted)
     paused_until: int = 0  # number of output tokens
+    # P(draft j accepted | draft j - 1 was), averaged (``speculative.Speculator``)
+    position_rates: list[float] = field(default_factory=list)
 
 
 _request_counter = itertools.count()

@@ -4,7 +4,8 @@ Order per row: penalties (repetition, presence, frequency) on the raw logits, th
 request's ``logit_bias``; greedy rows (temperature below ``SAMPLING_EPS``) take the argmax;
 the others are divided by their temperature, filtered by top-k, top-p and min-p, and
 sampled with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``. A row with a seed draws
-``E`` from its own generator, so its tokens do not depend on what else shares the batch.
+``E`` from a generator keyed by its seed and the position of the token, so its tokens do not
+depend on what else shares the batch, nor on speculative decoding.
 Logprobs are of the raw model distribution (as in vLLM's default).
 """
 
@@ -24,6 +25,15 @@ class SampleResult:
     # When any row asked for logprobs: per row, (sampled logprob, [(token, logprob)] top-n),
     # None for rows that did not ask.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 64-bit key of (seed, position) (splitmix64's finaliser over both)."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 class SampleRow:
@@ -56,19 +66,20 @@ class Sampler:
         self.device = device
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
+        # Seeded rows draw from a generator keyed by (seed, output position): a seeded
+        # request's token at each position is the same whatever shares the batch and
+        # however many draft tokens were verified with it.
+        self._keyed = torch.Generator(device=device)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's generator."""
-        self._seeded.pop(request_id, None)
+        """A request ended (per-request sampling state would be dropped here; seeded draws
+        are keyed by position, so there is none)."""
 
     def _row_generator(self, request: Request) -> torch.Generator:
-        gen = self._seeded.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(request.sampling_params.seed)
-            self._seeded[request.request_id] = gen
-        return gen
+        """The generator of a seeded row: keyed by the request's seed and the position of
+        the token it samples."""
+        self._keyed.manual_seed(_mix(request.sampling_params.seed, request.num_output_tokens))
+        return self._keyed
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
         """``logits``: [S, V] fp32, one row per request in ``requests``."""
@@ -100,8 +111,11 @@ class Sampler:
         (``token_ids[i]`` a list), and their logprobs.
 
         Greedy rows accept a draft exactly when it is the target's argmax (the tokens are
-        those of decoding without drafts). Sampled rows use rejection sampling (Leviathan et
-        al. 2023; Chen et al. 2023): draft d from q is kept with probability
+        those of decoding without drafts); seeded rows likewise when it is the token the
+        exponential race with the position's keyed noise picks (so a seeded request's tokens
+        are those it makes without drafts, whatever was drafted). Other sampled rows use
+        rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft d from q is kept
+        with probability
         min(1, p(d) / q(d)); the first rejected one is replaced by a sample of
         norm(max(p - q, 0)); all kept, one more from p. The tokens then follow the target's
         distribution p (after temperature, top-k, top-p, min-p) exactly. ``draft_probs[i]``
@@ -124,11 +138,20 @@ class Sampler:
         row0 = 0
         for i, (r, d) in enumerate(zip(requests, drafts)):
             k = len(d)
-            if r.sampling_params.greedy:
+            if r.sampling_params.greedy or r.sampling_params.seed is not None:
+                # Greedy, and seeded rows (coupled): the token each row would sample without
+                # drafts (argmax, or the race with the position's keyed noise); a draft is
+                # kept exactly when it is that token. Exact, and the tokens are those of
+                # decoding without drafts.
+                if r.sampling_params.greedy:
+                    target = argmax[row0 : row0 + k + 1]
+                else:
+                    assert probs is not None
+                    target = self._race(probs[row0 : row0 + k + 1], rows[row0 : row0 + k + 1])
                 a = 0
-                while a < k and d[a] == argmax[row0 + a]:
+                while a < k and d[a] == target[a]:
                     a += 1
-                tokens = list(d[:a]) + [argmax[row0 + a]]
+                tokens = list(d[:a]) + [target[a]]
             else:
                 assert probs is not None
                 q = draft_probs[i] if draft_probs is not None else None
@@ -151,6 +174,13 @@ class Sampler:
                 grouped.append(lps if r.sampling_params.logprobs is not None else None)
             result.logprobs = grouped  # type: ignore[assignment]
         return result
+
+    def _race(self, probs: torch.Tensor, rows: Sequence[Request]) -> list[int]:
+        """Each row's token by the exponential race, seeded rows' noise keyed by position."""
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            noise[i].exponential_(generator=self._generator_of(r))
+        return (probs / noise).argmax(dim=-1).tolist()
 
     def _generator_of(self, request: Request) -> torch.Generator:
         if request.sampling_params.seed is None:

@@ -27,6 +27,15 @@ from dataclasses import dataclass, field
 from chunkserve.config import SpeculativeConfig
 from chunkserve.request import Request, RequestStatus
 
+# Per-position acceptance of a request (P(draft j accepted | draft j-1 was)): exponential
+# averages with this weight for the newest observation, starting from PRIOR_ACCEPTANCE.
+POSITION_ALPHA = 0.2
+PRIOR_ACCEPTANCE = 0.7
+# The step-time fit of decode steps (``DecodeCost``): weight kept by older steps per step,
+# and how strongly a draft row is pulled toward costing what a decode row costs.
+COST_FORGET = 0.98
+COST_PRIOR_WEIGHT = 4.0
+COST_MIN_STEPS = 8
 # A request's acceptance is judged over its last this many draft tokens ...
 ACCEPTANCE_WINDOW = 32
 # ... and after it falls below ``min_acceptance_rate`` the request makes this many tokens
@@ -67,9 +76,68 @@ class SpecCounts:
     per_position: list[int] = field(default_factory=list)
 
 
+class DecodeCost:
+    """Time of a decode-only step as ``a + b * decodes + c * draft tokens``, fit online by
+    exponentially weighted least squares over measured steps. A draft row is pulled toward
+    costing what a decode row costs (``c = b + d``, a ridge on ``d``): until steps with and
+    without drafts differ enough to tell, speculation is priced as cheap and tried."""
+
+    def __init__(self) -> None:
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self.num_steps = 0
+        self.a = self.b = self.c = 0.0
+
+    def observe(self, num_decodes: int, num_drafts: int, seconds: float) -> None:
+        x = (1.0, float(num_decodes + num_drafts), float(num_drafts))
+        for i in range(3):
+            self._xy[i] = COST_FORGET * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = COST_FORGET * self._xx[i][j] + x[i] * x[j]
+        self.num_steps += 1
+        scale = self._xx[0][0] and self._xx[1][1] / self._xx[0][0]  # rows^2 per step
+        # Priors: a row costs little beside the step's fixed cost until rows are seen to
+        # vary (one step's worth), and a draft row what a decode row costs.
+        ridge = [1e-9 * scale, max(scale, 1.0), COST_PRIOR_WEIGHT * max(scale, 1.0)]
+        m = [row[:] + [y] for row, y in zip(self._xx, self._xy)]
+        for i in range(3):
+            m[i][i] += ridge[i]
+        a, b, d = _solve3(m)
+        self.a, self.b = max(a, 0.0), max(b, 0.0)
+        self.c = max(b + d, 0.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.num_steps >= COST_MIN_STEPS
+
+
+def _solve3(m: list[list[float]]) -> tuple[float, float, float]:
+    """Gaussian elimination with partial pivoting of a 3x4 augmented system."""
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-30:
+            return 0.0, 0.0, 0.0
+        for r in range(3):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, 4):
+                    m[r][c] -= f * m[col][c]
+    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
+
+
 class Speculator:
     """Decides how many drafts each request gets, proposes n-gram drafts, and counts what
-    verification accepted (the metrics' counters and the step log read these)."""
+    verification accepted (the metrics' counters and the step log read these).
+
+    How many drafts pay (``plan``): a step's decodes make ``D`` tokens plus, per request,
+    the drafts verification accepts; each draft row costs time. From each request's
+    measured acceptance by position and the measured cost of a draft row against the step
+    (``DecodeCost``), drafts are kept, likeliest first, while each adds more tokens than the
+    step's tokens per second would buy with its time: at batch 1 on a CPU a step's fixed cost
+    dominates and every likely draft pays; in a large batch a draft row costs about what a
+    decode row does and only well-accepted drafts do. So speculation never costs much on
+    free text, and ``disable_by_batch_size`` is a cap, not a necessity."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -78,6 +146,48 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
+        self.cost = DecodeCost()
+
+    def observe_step(self, kind: str, num_decodes: int, num_drafts: int, seconds: float) -> None:
+        """A step's measured time (decode-only steps fit the cost of draft rows)."""
+        if kind == "decode":
+            self.cost.observe(num_decodes, num_drafts, seconds)
+
+    def acceptance(self, request: Request) -> list[float]:
+        """P(draft j accepted | draft j - 1 was), by position, for this request."""
+        k = self.config.num_speculative_tokens
+        rates = request.spec.position_rates
+        if not rates:
+            rates.extend([PRIOR_ACCEPTANCE] * k)
+        return rates
+
+    def plan(self, decodes: list[Request]) -> None:
+        """Trim each decode's drafts to the number that pays this step (see the class doc)."""
+        cost = self.cost
+        with_drafts = [r for r in decodes if r.draft_token_ids]
+        if not with_drafts or not cost.ready or cost.c <= 0:
+            return
+        # Marginal gain of each draft: the chance it and every draft before it are accepted.
+        increments = []
+        for r in with_drafts:
+            p = 1.0
+            for j, rate in enumerate(self.acceptance(r)[: len(r.draft_token_ids)]):
+                p *= rate
+                increments.append((p, j, r))
+        increments.sort(key=lambda t: -t[0])
+        tokens = float(len(decodes))
+        seconds = cost.a + cost.b * len(decodes)
+        keep: dict[int, int] = {}
+        for gain, j, r in increments:
+            if seconds <= 0 or gain * seconds <= cost.c * tokens:
+                break  # this draft buys fewer tokens than its time is worth
+            if keep.get(id(r), 0) != j:
+                continue  # an earlier draft of the request was not kept
+            keep[id(r)] = j + 1
+            tokens += gain
+            seconds += cost.c
+        for r in with_drafts:
+            del r.draft_token_ids[keep.get(id(r), 0) :]
 
     def num_wanted(self, request: Request) -> int:
         """Drafts worth proposing for a running decode: none while it is paused for low
@@ -122,6 +232,9 @@ class Speculator:
             spec = chunk.request.spec
             spec.num_draft_tokens += k
             spec.num_accepted_tokens += a
+            rates = self.acceptance(chunk.request)
+            for j in range(min(k, a + 1)):  # positions verified: up to the first rejection
+                rates[j] += POSITION_ALPHA * (float(j < a) - rates[j])
             spec.recent.append((k, a))
             while sum(p for p, _ in spec.recent) - spec.recent[0][0] >= ACCEPTANCE_WINDOW:
                 spec.recent.pop(0)

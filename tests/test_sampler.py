@@ -104,13 +104,15 @@ def test_seeded_rows_do_not_depend_on_batch_mix() -> None:
     b = req("s", seed=42, temperature=1.0)
     others = [req(f"o{i}", temperature=1.0) for i in range(5)]
     seq_alone, seq_mixed = [], []
-    for step in range(30):
+    for step in range(30):  # each step samples the request's next position
         seq_alone.append(alone(logits.clone(), [a]).token_ids[0])
+        a.append_output_token(seq_alone[-1])
         batch = [*others[: step % 5], b, *others[step % 5 :]]
         big = torch.randn(len(batch), 100)
         pos = batch.index(b)
         big[pos] = logits[0]
         seq_mixed.append(mixed(big, batch).token_ids[pos])
+        b.append_output_token(seq_mixed[-1])
     assert seq_alone == seq_mixed
     assert len(set(seq_alone)) > 3  # actually random
 

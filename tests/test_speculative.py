@@ -105,6 +105,15 @@ def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference) ->
     assert run_staggered(engine, prompts[-4:], 24) == expected[-4:]
     drafts, accepted = spec_counts(engine)
     assert drafts > 0 and accepted == drafts
+    # Seeded sampling: the draft samples with the target's keyed noise at each position
+    # (coupled draws), so drafting for itself it is still always accepted, and the tokens
+    # are those of sampling without drafts.
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=77)
+    off = make_engine(max_num_batched_tokens=64)
+    want = _generate(off, prompts[-2:], params)
+    got = _generate(engine, prompts[-2:], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec_counts(engine)[1] - accepted == spec_counts(engine)[0] - drafts > 0
     assert_no_blocks_in_use(engine)
 
 
@@ -541,12 +550,14 @@ def test_natural_prompts_stream_several_tokens_per_step(engines) -> None:
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(engines) -> None:
-    """A seeded request draws from its own generator: the same tokens alone or beside
-    others, whatever was accepted for them."""
-    _, on = engines
+    """A seeded request's draws are keyed by position and its drafts verified against
+    them: the tokens it makes without speculation, alone or beside others, however many
+    drafts were accepted."""
+    off, on = engines
     prompt = repetitive_prompts(on)[0]
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=1234)
     alone = _generate(on, [prompt], params)[0].token_ids
+    assert alone == _generate(off, [prompt], params)[0].token_ids
     rng = random.Random(3)
     crowd = [random_prompt(rng, 30) for _ in range(3)]
     together = _generate(
