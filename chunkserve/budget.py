@@ -333,8 +333,7 @@ class BudgetController:
             return 0
         return sum(
             min(len(r.draft_token_ids), scheduler.max_drafts(r))
-            for r in scheduler.running
-            if r.draft_token_ids and r.status == RequestStatus.RUNNING and not r.is_prefilling
+            for r in scheduler.running_decodes()
         )
 
     def observe(

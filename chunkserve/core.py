@@ -308,13 +308,7 @@ class EngineCore:
         decision = None
         draft_budget = None
         if self.speculator is not None:
-            self.speculator.plan(
-                [
-                    r
-                    for r in self.scheduler.running
-                    if r.status == RequestStatus.RUNNING and not r.is_prefilling
-                ]
-            )
+            self.speculator.plan(self.scheduler.running_decodes())
         if token_budget is None and self.controller is not None:
             decision = self.controller.decide(self.scheduler)
             token_budget, draft_budget = decision.token_budget, decision.draft_budget
@@ -399,11 +393,7 @@ class EngineCore:
     def _propose(self) -> None:
         """Drafts for the next step of every running decode (speculative decoding)."""
         assert self.speculator is not None
-        decodes = [
-            r
-            for r in self.scheduler.running
-            if r.status == RequestStatus.RUNNING and not r.is_prefilling
-        ]
+        decodes = self.scheduler.running_decodes()
         if self.speculator.config.method == "ngram":
             self.speculator.propose_ngram(decodes)
             return

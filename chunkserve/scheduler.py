@@ -181,6 +181,11 @@ class Scheduler:
     def _insert(self, queue: list[Request], request: Request) -> None:
         bisect.insort(queue, request, key=self._key)
 
+    def running_decodes(self) -> list[Request]:
+        """The running requests whose prompts are computed: the next step decodes them."""
+        running = RequestStatus.RUNNING
+        return [r for r in self.running if r.status == running and not r.is_prefilling]
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -244,9 +249,7 @@ class Scheduler:
         """Every running decode, one token each plus its draft tokens (speculative
         decoding) while ``draft_budget`` lasts (None: what the step's budget leaves after
         one token per decode); never dropped for prefill."""
-        decodes = [
-            r for r in self.running if r.status == RequestStatus.RUNNING and not r.is_prefilling
-        ]
+        decodes = self.running_decodes()
         if draft_budget is None:
             draft_budget = out.token_budget - len(decodes)
         limit = self.config.spec_disable_by_batch_size
