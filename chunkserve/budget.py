@@ -328,8 +328,7 @@ class BudgetController:
     @staticmethod
     def _pending_drafts(scheduler, num_decodes: int) -> int:
         """Draft tokens the running decodes would carry next step (speculative decoding)."""
-        limit = scheduler.config.spec_disable_by_batch_size
-        if limit and num_decodes >= limit:
+        if not scheduler.drafts_allowed(num_decodes):
             return 0
         return sum(
             min(len(r.draft_token_ids), scheduler.max_drafts(r))

@@ -108,7 +108,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     disable_by_batch_size: int | None = None
-    """No drafts in a step with at least this many running decodes (None: always)."""
+    """No drafts in a step with more running decodes than this (None: no limit)."""
     min_acceptance_rate: float = 0.1
     """A request whose drafts are accepted less often than this (over its last
     ``ACCEPTANCE_WINDOW`` draft tokens) stops speculating for a while (0: never)."""
@@ -191,7 +191,7 @@ class SpeculativeConfig:
         else:
             what = f"draft model {self.model}"
         off = (
-            f", off at >= {self.disable_by_batch_size} decodes"
+            f", off above {self.disable_by_batch_size} decodes"
             if self.disable_by_batch_size
             else ""
         )
@@ -232,7 +232,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.15
     new_token_ratio_decay_steps: int = 600
     output_estimate_clip: int = 4096
-    # Speculative decoding: no draft tokens in a step with at least this many decodes (0: no
+    # Speculative decoding: no draft tokens in a step with more decodes than this (0: no
     # limit). Drafts come with the requests (``Request.draft_token_ids``).
     spec_disable_by_batch_size: int = 0
 

@@ -186,6 +186,12 @@ class Scheduler:
         running = RequestStatus.RUNNING
         return [r for r in self.running if r.status == running and not r.is_prefilling]
 
+    def drafts_allowed(self, num_decodes: int) -> bool:
+        """Speculative decoding's ``disable_by_batch_size``: no drafts in a step with more
+        decodes than that."""
+        limit = self.config.spec_disable_by_batch_size
+        return not limit or num_decodes <= limit
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -252,8 +258,7 @@ class Scheduler:
         decodes = self.running_decodes()
         if draft_budget is None:
             draft_budget = out.token_budget - len(decodes)
-        limit = self.config.spec_disable_by_batch_size
-        if limit and len(decodes) >= limit:
+        if not self.drafts_allowed(len(decodes)):
             draft_budget = 0
         for request in decodes:
             if request.status != RequestStatus.RUNNING:

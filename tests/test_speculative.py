@@ -403,10 +403,10 @@ def test_drafts_trimmed_by_budget_max_tokens_and_batch_size() -> None:
         4 - r.num_output_tokens - 1 for r in (a, b, c)
     ]
     assert out.num_batched_tokens <= 10
-    sched2 = _scheduler(budget=64, disable=3)
+    sched2 = _scheduler(budget=64, disable=2)
     for r in _decoding(sched2, 3):
         r.draft_token_ids = [7, 7]
-    assert sched2.schedule().num_draft_tokens == 0  # 3 decodes >= disable_by_batch_size
+    assert sched2.schedule().num_draft_tokens == 0  # 3 decodes > disable_by_batch_size
     sched3 = _scheduler(budget=5)
     d = _decoding(sched3, 2)
     for r in d:
