@@ -397,9 +397,10 @@ class EngineCore:
         if self.speculator.config.method == "ngram":
             self.speculator.propose_ngram(decodes)
             return
+        # Only the drafts that will pay are computed (the draft model's passes cost time).
+        ks = self.speculator.paying(decodes, [self.speculator.num_wanted(r) for r in decodes])
         wanted = []
-        for r in decodes:
-            k = self.speculator.num_wanted(r)
+        for r, k in zip(decodes, ks):
             # The draft model writes its KV at the positions it proposes from: their slots
             # must be the request's (the next step's allocation covers them anyway). Drafts
             # are optional: they never take the blocks the decodes' next tokens may need.

@@ -163,31 +163,36 @@ class Speculator:
 
     def plan(self, decodes: list[Request]) -> None:
         """Trim each decode's drafts to the number that pays this step (see the class doc)."""
+        keep = self.paying(decodes, [len(r.draft_token_ids) for r in decodes])
+        for r, k in zip(decodes, keep):
+            del r.draft_token_ids[k:]
+
+    def paying(self, decodes: list[Request], available: list[int]) -> list[int]:
+        """How many of the ``available`` drafts of each decode pay in a step of these
+        decodes: all of them until the cost of a draft row is measured."""
         cost = self.cost
-        with_drafts = [r for r in decodes if r.draft_token_ids]
-        if not with_drafts or not cost.ready or cost.c <= 0:
-            return
+        if not any(available) or not cost.ready or cost.c <= 0:
+            return list(available)
         # Marginal gain of each draft: the chance it and every draft before it are accepted.
         increments = []
-        for r in with_drafts:
+        for i, (r, n) in enumerate(zip(decodes, available)):
             p = 1.0
-            for j, rate in enumerate(self.acceptance(r)[: len(r.draft_token_ids)]):
+            for j, rate in enumerate(self.acceptance(r)[:n]):
                 p *= rate
-                increments.append((p, j, r))
+                increments.append((p, j, i))
         increments.sort(key=lambda t: -t[0])
         tokens = float(len(decodes))
         seconds = cost.a + cost.b * len(decodes)
-        keep: dict[int, int] = {}
-        for gain, j, r in increments:
+        keep = [0] * len(decodes)
+        for gain, j, i in increments:
             if seconds <= 0 or gain * seconds <= cost.c * tokens:
                 break  # this draft buys fewer tokens than its time is worth
-            if keep.get(id(r), 0) != j:
+            if keep[i] != j:
                 continue  # an earlier draft of the request was not kept
-            keep[id(r)] = j + 1
+            keep[i] = j + 1
             tokens += gain
             seconds += cost.c
-        for r in with_drafts:
-            del r.draft_token_ids[keep.get(id(r), 0) :]
+        return keep
 
     def num_wanted(self, request: Request) -> int:
         """Drafts worth proposing for a running decode: none while it is paused for low
