@@ -248,8 +248,25 @@ class ModelRunner:
         """Sample (or verify) the rows of these chunks into ``result``. If the batch raises,
         chunk by chunk, so the one that raises fails only its own request (greedy and
         seeded rows get the tokens the batch would have given them)."""
+
+        def sample(rows: torch.Tensor, batch: list[ScheduledChunk]) -> None:
+            requests = [c.request for c in batch]
+            if verify:
+                probs = [draft_probs.get(r.request_id) for r in requests] if draft_probs else None
+                drafts = [c.draft_token_ids for c in batch]
+                out = self.sampler.verify(rows, requests, drafts, probs)
+                tokens, lps = out.token_ids, out.logprobs
+            else:
+                out = self.sampler(rows, requests)
+                tokens = [[t] for t in out.token_ids]
+                lps = None if out.logprobs is None else [lp and [lp] for lp in out.logprobs]
+            for i, r in enumerate(requests):
+                result.sampled[r.request_id] = tokens[i]  # type: ignore[assignment]
+                if lps is not None and lps[i] is not None:
+                    result.logprobs[r.request_id] = lps[i]  # type: ignore[assignment]
+
         try:
-            self._sample_batch(logits, chunks, verify, draft_probs, result)
+            sample(logits, chunks)
             return
         except Exception:
             if len(chunks) == 1:
@@ -258,38 +275,11 @@ class ModelRunner:
         for c in chunks:
             n = c.num_tokens if verify else 1
             try:
-                self._sample_batch(logits[row : row + n], [c], verify, draft_probs, result)
+                sample(logits[row : row + n], [c])
             except Exception as exc:
                 logger.exception("sampling request %s failed", c.request.request_id)
                 result.failed[c.request.request_id] = f"{type(exc).__name__}: {exc}"
             row += n
-
-    def _sample_batch(
-        self,
-        logits: torch.Tensor,
-        chunks: list[ScheduledChunk],
-        verify: bool,
-        draft_probs: dict[str, torch.Tensor] | None,
-        result: RunnerOutput,
-    ) -> None:
-        requests = [c.request for c in chunks]
-        if verify:
-            probs = None
-            if draft_probs:
-                probs = [draft_probs.get(r.request_id) for r in requests]
-            sample = self.sampler.verify(
-                logits, requests, [c.draft_token_ids for c in chunks], probs
-            )
-            tokens = sample.token_ids
-            lps = sample.logprobs
-        else:
-            sample = self.sampler(logits, requests)
-            tokens = [[t] for t in sample.token_ids]
-            lps = None if sample.logprobs is None else [lp and [lp] for lp in sample.logprobs]
-        for i, r in enumerate(requests):
-            result.sampled[r.request_id] = tokens[i]  # type: ignore[assignment]
-            if lps is not None and lps[i] is not None:
-                result.logprobs[r.request_id] = lps[i]  # type: ignore[assignment]
 
 
 def _has_drafts(chunk: ScheduledChunk) -> bool:

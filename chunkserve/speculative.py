@@ -145,7 +145,6 @@ class Speculator:
         self.num_drafts = 0  # decodes verified with at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * config.num_speculative_tokens
         self.cost = DecodeCost()
 
     def observe_step(self, kind: str, num_decodes: int, num_drafts: int, seconds: float) -> None:
@@ -233,7 +232,6 @@ class Speculator:
             step.accepted += a
             for i in range(a):
                 step.per_position[i] += 1
-                self.accepted_per_position[i] += 1
             spec = chunk.request.spec
             spec.num_draft_tokens += k
             spec.num_accepted_tokens += a
