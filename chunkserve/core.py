@@ -27,6 +27,7 @@ from chunkserve.request import Request, RequestStatus, SamplingParams
 from chunkserve.scheduler import Scheduler, SchedulerOutput
 from chunkserve.speculative import Speculator
 from chunkserve.step_log import StepLogger, StepStats
+from chunkserve.structured import GrammarCompiler
 from chunkserve.worker import DeviceError, Worker
 
 logger = logging.getLogger("chunkserve")
@@ -154,6 +155,11 @@ class EngineCore:
         self.scheduler = Scheduler(sched_config, self.kv)
         spec = config.speculative_config
         self.speculator = Speculator(spec, max_model_len) if spec else None
+        # Structured outputs: grammars compiled off the step loop; the tokenizer is read
+        # when the first one arrives.
+        self.grammars = GrammarCompiler(
+            lambda: self._load_tokenizer(source), model_config.vocab_size, eos_token_ids
+        )
         self.step_count = 0
         self._prev_step_end: float | None = None
         self._log = StepLogger(config.log_stats_interval)
@@ -231,6 +237,15 @@ class EngineCore:
             warmup_steps=0 if model is not None else UNPROFILED_WARMUP_STEPS,
         )
 
+    def _load_tokenizer(self, source: ModelSource) -> Any:
+        """The model's ``tokenizers.Tokenizer`` (for grammars over its vocabulary)."""
+        from chunkserve.tokenizer import Tokenizer
+
+        reader = None
+        if self.config.tokenizer is None and source.kind != "hf":
+            _, reader = load_model_config(source)
+        return Tokenizer.from_source(source, reader, self.config.tokenizer).backend
+
     def info(self) -> CoreInfo:
         w = self.worker
         return CoreInfo(
@@ -248,24 +263,26 @@ class EngineCore:
     def add_request(self, req: CoreRequest) -> None:
         """Queue a request the front end checked. A request id in use is a ``ValueError``
         (ids are the caller's: the only check the edge cannot make)."""
-        if req.request_id in self.scheduler.requests:
+        if req.request_id in self.scheduler.requests or req.request_id in self.grammars.pending:
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
-        self.scheduler.add_request(
-            Request(
-                req.request_id,
-                req.prompt_token_ids,
-                req.params,
-                max_tokens=req.max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=req.arrival_time,
-                priority=req.priority,
-            )
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.params,
+            max_tokens=req.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
         )
+        if req.params.structured_outputs is not None:
+            self.grammars.submit(request)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> CoreOutput | None:
         """Stop a request and free its blocks at once; its final output, or None if it was
         not in flight."""
-        request = self.scheduler.abort_request(request_id)
+        request = self.scheduler.abort_request(request_id) or self.grammars.abort(request_id)
         if request is None:
             return None
         return self._final(request)
@@ -286,23 +303,33 @@ class EngineCore:
             self.worker.forget(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.grammars.pending)
 
     def load(self) -> CoreLoad:
         kv = self.kv
         return CoreLoad(
             self.scheduler.num_running,
-            self.scheduler.num_waiting,
+            self.scheduler.num_waiting + len(self.grammars.pending),
             kv.num_blocks - kv.num_free_blocks,
         )
 
     def get_request(self, request_id: str) -> Request | None:
-        return self.scheduler.requests.get(request_id)
+        return self.scheduler.requests.get(request_id) or self.grammars.get(request_id)
+
+    def _admit_grammars(self) -> list[CoreOutput]:
+        """Queue the requests whose grammar compiled; the final outputs of those whose
+        grammar failed. With nothing else to run, waits a little for a compile."""
+        idle = not self.scheduler.has_unfinished()
+        ready, failed = self.grammars.collect(timeout=0.05 if idle else 0.0)
+        for r in ready:
+            self.scheduler.add_request(r)
+        return [self._final(r, r.error) for r in failed]
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> CoreStep:
         """Run one iteration: an output for every request that got a token or ended in it."""
         t_start = time.perf_counter()
+        failed = self._admit_grammars() if self.grammars.pending else []
         kv = self.kv
         queried, hits = kv.num_queried_tokens, kv.num_hit_tokens
         decision = None
@@ -316,7 +343,7 @@ class EngineCore:
         t_sched = time.perf_counter()
         if out.is_empty:
             self._prev_step_end = None  # idle: the next gap starts afresh
-            return CoreStep()
+            return CoreStep(failed)
         try:
             result = self.worker.execute(out)
         except DeviceError as exc:
@@ -325,9 +352,9 @@ class EngineCore:
             logger.exception(
                 "step %d failed; failing its %d request(s)", self.step_count, len(out.chunks)
             )
-            return CoreStep(self._fail_step(out, f"{type(exc).__name__}: {exc}"))
+            return CoreStep(failed + self._fail_step(out, f"{type(exc).__name__}: {exc}"))
         t_fwd = time.perf_counter()
-        outputs = []
+        outputs = failed
         if result.failed:  # sampling raised for these rows only
             for chunk in out.chunks:
                 r = chunk.request
@@ -354,6 +381,7 @@ class EngineCore:
                     r.stop_reason,
                     r.num_cached_tokens,
                     CoreTiming.of(r),
+                    r.error,
                 )
             )
             if r.is_finished:
@@ -371,6 +399,14 @@ class EngineCore:
             stats.num_drafts, stats.num_draft_tokens = spec.drafts, spec.draft_tokens
             stats.num_accepted_tokens = spec.accepted
             stats.accepted_per_position = spec.per_position
+        stats.num_masked_rows = result.num_masked_rows
+        stats.mask_time, stats.mask_wait_time = result.mask_time, result.mask_wait_time
+        compiles = self.grammars.take_records()
+        if compiles:
+            stats.grammar_compiles = [(c.seconds, c.cached) for c in compiles]
+        stats.num_structured_requests = len(self.grammars.pending) + sum(
+            1 for r in self.scheduler.requests.values() if r.grammar is not None
+        )
         stats.loop_gap = None if self._prev_step_end is None else t_start - self._prev_step_end
         stats.schedule_time = (t_sched - t_start) + (t_end - t_fwd)
         stats.forward_time = forward_time
@@ -396,6 +432,7 @@ class EngineCore:
         decodes = self.scheduler.running_decodes()
         if self.speculator.config.method == "ngram":
             self.speculator.propose_ngram(decodes)
+            self._cut_drafts(decodes)
             return
         # Only the drafts that will pay are computed (the draft model's passes cost time).
         ks = self.speculator.paying(decodes, [self.speculator.num_wanted(r) for r in decodes])
@@ -410,6 +447,15 @@ class EngineCore:
             else:
                 r.draft_token_ids = []
         self.worker.propose_drafts(wanted)
+        self._cut_drafts(decodes)
+
+    @staticmethod
+    def _cut_drafts(decodes: list[Request]) -> None:
+        """Drafts end before the first token a request's grammar rejects (verification
+        would reject it, at the price of a row)."""
+        for r in decodes:
+            if r.grammar is not None and r.draft_token_ids:
+                del r.draft_token_ids[r.grammar.valid_drafts(r.draft_token_ids) :]
 
     def _stats(self, out, result, decision, shape, outputs, kv_before) -> StepStats:
         """The step's record; its times are the caller's to fill in."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from chunkserve import structured
 from chunkserve.config import ModelConfig
 from chunkserve.request import INT64_MAX, INT64_MIN, SamplingParams
 from chunkserve.tokenizer import Tokenizer
@@ -42,6 +43,8 @@ class InputProcessor:
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            structured.check(params.structured_outputs)  # parses: the core compiles it
         n = num_prompt_tokens
         if n < 1:
             raise ValueError("prompt: must not be empty")

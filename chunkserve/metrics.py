@@ -208,6 +208,37 @@ class Metrics:
             [*labels, "position"],
             registry=reg,
         )
+        self.structured_requests = Gauge(
+            "chunkserve:num_requests_structured",
+            "Requests with an output grammar (structured outputs), running or waiting for "
+            "their grammar to compile.",
+            labels,
+            registry=reg,
+        )
+        self.grammar_compiles = Counter(
+            "chunkserve:structured_output_grammars",
+            "Grammars handed to requests, by whether the compiled grammar was cached.",
+            [*labels, "cached"],
+            registry=reg,
+        )
+        self.grammar_compile_time = hist(
+            "structured_output_compile_seconds",
+            "Time to compile a request's grammar (first use of a constraint; cached ones not "
+            "counted).",
+            _LATENCY_BUCKETS,
+        )
+        self.mask_time = hist(
+            "structured_output_mask_seconds",
+            "Per step with grammar rows: time filling their token masks (on the mask thread, "
+            "beside the forward pass).",
+            _LATENCY_BUCKETS,
+        )
+        self.mask_wait_time = hist(
+            "structured_output_mask_wait_seconds",
+            "Per step with grammar rows: time sampling waited for the masks and applied them "
+            "after the forward pass.",
+            _LATENCY_BUCKETS,
+        )
         self.prefix_queries = Counter(
             "chunkserve:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -324,6 +355,14 @@ class Metrics:
             for pos, n in enumerate(s.accepted_per_position or ()):
                 if n:
                     self.spec_accepted_per_pos.labels(**lab, position=str(pos)).inc(n)
+        if s.num_masked_rows:
+            self.mask_time.labels(**lab).observe(s.mask_time)
+            self.mask_wait_time.labels(**lab).observe(s.mask_wait_time)
+        for seconds, cached in s.grammar_compiles or ():
+            self.grammar_compiles.labels(**lab, cached=str(cached).lower()).inc()
+            if not cached:
+                self.grammar_compile_time.labels(**lab).observe(seconds)
+        self.structured_requests.labels(**lab).set(s.num_structured_requests)
         self.steps.labels(**lab, kind=s.kind).inc()
         self.core_steps.labels(**lab, engine=str(s.core)).inc()
         self.token_budget.labels(**lab).set(s.token_budget)

@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (vLLM's rule: logits / 1e-40 overflow to inf, and
@@ -38,6 +39,100 @@ INT32_MAX = (1 << 31) - 1
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {message}")
+
+
+# Caps on a structured-output constraint (compiled once per distinct one, and cached).
+MAX_GRAMMAR_CHARS = 64 << 10
+MAX_CHOICES = 256
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar: exactly one of ``json`` (a JSON schema, as a dict
+    or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (EBNF, xgrammar's dialect of GBNF). vLLM's names.
+
+    Pure data; ``structured.grammar_of`` turns it into a grammar (the edge checks that it
+    compiles: ``inputs.InputProcessor``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # The request field it came from, named in errors (``response_format`` for OpenAI's).
+    origin: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json | json_object | regex | choice | grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def field(self, name: str | None = None) -> str:
+        """The name of a field as errors give it."""
+        if self.origin == "structured_outputs":
+            return f"structured_outputs.{name or self.kind}"
+        return self.origin
+
+    def validate(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object is True:
+            given.append("json_object")
+        _check(
+            len(given) == 1,
+            self.origin,
+            "give exactly one of json, json_object, regex, choice or grammar"
+            + (f" (got {', '.join(given)})" if given else ""),
+        )
+        _check(isinstance(self.json_object, bool), self.field("json_object"), "must be a boolean")
+        name = self.field()
+        kind = self.kind
+        if kind == "json":
+            _check(
+                isinstance(self.json, dict) or (isinstance(self.json, str) and self.json.strip()),
+                name,
+                "must be a JSON schema (an object, or its text)",
+            )
+        elif kind in ("regex", "grammar"):
+            text = getattr(self, kind)
+            _check(isinstance(text, str) and text != "", name, "must be a non-empty string")
+            _check(len(text) <= MAX_GRAMMAR_CHARS, name, f"at most {MAX_GRAMMAR_CHARS} characters")
+        elif kind == "choice":
+            choice = self.choice
+            _check(
+                isinstance(choice, list)
+                and 0 < len(choice) <= MAX_CHOICES
+                and all(isinstance(c, str) and c for c in choice),
+                name,
+                f"must be a list of 1 to {MAX_CHOICES} non-empty strings",
+            )
+        if kind == "json" and isinstance(self.json, str):
+            _check(
+                len(self.json) <= MAX_GRAMMAR_CHARS, name, f"at most {MAX_GRAMMAR_CHARS} characters"
+            )
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: (kind, canonical text)."""
+        import json as _json
+
+        kind = self.kind
+        if kind == "json":
+            value = self.json
+            text = value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
+            return kind, text
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -69,6 +164,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before sampling (OpenAI's semantics: -100
     bans a token, 100 all but forces it); logprobs stay those of the model."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (see
+    ``StructuredOutputsParams``); a dict of its fields is taken too. Logprobs are then of
+    the masked distribution."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +175,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -164,6 +268,14 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
+        so = self.structured_outputs
+        _check(
+            so is None or isinstance(so, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams or a dict of its fields",
+        )
+        if so is not None:
+            so.validate()
 
     @property
     def greedy(self) -> bool:
@@ -323,6 +435,9 @@ class Request:
         # verifies them; see ``speculative``), and the request's recent acceptance.
         self.draft_token_ids: list[int] = []
         self.spec = SpecState()
+        # Structured outputs: the request's grammar matcher (``structured.RequestGrammar``),
+        # advanced by every token appended; None without a constraint.
+        self.grammar: Any = None
 
     # ---- derived state -------------------------------------------------------------------
     @property
@@ -363,6 +478,13 @@ class Request:
         text by the engine's output processor)."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        if self.grammar is not None:
+            if not self.grammar.accept(last):  # masked sampling never picks one
+                self.error = f"structured_outputs: the grammar does not allow token {last}"
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.terminated:  # the grammar ended (and took its stop token)
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None

@@ -18,6 +18,7 @@ from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
 from chunkserve.sampler import Sampler
 from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.structured import GrammarMasks
 
 logger = logging.getLogger("chunkserve.runner")
 
@@ -32,6 +33,11 @@ class RunnerOutput:
     layout_time: float = 0.0  # seconds building the BatchLayout and attention metadata
     # Requests whose sampling raised (request id -> error): only they fail, not the step.
     failed: dict[str, str] = field(default_factory=dict)
+    # Structured outputs: rows masked, seconds filling the masks (beside the forward
+    # pass) and waiting for them after it.
+    num_masked_rows: int = 0
+    mask_time: float = 0.0
+    mask_wait_time: float = 0.0
 
 
 def allocate_kv_caches(
@@ -91,6 +97,7 @@ class ModelRunner:
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pinned_next = 0
         self.graphs: DecodeGraphs | None = None
+        self.masks = GrammarMasks(sampler.vocab_size)
 
     def transfer(self, host: np.ndarray) -> torch.Tensor:
         """One int64 host array to the device: on CUDA through pinned memory, one
@@ -213,13 +220,16 @@ class ModelRunner:
         """Run the step. ``draft_probs``: a draft model's distributions of the drafts it
         sampled (request id -> [k, V]), for rejection sampling; n-gram drafts have none."""
         t0 = time.perf_counter()
+        # Grammar masks are filled on their own thread while the forward pass runs.
         if self.graphs is not None and self.graphs.fits(out):
             # Decode-only: every row is sampled, in order.
-            hidden, _ = self.graphs.run(out)
             sampled_chunks = list(out.decodes)
+            masks = self.masks.start(sampled_chunks)
+            hidden, _ = self.graphs.run(out)
             layout_time = self.graphs.last_layout_time
         else:
             layout, sampled_chunks = self.build_layout(out)
+            masks = self.masks.start(sampled_chunks)
             meta = self.attn.prepare(layout)
             layout_time = time.perf_counter() - t0
             hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
@@ -228,6 +238,11 @@ class ModelRunner:
             return RunnerOutput({}, {}, layout_time)
         logits = self.model.compute_logits(hidden)  # [S, V] fp32
         result = RunnerOutput({}, {}, layout_time)
+        if masks is not None:
+            t_wait = time.perf_counter()
+            self.masks.apply(logits, masks)
+            result.mask_wait_time = time.perf_counter() - t_wait
+            result.mask_time, result.num_masked_rows = masks.seconds, len(masks.rows)
         # Consecutive chunks of one kind (one row, or a decode with drafts) sample together.
         row = 0
         for verify, group in itertools.groupby(sampled_chunks, key=_has_drafts):

@@ -51,6 +51,15 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] | None = None  # accepted drafts by position
+    # Structured outputs: sampled rows masked by a grammar, seconds filling their masks (on
+    # the mask thread, beside the forward pass) and waiting for them after it; grammars
+    # handed to requests this step as (seconds compiling, cached); requests with a grammar
+    # running or waiting after the step.
+    num_masked_rows: int = 0
+    mask_time: float = 0.0
+    mask_wait_time: float = 0.0
+    grammar_compiles: list[tuple[float, bool]] | None = None
+    num_structured_requests: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

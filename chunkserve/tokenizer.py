@@ -168,6 +168,11 @@ class Tokenizer:
             chat_template=template,
         )
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (for grammars over the vocabulary)."""
+        return self._tk
+
     # ---- encode / decode -----------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids

@@ -368,13 +368,13 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(257))}, "stop_token_ids"),
     # Refused by name instead of silently ignored.
     (
-        {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
-        "response_format",
+        {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
     ),
     ({"model": MODEL, "prompt": "x", "suffix": "!"}, "suffix"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
-    ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"model": MODEL, "prompt": "x", "guided_json": {"type": "array", "items": 3}}, "guided_json"),
     ({"model": MODEL, "prompt": ["a"] * 16, "n": 16}, "n"),  # 256 sequences in one
     ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 3}, "presence_penalty"),

@@ -1,11 +1,13 @@
 """OpenAI-compatible request bodies (pydantic) and their mapping to ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI's and vLLM's servers do, except those a client relies
-on and this server cannot honour (``UNSUPPORTED_FIELDS``, ``response_format`` other than
-text, ``best_of`` other than ``n``): a 400 names them. Known fields are type-checked (a wrong
-type is a 400 naming the field). Extensions follow vLLM's names: ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``,
-``include_stop_str_in_output``, ``skip_special_tokens``,
+on and this server cannot honour (``UNSUPPORTED_FIELDS``, ``best_of`` other than ``n``): a
+400 names them. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` object or its older ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``; at most one of them. Known
+fields are type-checked (a wrong type is a 400 naming the field). Extensions follow vLLM's
+names: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+``min_tokens``, ``priority``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``stream_options.continuous_usage_stats``.
 """
 
@@ -15,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chunkserve.request import SamplingParams
+from chunkserve.request import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 # Sequences one request may start (prompts x n): OpenAI's cap on n; the rest of the queue
@@ -38,11 +40,6 @@ UNSUPPORTED_FIELDS = (
     "function_call",
     "parallel_tool_calls",
     "suffix",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
     "audio",
     "prediction",
 )
@@ -74,6 +71,11 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
@@ -82,8 +84,6 @@ class _SamplingFields(BaseModel):
         for name in UNSUPPORTED_FIELDS:
             if extra.get(name) not in (None, [], {}, False):
                 return name
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return None
@@ -101,6 +101,59 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias: {key!r} is not a token id") from None
             out[token] = value
         return out
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, if any; ``ValueError`` naming the
+        field for a malformed one or for more than one."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(
+                    (
+                        "response_format",
+                        StructuredOutputsParams(json_object=True, origin="response_format"),
+                    )
+                )
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError(
+                        "response_format.json_schema: must be an object with a 'schema' "
+                        "(the JSON schema)"
+                    )
+                origin = "response_format.json_schema.schema"
+                found.append(
+                    ("response_format", StructuredOutputsParams(json=schema, origin=origin))
+                )
+            elif kind != "text":
+                raise ValueError(
+                    f"response_format.type: must be 'text', 'json_object' or 'json_schema', "
+                    f"got {kind!r}"
+                )
+        if self.structured_outputs is not None:
+            fields = dict(self.structured_outputs)
+            unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ValueError(f"structured_outputs.{unknown[0]}: not a supported field")
+            if fields.get("json_object") is False:
+                fields.pop("json_object")
+            found.append(("structured_outputs", StructuredOutputsParams(**fields)))
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputsParams(**{kind: value, "origin": name})))
+        if len(found) > 1:
+            names = [n for n, _ in found]
+            raise ValueError(f"{names[1]}: give one output constraint, not {' and '.join(names)}")
+        return found[0][1] if found else None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
@@ -124,6 +177,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.token_biases(),
+            structured_outputs=self.structured(),
         )
 
 

@@ -1,0 +1,413 @@
+"""Structured outputs: JSON schemas, JSON objects, regexes, choices and grammars on the
+embedded model, through the engine (greedy and sampled, chunked and unchunked, preempted,
+speculative) and the server (streamed and not, both endpoints, the errors)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import httpx
+import jsonschema
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkserve import structured
+from chunkserve.engine import Engine
+from chunkserve.request import SamplingParams, StructuredOutputsParams
+from chunkserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tests.conftest import assert_no_blocks_in_use
+from tests.test_server import MODEL, Server
+
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "maxLength": 30},
+        },
+        "required": ["name", "age"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 16},
+            "location": {
+                "type": "object",
+                "properties": {
+                    "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                    "lon": {"type": "number", "minimum": -180, "maximum": 180},
+                },
+                "required": ["lat", "lon"],
+            },
+        },
+        "required": ["city", "location"],
+    },
+    "array_enum": {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "mood": {"enum": ["happy", "sad", "calm"]},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["colors", "mood"],
+    },
+}
+PROMPTS = {
+    "person": "Describe a person as JSON with their name, age and email.",
+    "nested": "Give a city and its coordinates as JSON.",
+    "array_enum": "List some colours you like and your mood, as JSON.",
+}
+REGEX = r"[A-Z][a-z]{2,8} \d{1,3}"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+def chat_ids(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]):
+    """Add every request, step to the end; outputs in order."""
+    ids = [engine.add_request(prompt_token_ids=p, sampling_params=sp) for p, sp in requests]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert_no_blocks_in_use(engine)
+    return [done[i] for i in ids]
+
+
+def constrained_requests(
+    engine: Engine, temperature: float, seed: int | None = None, max_tokens: int = 160
+):
+    """One request per schema, a regex and a choice, and what each output must satisfy."""
+    reqs, checks = [], []
+    for name, schema in SCHEMAS.items():
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        )
+        reqs.append((chat_ids(engine, PROMPTS[name]), sp))
+        checks.append(lambda text, s=schema: jsonschema.validate(json.loads(text), s))
+    sp = SamplingParams(
+        max_tokens=40, temperature=temperature, seed=seed, structured_outputs={"regex": REGEX}
+    )
+    reqs.append((chat_ids(engine, "Name a fruit and a number."), sp))
+    checks.append(lambda text: re.fullmatch(REGEX, text) or pytest.fail(f"{text!r} !~ {REGEX}"))
+    sp = SamplingParams(
+        max_tokens=10, temperature=temperature, seed=seed, structured_outputs={"choice": CHOICES}
+    )
+    reqs.append((chat_ids(engine, "Classify: 'I love this film!'"), sp))
+    checks.append(lambda text: text in CHOICES or pytest.fail(f"{text!r} not a choice"))
+    return reqs, checks
+
+
+def assert_all_valid(outs, checks) -> None:
+    for out, check in zip(outs, checks):
+        assert out.finish_reason == "stop", (out.text, out.finish_reason, out.error)
+        check(out.text)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+
+
+# ---- parameters and the edge (no model) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({}, "structured_outputs"),
+        ({"json": {"type": "object"}, "regex": "a"}, "structured_outputs"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": ["a", 3]}, "structured_outputs.choice"),
+        ({"json": 5}, "structured_outputs.json"),
+        ({"grammar": "x" * 70_000}, "structured_outputs.grammar"),
+    ],
+)
+def test_bad_params_name_the_field(fields, field) -> None:
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
+        SamplingParams(structured_outputs=fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"json": {"type": "object", "properties": 5}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": "a(b"}, "structured_outputs.regex"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+        ({"json": '{"a": ' * 5000 + "1" + "}" * 5000}, "structured_outputs.json"),
+        (
+            {"json": json.loads('{"properties": {"a": ' * 40 + "{}" + "}}" * 40)},
+            "structured_outputs.json",
+        ),
+    ],
+)
+def test_constraints_that_make_no_grammar_are_refused(fields, field) -> None:
+    params = StructuredOutputsParams(**fields)
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}: \S"):
+        structured.check(params)
+
+
+def test_every_kind_makes_a_grammar() -> None:
+    for fields in (
+        {"json": SCHEMAS["nested"]},
+        {"json": json.dumps(SCHEMAS["person"])},
+        {"json_object": True},
+        {"regex": REGEX},
+        {"choice": ['say "hi"', "back\\slash", "ünï"]},
+        {"grammar": 'root ::= "a" b\nb ::= [0-9]+'},
+    ):
+        structured.check(StructuredOutputsParams(**fields))
+
+
+def test_protocol_maps_every_spelling() -> None:
+    def so(**body):
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **body)
+
+    assert so(response_format={"type": "text"}).structured() is None
+    p = so(response_format={"type": "json_object"}).structured()
+    assert p.kind == "json_object" and p.origin == "response_format"
+    schema = SCHEMAS["person"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    p = so(response_format=fmt).structured()
+    assert p.json == schema and p.origin == "response_format.json_schema.schema"
+    assert so(guided_regex="a+").structured().regex == "a+"
+    assert so(guided_choice=["a", "b"]).structured().choice == ["a", "b"]
+    assert so(guided_json=schema).structured().json == schema
+    assert so(guided_grammar='root ::= "a"').structured().grammar == 'root ::= "a"'
+    assert so(structured_outputs={"json": schema}).structured().json == schema
+    comp = CompletionRequest(prompt="x", structured_outputs={"choice": ["a"]})
+    assert comp.sampling_params(4, None).structured_outputs.choice == ["a"]
+    for body, field in (
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"json": {}, "bogus": 1}}, "structured_outputs.bogus"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
+            so(**body).structured()
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+def test_outputs_satisfy_their_constraints_greedy_and_sampled(engine) -> None:
+    for temperature, seed in ((0.0, None), (0.8, 7)):
+        reqs, checks = constrained_requests(engine, temperature, seed)
+        assert_all_valid(run(engine, reqs), checks)
+
+
+def test_chunked_unchunked_and_preempted_give_the_same_valid_outputs() -> None:
+    def outputs(**kwargs):
+        engine = Engine(dtype="float32", max_model_len=128, **kwargs)
+        reqs, checks = constrained_requests(engine, 0.0, max_tokens=80)
+        stats = []
+        engine.step_listeners.append(stats.append)
+        outs = run(engine, reqs)
+        assert_all_valid(outs, checks)
+        return [o.token_ids for o in outs], stats
+
+    whole, _ = outputs(enable_chunked_prefill=False, kv_cache_memory=64 << 20)
+    chunked, stats = outputs(max_num_batched_tokens=32, kv_cache_memory=64 << 20)
+    assert chunked == whole
+    assert any(s.num_prefill_seqs and s.num_decode_tokens for s in stats)  # mixed steps
+    # 10 blocks of 16 tokens (fp32 K and V: 30 layers x 3 heads x 64) for five requests
+    # that need 21 together: preemption.
+    block = 16 * 30 * 2 * 3 * 64 * 4
+    preempted, stats = outputs(
+        max_num_batched_tokens=32, kv_cache_memory=11 * block, schedule_conservativeness=0.0
+    )
+    assert preempted == whole
+    assert sum(s.num_preempted for s in stats) > 0
+
+
+def test_a_free_request_beside_grammars_is_unchanged(engine) -> None:
+    free = (
+        chat_ids(engine, "Write a short poem about rivers."),
+        SamplingParams(max_tokens=40, temperature=0.0),
+    )
+    (solo,) = run(engine, [free])
+    reqs, checks = constrained_requests(engine, 0.0)
+    outs = run(engine, [*reqs[:2], free, *reqs[2:]])
+    assert outs[2].token_ids == solo.token_ids
+    assert_all_valid(outs[:2] + outs[3:], checks)
+
+
+def test_a_constraint_that_cannot_finish_in_max_tokens_ends_with_length(engine) -> None:
+    sp = SamplingParams(max_tokens=5, temperature=0.0, structured_outputs={"regex": "(ab){40}"})
+    (out,) = run(engine, [(chat_ids(engine, "Say abab."), sp)])
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert re.fullmatch(r"(ab)*a?", out.text), out.text
+
+
+def test_logprobs_are_of_the_masked_distribution(engine) -> None:
+    sp = SamplingParams(
+        max_tokens=10, temperature=0.0, logprobs=5, structured_outputs={"choice": ["yes", "no"]}
+    )
+    (out,) = run(engine, [(chat_ids(engine, "Is water wet?"), sp)])
+    assert out.text in ("yes", "no")
+    first = out.logprobs[0]
+    allowed = [lp for _, lp in first.top if lp > float("-inf")]
+    assert 0 < len(allowed) <= 5
+    # Only tokens that start "yes" or "no" have mass, and it sums to one.
+    total = sum(math.exp(lp) for _, lp in first.top if lp > float("-inf"))
+    assert total == pytest.approx(1.0, abs=1e-3) or len(allowed) == 5
+
+
+def test_grammar_ends_at_its_stop_even_with_ignore_eos(engine) -> None:
+    sp = SamplingParams(
+        max_tokens=30,
+        temperature=0.0,
+        ignore_eos=True,
+        structured_outputs={"choice": ["alpha", "beta"]},
+    )
+    (out,) = run(engine, [(chat_ids(engine, "Pick alpha or beta."), sp)])
+    assert out.finish_reason == "stop" and out.text in ("alpha", "beta")
+
+
+def test_abort_while_the_grammar_compiles_frees_everything(engine) -> None:
+    schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": "^[a-f]{3}$"}}}
+    sp = SamplingParams(max_tokens=20, structured_outputs={"json": schema})
+    rid = engine.add_request(prompt_token_ids=chat_ids(engine, "hi"), sampling_params=sp)
+    assert engine.get_request(rid) is not None
+    assert engine.abort_request(rid)
+    assert_no_blocks_in_use(engine)
+
+
+def test_speculative_drafts_are_cut_by_the_grammar() -> None:
+    def outputs(spec):
+        engine = Engine(
+            dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, speculative_config=spec
+        )
+        reqs, checks = constrained_requests(engine, 0.0)
+        outs = run(engine, reqs)
+        assert_all_valid(outs, checks)
+        return [o.token_ids for o in outs], engine
+
+    base, _ = outputs(None)
+    spec, engine = outputs(
+        {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+    )
+    assert spec == base
+    assert engine.core.speculator.num_draft_tokens > 0
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+def test_server_chat_and_completions_streamed_and_not(server) -> None:
+    client = server.client()
+    schema = SCHEMAS["person"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    messages = [{"role": "user", "content": PROMPTS["person"]}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=120, temperature=0, response_format=fmt
+    )
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=120,
+        temperature=0,
+        response_format=fmt,
+        stream=True,
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=120,
+        temperature=0.7,
+        seed=1,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The answer is",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_choice": CHOICES},
+    )
+    assert r.choices[0].text in CHOICES
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Call me at",
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": REGEX}},
+    )
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch(REGEX, text), text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"guided_regex": "a(b"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs.grammar"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ],
+)
+def test_server_refuses_bad_constraints_by_name(server, body, param) -> None:
+    for path, base in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ):
+        r = httpx.post(
+            server.base + path, json={"model": MODEL, "max_tokens": 5, **base, **body}, timeout=30
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+
+
+def test_server_metrics_count_grammars_and_masks(server) -> None:
+    client = server.client()
+    client.completions.create(
+        model=MODEL,
+        prompt="Pick",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"guided_choice": ["x", "y"]},
+    )
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert found.get("chunkserve:structured_output_mask_seconds_count", 0) > 0
+    assert found.get("chunkserve:structured_output_grammars_total", 0) > 0
+    assert "chunkserve:num_requests_structured" in found
