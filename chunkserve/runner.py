@@ -18,7 +18,7 @@ from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
 from chunkserve.sampler import Sampler
 from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
-from chunkserve.structured import GrammarMasks
+from chunkserve.structured import GrammarMasks, masks_can_overlap
 
 logger = logging.getLogger("chunkserve.runner")
 
@@ -97,7 +97,7 @@ class ModelRunner:
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pinned_next = 0
         self.graphs: DecodeGraphs | None = None
-        self.masks = GrammarMasks(sampler.vocab_size)
+        self.masks = GrammarMasks(sampler.vocab_size, overlap=masks_can_overlap(device))
 
     def transfer(self, host: np.ndarray) -> torch.Tensor:
         """One int64 host array to the device: on CUDA through pinned memory, one
