@@ -12,11 +12,12 @@ Three places use it:
   ``RequestGrammar`` (its matcher): the scheduler advances it by every token it appends
   (``Request.check_stop_token``); a grammar that reaches its end finishes the request with
   "stop". Drafts (speculative decoding) are cut at the first token the grammar rejects.
-- The model runner (``GrammarMasks``) fills the token bitmasks of the step's sampled rows on
-  another thread while the forward pass runs (a mask depends only on tokens already sampled),
-  and sets the disallowed logits to -inf before sampling. Prefill chunks that do not sample
-  carry no mask; a verified decode gets one mask per row, the grammar advanced by the drafts
-  before it.
+- The model runner (``GrammarMasks``) fills the token bitmasks of the step's sampled rows
+  (one xgrammar call for the rows without drafts) on another thread while the forward pass
+  runs, where a core is free for it (a mask depends only on tokens already sampled; see
+  ``GrammarMasks`` for where it is not), and sets the disallowed logits to -inf before
+  sampling. Prefill chunks that do not sample carry no mask; a verified decode gets one mask
+  per row, the grammar advanced by the drafts before it.
 """
 
 from __future__ import annotations
