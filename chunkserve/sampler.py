@@ -46,6 +46,7 @@ class SampleRow:
         self.request_id = request.request_id
         self.sampling_params = request.sampling_params
         self.eos_token_ids = request.eos_token_ids
+        self.grammar = request.grammar
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -249,7 +250,11 @@ class Sampler:
                 if not r.sampling_params.ignore_eos:
                     stop_ids |= r.eos_token_ids
                 if stop_ids:
-                    logits[i, sorted(stop_ids)] = float("-inf")
+                    ids = sorted(stop_ids)
+                    kept = logits[i, ids].clone()
+                    logits[i, ids] = float("-inf")
+                    if r.grammar is not None and not logits[i].isfinite().any():
+                        logits[i, ids] = kept  # the grammar allows only its end: it wins
         return logits
 
     # ---- penalties -----------------------------------------------------------------------
@@ -348,6 +353,9 @@ class Sampler:
                 out.append(None)
                 continue
             n = p.logprobs
+            # Tokens a grammar masked have no probability: fewer alternatives, not -inf
+            # (which JSON cannot carry).
             top = list(zip(top_ids_l[i][:n], top_vals_l[i][:n])) if n else []
+            top = [(t, v) for t, v in top if v != float("-inf")]
             out.append((sampled[i], top))
         return out

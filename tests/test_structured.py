@@ -257,16 +257,26 @@ def test_a_constraint_that_cannot_finish_in_max_tokens_ends_with_length(engine) 
 
 def test_logprobs_are_of_the_masked_distribution(engine) -> None:
     sp = SamplingParams(
-        max_tokens=10, temperature=0.0, logprobs=5, structured_outputs={"choice": ["yes", "no"]}
+        max_tokens=10, temperature=0.0, logprobs=20, structured_outputs={"choice": ["yes", "no"]}
     )
     (out,) = run(engine, [(chat_ids(engine, "Is water wet?"), sp)])
     assert out.text in ("yes", "no")
     first = out.logprobs[0]
-    allowed = [lp for _, lp in first.top if lp > float("-inf")]
-    assert 0 < len(allowed) <= 5
-    # Only tokens that start "yes" or "no" have mass, and it sums to one.
-    total = sum(math.exp(lp) for _, lp in first.top if lp > float("-inf"))
-    assert total == pytest.approx(1.0, abs=1e-3) or len(allowed) == 5
+    # Only tokens that start "yes" or "no" have mass (fewer than 20): their
+    # probabilities sum to one, and masked tokens are left out rather than -inf.
+    texts = [engine.tokenizer.token_text(t) for t, _ in first.top]
+    assert 0 < len(first.top) < 20, texts
+    assert all(("yes".startswith(t) or "no".startswith(t)) and t for t in texts), texts
+    assert sum(math.exp(lp) for _, lp in first.top) == pytest.approx(1.0, abs=1e-4)
+    assert first.logprob == max(lp for _, lp in first.top)
+
+
+def test_min_tokens_yields_to_a_grammar_that_must_end(engine) -> None:
+    sp = SamplingParams(
+        max_tokens=10, min_tokens=5, temperature=0.0, structured_outputs={"choice": ["yes"]}
+    )
+    (out,) = run(engine, [(chat_ids(engine, "Say yes."), sp)])
+    assert out.finish_reason == "stop" and out.text == "yes", (out.text, out.error)
 
 
 def test_grammar_ends_at_its_stop_even_with_ignore_eos(engine) -> None:
