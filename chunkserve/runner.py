@@ -97,7 +97,7 @@ class ModelRunner:
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pinned_next = 0
         self.graphs: DecodeGraphs | None = None
-        self.masks = GrammarMasks(sampler.vocab_size, overlap=masks_can_overlap(device))
+        self.masks: GrammarMasks | None = None  # made at the first step with a grammar
 
     def transfer(self, host: np.ndarray) -> torch.Tensor:
         """One int64 host array to the device: on CUDA through pinned memory, one
@@ -224,12 +224,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(out):
             # Decode-only: every row is sampled, in order.
             sampled_chunks = list(out.decodes)
-            masks = self.masks.start(sampled_chunks)
+            masks = self._start_masks(sampled_chunks)
             hidden, _ = self.graphs.run(out)
             layout_time = self.graphs.last_layout_time
         else:
             layout, sampled_chunks = self.build_layout(out)
-            masks = self.masks.start(sampled_chunks)
+            masks = self._start_masks(sampled_chunks)
             meta = self.attn.prepare(layout)
             layout_time = time.perf_counter() - t0
             hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
@@ -239,6 +239,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [S, V] fp32
         result = RunnerOutput({}, {}, layout_time)
         if masks is not None:
+            assert self.masks is not None
             t_wait = time.perf_counter()
             self.masks.apply(logits, masks)
             result.mask_wait_time = time.perf_counter() - t_wait
@@ -251,6 +252,15 @@ class ModelRunner:
             self._sample_group(logits[row : row + n], group, verify, draft_probs, result)
             row += n
         return result
+
+    def _start_masks(self, chunks: list[ScheduledChunk]):
+        """Begin the grammar masks of the sampled chunks that carry one (None: none do)."""
+        if all(c.request.grammar is None for c in chunks):
+            return None
+        if self.masks is None:
+            overlap = masks_can_overlap(self.device)
+            self.masks = GrammarMasks(self.sampler.vocab_size, overlap=overlap)
+        return self.masks.start(chunks)
 
     def _sample_group(
         self,
