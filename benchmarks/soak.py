@@ -67,8 +67,8 @@ BAD: list[tuple[str, dict[str, Any] | str, str | None]] = [
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     (
         "/v1/completions",
-        {"prompt": "x", "response_format": {"type": "json_object"}},
-        "response_format",
+        {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+        "response_format.json_schema",
     ),
     ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
