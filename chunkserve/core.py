@@ -302,6 +302,13 @@ class EngineCore:
             self.scheduler.fail_requests([request], error)
             self.worker.forget(request_id)
 
+    def shutdown(self) -> None:
+        """Stop the background threads (grammar compiles and masks)."""
+        self.grammars.shutdown()
+        runner = self.worker.runner
+        if runner is not None and runner.masks is not None:
+            runner.masks.shutdown()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.grammars.pending)
 

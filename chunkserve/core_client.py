@@ -240,7 +240,11 @@ class MultiprocessEngine(FrontEnd):
         work = len(request.prompt_token_ids) + request.max_tokens
         self._owner[request.request_id] = (core, work)
         core.outstanding += work
-        self._send(core, AddRequest(request))
+        try:
+            self._send(core, AddRequest(request))
+        except BaseException:
+            self._release(request.request_id)  # never reached the core: nothing to wait for
+            raise
 
     def _core_finish(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -147,6 +147,7 @@ def run_core(
         logger.exception("engine core %d died", index)
         reports.send(enc.encode(CoreDead(index, f"{type(exc).__name__}: {exc}")))
     finally:
+        core.shutdown()
         commands.close(linger=0)
         reports.close()
         ctx.term()

@@ -37,6 +37,9 @@ class Engine(FrontEnd):
         self._notify_finished([self.outputs.final(final)])
         return True
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
     def get_request(self, request_id: str) -> Request | None:
         return self.core.get_request(request_id)
 

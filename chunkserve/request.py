@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json as _json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class StructuredOutputsParams:
     compiles: ``inputs.InputProcessor``)."""
 
     json: str | dict | None = None
+    """A JSON schema; a dict is kept as its JSON text."""
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -66,6 +68,13 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
+        if isinstance(self.json, dict):
+            # Kept as its text: one form to cache by, capped in size like a text schema,
+            # and any JSON number crosses the process boundary (msgpack's are 64-bit).
+            try:
+                self.json = _json.dumps(self.json)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise ValueError(f"{self.field('json')}: not JSON ({exc})") from None
         self.validate()
 
     @property
@@ -114,20 +123,19 @@ class StructuredOutputsParams:
                 name,
                 f"must be a list of 1 to {MAX_CHOICES} non-empty strings",
             )
+            _check(
+                sum(len(c) for c in choice) <= MAX_GRAMMAR_CHARS,
+                name,
+                f"at most {MAX_GRAMMAR_CHARS} characters in all",
+            )
         if kind == "json" and isinstance(self.json, str):
             _check(
                 len(self.json) <= MAX_GRAMMAR_CHARS, name, f"at most {MAX_GRAMMAR_CHARS} characters"
             )
 
     def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar: (kind, canonical text)."""
-        import json as _json
-
+        """What identifies the compiled grammar: (kind, its text)."""
         kind = self.kind
-        if kind == "json":
-            value = self.json
-            text = value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
-            return kind, text
         if kind == "choice":
             return kind, _json.dumps(self.choice)
         if kind == "json_object":

@@ -244,6 +244,7 @@ class ModelRunner:
             self.masks.apply(logits, masks)
             result.mask_wait_time = time.perf_counter() - t_wait
             result.mask_time, result.num_masked_rows = masks.seconds, len(masks.rows)
+            result.failed.update(masks.failed)  # their rows sampled unmasked: dropped
         # Consecutive chunks of one kind (one row, or a decode with drafts) sample together.
         row = 0
         for verify, group in itertools.groupby(sampled_chunks, key=_has_drafts):

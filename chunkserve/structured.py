@@ -22,6 +22,7 @@ Three places use it:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -49,9 +50,14 @@ MAX_SCHEMA_DEPTH = 32
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
+# Longest error message passed on (xgrammar's JSON errors quote the whole schema).
+MAX_MESSAGE_CHARS = 300
+
+
 def _message(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return _CPP_PREFIX.sub("", text).splitlines()[0] if text else type(exc).__name__
+    lines = _CPP_PREFIX.sub("", str(exc).strip()).splitlines()
+    text = lines[0] if lines and lines[0] else type(exc).__name__
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
 
 
 def _depth(value: Any) -> int:
@@ -106,8 +112,27 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
 
 
 def check(params: StructuredOutputsParams) -> None:
-    """Raise ``ValueError`` naming the field unless the constraint makes a grammar."""
-    grammar_of(params)
+    """Raise ``ValueError`` naming the field unless the constraint makes a grammar (each
+    distinct constraint parsed once: a request of n choices, or a client repeating one
+    schema, does not parse it again)."""
+    error = _check_key(params.key(), params.field())
+    if error is not None:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_key(key: tuple[str, str], field: str) -> str | None:
+    kind, text = key
+    fields: dict[str, Any] = {"origin": "structured_outputs"}
+    if kind == "json_object":
+        fields["json_object"] = True
+    else:
+        fields[kind] = json.loads(text) if kind == "choice" else text
+    try:
+        grammar_of(StructuredOutputsParams(**fields))
+    except ValueError as exc:
+        return f"{field}: {str(exc).partition(': ')[2]}"
+    return None
 
 
 class RequestGrammar:
@@ -126,30 +151,40 @@ class RequestGrammar:
         return bool(self.matcher.is_terminated())
 
     def valid_drafts(self, drafts: Sequence[int]) -> int:
-        """How many of ``drafts`` (in order) the grammar allows; the state is unchanged."""
-        n = 0
-        for t in drafts:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
-                break
-            n += 1
-        if n:
-            self.matcher.rollback(n)
+        """How many of ``drafts`` (in order) the grammar allows, up to and including one
+        that ends it; the state is unchanged."""
+        m, n = self.matcher, 0
+        try:
+            for t in drafts:
+                if m.is_terminated() or not m.accept_token(t):
+                    break
+                n += 1
+        finally:
+            if n:
+                m.rollback(n)
         return n
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
         """The allowed tokens of ``row`` (and, for a decode with drafts, of the rows after
-        it: the grammar advanced by the drafts before each); the state is unchanged."""
+        it: the grammar advanced by the drafts before each); the state is unchanged. Rows
+        after a draft the grammar rejects or ends at allow every token: their tokens are
+        never kept (verification stops at the rejected draft; the request at the end)."""
         m = self.matcher
         m.fill_next_token_bitmask(bitmask, row)
         taken = 0
-        for j, t in enumerate(drafts):
-            if not m.accept_token(t):  # cut already (valid_drafts): the rows stay unmasked
-                bitmask[row + j + 1 :].fill_(-1)
-                break
-            taken += 1
-            m.fill_next_token_bitmask(bitmask, row + j + 1)
-        if taken:
-            m.rollback(taken)
+        try:
+            for j, t in enumerate(drafts):
+                if m.is_terminated() or not m.accept_token(t):
+                    bitmask[row + j + 1 : row + len(drafts) + 1].fill_(-1)
+                    break
+                taken += 1
+                if m.is_terminated():
+                    bitmask[row + j + 1 : row + len(drafts) + 1].fill_(-1)
+                    break
+                m.fill_next_token_bitmask(bitmask, row + j + 1)
+        finally:
+            if taken:
+                m.rollback(taken)
 
 
 @dataclass
@@ -287,6 +322,7 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 @dataclass
@@ -296,7 +332,10 @@ class MaskJob:
     rows: list[int]
     future: Future
     seconds: float = 0.0  # how long the filling took (on its thread)
-    rows_by_grammar: list[tuple[RequestGrammar, int, list[int]]] = field(default_factory=list)
+    rows_by_grammar: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    # Requests whose mask raised (request id -> error): they fail alone; their rows allow
+    # every token meanwhile.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class GrammarMasks:
@@ -321,12 +360,11 @@ class GrammarMasks:
     def start(self, chunks: Sequence[Any]) -> MaskJob | None:
         """Begin filling the masks of these sampled chunks (in logits-row order: a decode
         with drafts has a row per token); None if none carries a grammar."""
-        work: list[tuple[RequestGrammar, int, list[int]]] = []
+        work: list[tuple[Request, int, list[int]]] = []
         row = 0
         for c in chunks:
-            grammar = c.request.grammar
-            if grammar is not None:
-                work.append((grammar, row, list(c.draft_token_ids)))
+            if c.request.grammar is not None:
+                work.append((c.request, row, list(c.draft_token_ids)))
             row += 1 + len(c.draft_token_ids)
         if not work:
             return None
@@ -347,15 +385,28 @@ class GrammarMasks:
 
     def _fill(self, job: MaskJob) -> None:
         t0 = time.perf_counter()
-        plain = [(g, row) for g, row, drafts in job.rows_by_grammar if not drafts]
-        if plain:  # one call for the rows without drafts
-            self._batch.batch_fill_next_token_bitmask(
-                [g.matcher for g, _ in plain], self._bitmask, [row for _, row in plain]
-            )
-        for grammar, row, drafts in job.rows_by_grammar:
+        bitmask = self._bitmask
+        plain = [(r, row) for r, row, drafts in job.rows_by_grammar if not drafts]
+        try:  # one call for the rows without drafts
+            if plain:
+                self._batch.batch_fill_next_token_bitmask(
+                    [r.grammar.matcher for r, _ in plain], bitmask, [row for _, row in plain]
+                )
+        except Exception:  # find the one that raised: it fails alone
+            for r, row in plain:
+                self._fill_one(job, r, row, [])
+        for r, row, drafts in job.rows_by_grammar:
             if drafts:
-                grammar.fill(self._bitmask, row, drafts)
+                self._fill_one(job, r, row, drafts)
         job.seconds = time.perf_counter() - t0
+
+    def _fill_one(self, job: MaskJob, request: Request, row: int, drafts: list[int]) -> None:
+        try:
+            request.grammar.fill(self._bitmask, row, drafts)
+        except Exception as exc:
+            logger.exception("grammar mask of %s failed", request.request_id)
+            job.failed[request.request_id] = f"structured_outputs: {_message(exc)}"
+            self._bitmask[row : row + len(drafts) + 1].fill_(-1)
 
     def apply(self, logits: torch.Tensor, job: MaskJob) -> None:
         """Wait for the masks and set the logits they disallow to -inf (in place; xgrammar's
@@ -370,6 +421,7 @@ class GrammarMasks:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 def masks_can_overlap(device: torch.device) -> bool:

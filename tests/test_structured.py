@@ -185,12 +185,15 @@ def test_protocol_maps_every_spelling() -> None:
     schema = SCHEMAS["person"]
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
     p = so(response_format=fmt).structured()
-    assert p.json == schema and p.origin == "response_format.json_schema.schema"
+    assert json.loads(p.json) == schema and p.origin == "response_format.json_schema.schema"
     assert so(guided_regex="a+").structured().regex == "a+"
     assert so(guided_choice=["a", "b"]).structured().choice == ["a", "b"]
-    assert so(guided_json=schema).structured().json == schema
+    assert json.loads(so(guided_json=schema).structured().json) == schema
     assert so(guided_grammar='root ::= "a"').structured().grammar == 'root ::= "a"'
-    assert so(structured_outputs={"json": schema}).structured().json == schema
+    assert json.loads(so(structured_outputs={"json": schema}).structured().json) == schema
+    # Fields a client sends as null are absent (vLLM's clients send them all).
+    nulls = {"choice": ["a"], "json": None, "json_object": None, "structural_tag": None}
+    assert so(structured_outputs=nulls).structured().choice == ["a"]
     comp = CompletionRequest(prompt="x", structured_outputs={"choice": ["a"]})
     assert comp.sampling_params(4, None).structured_outputs.choice == ["a"]
     for body, field in (
@@ -201,6 +204,38 @@ def test_protocol_maps_every_spelling() -> None:
     ):
         with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
             so(**body).structured()
+
+
+def test_any_json_number_crosses_the_process_boundary() -> None:
+    """A schema is kept as its text: numbers beyond 64 bits do not break msgpack."""
+    import msgspec
+
+    from chunkserve.core import CoreRequest
+
+    params = SamplingParams(structured_outputs={"json": {"enum": [10**25], "const": 10**30}})
+    structured.check(params.structured_outputs)
+    req = CoreRequest("r", [1, 2], params, 4)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=CoreRequest)
+    assert json.loads(back.params.structured_outputs.json) == {"enum": [10**25], "const": 10**30}
+
+
+def test_drafts_stop_at_the_grammar_end_and_masks_leave_the_state(engine) -> None:
+    grammars = engine.core.grammars
+    compiled, _ = grammars.compile(StructuredOutputsParams(choice=["yes"]))
+    grammar = structured.RequestGrammar(compiled)
+    yes = engine.tokenizer.encode("yes", add_special_tokens=False)
+    assert len(yes) == 1
+    eos = engine.tokenizer.eos_token_ids[0]
+    drafts = [yes[0], eos, yes[0]]
+    assert grammar.valid_drafts(drafts) == 2  # up to and including the end
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(4, 49152)
+    bitmask.zero_()
+    grammar.fill(bitmask, 0, drafts[:2])  # the row after the end allows anything
+    assert (bitmask[2] == -1).all() and not (bitmask[3] == -1).all()
+    assert grammar.accept(yes[0]) and not grammar.terminated  # the state was unchanged
+    assert grammar.accept(eos) and grammar.terminated
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -297,6 +332,42 @@ def test_abort_while_the_grammar_compiles_frees_everything(engine) -> None:
     assert engine.get_request(rid) is not None
     assert engine.abort_request(rid)
     assert_no_blocks_in_use(engine)
+
+
+def test_a_mask_that_raises_fails_only_its_request(engine, monkeypatch) -> None:
+    from chunkserve.structured import GrammarMasks, RequestGrammar
+
+    def batch_fill(self, matchers, bitmask, indices):
+        raise RuntimeError("batch fill broke")
+
+    real_fill = RequestGrammar.fill
+
+    def fill(self, bitmask, row, drafts=()):
+        if getattr(self, "bad", False):
+            raise RuntimeError("this grammar broke")
+        real_fill(self, bitmask, row, drafts)
+
+    monkeypatch.setattr(RequestGrammar, "fill", fill)
+    reqs, checks = constrained_requests(engine, 0.0)
+    ids = [engine.add_request(prompt_token_ids=p, sampling_params=sp) for p, sp in reqs]
+    done = {}
+    while engine.core.grammars.pending:  # until every grammar is compiled
+        for out in engine.step():
+            done[out.request_id] = out
+    for out in engine.step():  # one step with masks: the runner's GrammarMasks exists
+        done[out.request_id] = out
+    engine.get_request(ids[1]).grammar.bad = True
+    masks = engine.core.worker.runner.masks
+    assert isinstance(masks, GrammarMasks)
+    monkeypatch.setattr(type(masks._batch), "batch_fill_next_token_bitmask", batch_fill)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert_no_blocks_in_use(engine)
+    outs = [done[i] for i in ids]
+    assert outs[1].finish_reason == "error" and "this grammar broke" in outs[1].error
+    assert_all_valid(outs[:1] + outs[2:], checks[:1] + checks[2:])
 
 
 def test_speculative_drafts_are_cut_by_the_grammar() -> None:

@@ -134,7 +134,8 @@ class _SamplingFields(BaseModel):
                     f"got {kind!r}"
                 )
         if self.structured_outputs is not None:
-            fields = dict(self.structured_outputs)
+            # Fields sent as null are absent (clients serialise every field of vLLM's).
+            fields = {k: v for k, v in self.structured_outputs.items() if v is not None}
             unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
             if unknown:
                 raise ValueError(f"structured_outputs.{unknown[0]}: not a supported field")
