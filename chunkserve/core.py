@@ -411,9 +411,10 @@ class EngineCore:
         compiles = self.grammars.take_records()
         if compiles:
             stats.grammar_compiles = [(c.seconds, c.cached) for c in compiles]
-        stats.num_structured_requests = len(self.grammars.pending) + sum(
-            1 for r in self.scheduler.requests.values() if r.grammar is not None
-        )
+        if self.grammars.num_admitted or self.grammars.pending:  # no scan until grammars are used
+            stats.num_structured_requests = len(self.grammars.pending) + sum(
+                1 for r in self.scheduler.requests.values() if r.grammar is not None
+            )
         stats.loop_gap = None if self._prev_step_end is None else t_start - self._prev_step_end
         stats.schedule_time = (t_sched - t_start) + (t_end - t_fwd)
         stats.forward_time = forward_time

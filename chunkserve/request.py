@@ -104,15 +104,10 @@ class StructuredOutputsParams:
         _check(isinstance(self.json_object, bool), self.field("json_object"), "must be a boolean")
         name = self.field()
         kind = self.kind
-        if kind == "json":
-            _check(
-                isinstance(self.json, dict) or (isinstance(self.json, str) and self.json.strip()),
-                name,
-                "must be a JSON schema (an object, or its text)",
-            )
-        elif kind in ("regex", "grammar"):
+        if kind in ("json", "regex", "grammar"):  # a schema is text by now (__post_init__)
             text = getattr(self, kind)
-            _check(isinstance(text, str) and text != "", name, "must be a non-empty string")
+            what = "a JSON schema (an object, or its text)" if kind == "json" else "a string"
+            _check(isinstance(text, str) and text.strip() != "", name, f"must be {what}")
             _check(len(text) <= MAX_GRAMMAR_CHARS, name, f"at most {MAX_GRAMMAR_CHARS} characters")
         elif kind == "choice":
             choice = self.choice
@@ -127,10 +122,6 @@ class StructuredOutputsParams:
                 sum(len(c) for c in choice) <= MAX_GRAMMAR_CHARS,
                 name,
                 f"at most {MAX_GRAMMAR_CHARS} characters in all",
-            )
-        if kind == "json" and isinstance(self.json, str):
-            _check(
-                len(self.json) <= MAX_GRAMMAR_CHARS, name, f"at most {MAX_GRAMMAR_CHARS} characters"
             )
 
     def key(self) -> tuple[str, str]:

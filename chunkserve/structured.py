@@ -74,65 +74,64 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
-    """The grammar of a constraint; ``ValueError`` naming the field if it has none.
+def _parse(kind: str, text: str) -> xgr.Grammar:
+    """The grammar of a constraint given by its ``StructuredOutputsParams.key()``;
+    ``ValueError`` (the message without the field) if it has none.
 
     JSON (schemas and ``json_object``) is generated without free whitespace between tokens
     (``", "`` and ``": "`` separators): a small model allowed any whitespace can emit it
     forever, and the output is the same JSON."""
-    kind, name = params.kind, params.field()
     try:
         if kind == "json":
-            schema = params.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except (json.JSONDecodeError, RecursionError) as exc:
-                    raise ValueError(f"{name}: not valid JSON ({exc})") from None
+            try:
+                schema = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise ValueError(f"not valid JSON ({exc})") from None
             if not isinstance(schema, dict):
-                raise ValueError(f"{name}: a JSON schema must be an object")
+                raise ValueError("a JSON schema must be an object")
             if _depth(schema) > MAX_SCHEMA_DEPTH:
-                raise ValueError(f"{name}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+                raise ValueError(f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(
                 '{"type": "object"}', any_whitespace=False, strict_mode=False
             )
         if kind == "regex":
-            return xgr.Grammar.from_regex(params.regex)
+            return xgr.Grammar.from_regex(text)
         if kind == "choice":
-            assert params.choice is not None
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
             return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
-        return xgr.Grammar.from_ebnf(params.grammar)
+        return xgr.Grammar.from_ebnf(text)
     except ValueError:
         raise
     except Exception as exc:  # xgrammar's parsers raise RuntimeError with the position
-        raise ValueError(f"{name}: {_message(exc)}") from None
+        raise ValueError(_message(exc)) from None
+
+
+def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
+    """The grammar of a constraint; ``ValueError`` naming the field if it has none."""
+    try:
+        return _parse(*params.key())
+    except ValueError as exc:
+        raise ValueError(f"{params.field()}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_error(key: tuple[str, str]) -> str | None:
+    try:
+        _parse(*key)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def check(params: StructuredOutputsParams) -> None:
     """Raise ``ValueError`` naming the field unless the constraint makes a grammar (each
     distinct constraint parsed once: a request of n choices, or a client repeating one
     schema, does not parse it again)."""
-    error = _check_key(params.key(), params.field())
+    error = _parse_error(params.key())
     if error is not None:
-        raise ValueError(error)
-
-
-@functools.lru_cache(maxsize=1024)
-def _check_key(key: tuple[str, str], field: str) -> str | None:
-    kind, text = key
-    fields: dict[str, Any] = {"origin": "structured_outputs"}
-    if kind == "json_object":
-        fields["json_object"] = True
-    else:
-        fields[kind] = json.loads(text) if kind == "choice" else text
-    try:
-        grammar_of(StructuredOutputsParams(**fields))
-    except ValueError as exc:
-        return f"{field}: {str(exc).partition(': ')[2]}"
-    return None
+        raise ValueError(f"{params.field()}: {error}")
 
 
 class RequestGrammar:
@@ -218,6 +217,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self.pending: dict[str, _Pending] = {}
+        self.num_admitted = 0  # requests handed a grammar so far
         self.records: list[CompileRecord] = []  # since the last ``take_records``
 
     # ---- compiling -----------------------------------------------------------------------
@@ -312,6 +312,7 @@ class GrammarCompiler:
                 continue
             self.records.append(record)
             r.grammar = RequestGrammar(compiled)
+            self.num_admitted += 1
             ready.append(r)
         return ready, failed
 
