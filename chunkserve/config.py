@@ -83,9 +83,11 @@ class ModelConfig:
             f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads",
         )
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V cache one token takes over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+    def kv_bytes_per_token(self, dtype_size: int, num_kv_heads: int | None = None) -> int:
+        """Bytes of K and V cache one token takes over all layers (of ``num_kv_heads`` KV
+        heads: a tensor-parallel rank's share; default all)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * heads * self.head_dim * dtype_size
 
 
 @dataclass(frozen=True)
@@ -423,6 +425,15 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     """Speculative decoding (``SpeculativeConfig``; a dict or JSON text in vLLM's form, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4}``). None: off."""
+    tensor_parallel_size: int = 1
+    """Ranks the model's layers are split across (Megatron-style, on torch.distributed: gloo
+    on CPU, NCCL on CUDA), one process each; each holds its share of the weights and of the
+    KV cache. On CPU each rank takes ``num_threads`` (default: the cores / local ranks)."""
+    nnodes: int = 1
+    """Nodes the tensor-parallel ranks span (``MASTER_ADDR``/``MASTER_PORT`` name rank 0's
+    node when more than one); each node runs ``tensor_parallel_size / nnodes`` ranks."""
+    node_rank: int = 0
+    """This node's index among ``nnodes``: node 0 serves; the others only compute."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -488,6 +499,27 @@ class EngineConfig:
         )
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _require(self.log_stats_interval >= 1, "log_stats_interval", "must be >= 1")
+        _require(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            f"must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        _require(
+            _is_int(self.nnodes) and self.nnodes >= 1,
+            "nnodes",
+            f"must be an integer >= 1, got {self.nnodes!r}",
+        )
+        _require(
+            _is_int(self.nnodes) and self.tensor_parallel_size % self.nnodes == 0,
+            "nnodes",
+            f"{self.nnodes} nodes cannot hold {self.tensor_parallel_size} tensor-parallel ranks "
+            f"evenly",
+        )
+        _require(
+            _is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes,
+            "node_rank",
+            f"must be in [0, nnodes - 1 = {self.nnodes - 1}], got {self.node_rank!r}",
+        )
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
             _require(getattr(self, name) >= 0, name, "must be >= 0 (0: no limit)")
         _require(

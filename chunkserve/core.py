@@ -95,6 +95,8 @@ class CoreInfo:
     block_size: int
     kv_cache_memory: int
     budget_policy: str
+    tensor_parallel_size: int = 1
+    tp_pids: list[int] = field(default_factory=list)  # its tensor-parallel rank processes
 
 
 @dataclass
@@ -148,7 +150,11 @@ class EngineCore:
         self.controller = (
             self._make_controller(profile_path) if self.budget_policy.is_online else None
         )
-        self.worker.load(source, reader, sched_config.max_num_seqs)
+        try:
+            self.worker.load(source, reader, sched_config.max_num_seqs)
+        except BaseException:
+            self.worker.shutdown()  # tensor-parallel ranks it started
+            raise
         self.kv = KVCacheManager(
             self.worker.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -168,7 +174,7 @@ class EngineCore:
             "chunkserve engine core: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
             "fused_ops=%s weights loaded in %.1fs | KV cache: %d blocks x %d tokens = %d "
             "tokens (%.0f MiB) | max_model_len=%d max_num_seqs=%d chunked_prefill=%s "
-            "policy=%s | %s | speculative: %s",
+            "policy=%s | %s | speculative: %s | tensor_parallel_size=%d",
             source.name,
             w.device,
             str(w.dtype).removeprefix("torch."),
@@ -186,6 +192,7 @@ class EngineCore:
             sched_config.policy,
             self.budget_policy.describe(),
             spec.describe() if spec else "off",
+            config.tensor_parallel_size,
         )
 
     # ---- setup -----------------------------------------------------------------------------
@@ -257,6 +264,8 @@ class EngineCore:
             block_size=w.block_size,
             kv_cache_memory=w.kv_cache_memory,
             budget_policy=self.budget_policy.describe(),
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            tp_pids=w.tp_pids,
         )
 
     # ---- requests --------------------------------------------------------------------------
@@ -303,11 +312,17 @@ class EngineCore:
             self.worker.forget(request_id)
 
     def shutdown(self) -> None:
-        """Stop the background threads (grammar compiles and masks)."""
+        """Stop the background threads (grammar compiles and masks) and the
+        tensor-parallel ranks."""
         self.grammars.shutdown()
         runner = self.worker.runner
         if runner is not None and runner.masks is not None:
             runner.masks.shutdown()
+        self.worker.shutdown()
+
+    def keepalive(self) -> None:
+        """Called while the core idles (no step to run): ``Worker.keepalive``."""
+        self.worker.keepalive()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.grammars.pending)
@@ -406,6 +421,7 @@ class EngineCore:
             stats.num_drafts, stats.num_draft_tokens = spec.drafts, spec.draft_tokens
             stats.num_accepted_tokens = spec.accepted
             stats.accepted_per_position = spec.per_position
+        stats.comm_time = result.comm_time
         stats.num_masked_rows = result.num_masked_rows
         stats.mask_time, stats.mask_wait_time = result.mask_time, result.mask_wait_time
         compiles = self.grammars.take_records()

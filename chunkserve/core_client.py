@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
+import signal
 import tempfile
 import time
 from collections import OrderedDict
@@ -226,6 +228,7 @@ class MultiprocessEngine(FrontEnd):
                 logger.warning("engine core %d did not stop; killing it", core.index)
                 core.process.kill()
                 core.process.join(5.0)
+            self._kill_ranks(core)
         for core in self._cores:
             core.socket.close(linger=0)
         self._reports.close(linger=0)
@@ -271,7 +274,21 @@ class MultiprocessEngine(FrontEnd):
         for core in self._cores:
             if core.process.is_alive():
                 core.process.kill()
+            self._kill_ranks(core)
         raise CoreDeadError(why)
+
+    @staticmethod
+    def _kill_ranks(core: _Core) -> None:
+        """A core's tensor-parallel rank processes, once the core is gone (a stopped or hung
+        rank would outlive it). Each PID is checked to still be a rank process."""
+        for pid in core.info.tp_pids if core.info else []:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"chunkserve.distributed.launch" not in f.read():
+                        continue
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue  # gone already
 
     def _send(self, core: _Core, message) -> None:
         if self._closed or self._dead is not None:

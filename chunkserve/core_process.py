@@ -183,6 +183,7 @@ def _serve(index, core: EngineCore, commands, reports, enc, dec, parent: int) ->
             logger.warning("engine core %d: the front end is gone; exiting", index)
             return
         if not core.has_unfinished() and not changed:
+            core.keepalive()  # tensor parallel: the ranks live and hear from rank 0
             continue
         step = core.step()
         outputs = finals + step.outputs

@@ -146,6 +146,26 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; also '
         '"disable_by_batch_size", "min_acceptance_rate"',
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes (torch.distributed: gloo on CPU, NCCL "
+        "on CUDA); on CPU each takes --num-threads (default: the cores / ranks on the node)",
+    )
+    g.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes the tensor-parallel ranks span (MASTER_ADDR/MASTER_PORT name node 0)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index: 0 serves, the others run their ranks headless",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -186,6 +206,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         fused_ops=args.fused_ops,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)

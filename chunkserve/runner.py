@@ -14,6 +14,7 @@ import torch
 
 from chunkserve.attention import AttentionBackend, BatchLayout
 from chunkserve.cuda_graphs import DecodeGraphs
+from chunkserve.distributed.group import OP_STEP, CollectiveError, TPGroup
 from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
 from chunkserve.sampler import Sampler
@@ -38,6 +39,82 @@ class RunnerOutput:
     num_masked_rows: int = 0
     mask_time: float = 0.0
     mask_wait_time: float = 0.0
+    # Tensor parallel: seconds rank 0 spent in collectives (the step broadcast, all-reduces
+    # and the logits gather, waiting for slower ranks included).
+    comm_time: float = 0.0
+
+
+# The per-step index arrays, in the order they lie in the step's one device buffer.
+SECTIONS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "fresh_block_ids",
+    "cu_seqlens_q",
+    "seq_lens_k",
+    "block_tables",
+    "logits_indices",
+)
+_HEADER = 5 + len(SECTIONS)
+
+
+@dataclass
+class StepArrays:
+    """One step's metadata on the host: what ``ModelRunner.layout_of`` copies to the device,
+    and what rank 0 of a tensor-parallel group broadcasts (``encode``) so every rank runs
+    the same batch."""
+
+    sections: list[np.ndarray]  # int64 arrays, in SECTIONS order
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    table_width: int  # columns of block_tables
+    context_start: list[int]  # [B]
+    tables: list[list[int]]  # [B][blocks of that sequence]
+    query_start: list[int] = field(default_factory=list)  # [B + 1], cu_seqlens_q
+    seq_lens: list[int] = field(default_factory=list)  # [B], seq_lens_k
+
+    def encode(self) -> np.ndarray:
+        """One int64 array: a header (counts, section sizes), the sections, each sequence's
+        first position and its block table's length."""
+        header = [
+            self.num_prefill_seqs,
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+            self.table_width,
+            len(self.context_start),
+        ] + [len(a) for a in self.sections]
+        return np.concatenate(
+            [
+                np.asarray(header, dtype=np.int64),
+                *self.sections,
+                np.asarray(self.context_start, dtype=np.int64),
+                np.asarray([len(t) for t in self.tables], dtype=np.int64),
+            ]
+        )
+
+    @classmethod
+    def decode(cls, data: np.ndarray) -> StepArrays:
+        header = data[:_HEADER].tolist()
+        num_prefill_seqs, num_prefill_tokens, num_decode_tokens, width, num_seqs = header[:5]
+        sections, at = [], _HEADER
+        for n in header[5:]:
+            sections.append(data[at : at + n])
+            at += n
+        context_start = data[at : at + num_seqs].tolist()
+        table_lens = data[at + num_seqs : at + 2 * num_seqs].tolist()
+        rows = sections[SECTIONS.index("block_tables")].reshape(num_seqs, width)
+        return cls(
+            sections,
+            num_prefill_seqs,
+            num_prefill_tokens,
+            num_decode_tokens,
+            width,
+            context_start,
+            [rows[i, :n].tolist() for i, n in enumerate(table_lens)],
+            sections[SECTIONS.index("cu_seqlens_q")].tolist(),
+            sections[SECTIONS.index("seq_lens_k")].tolist(),
+        )
 
 
 def allocate_kv_caches(
@@ -79,13 +156,18 @@ class ModelRunner:
         self,
         model: LlamaModel,
         attn: AttentionBackend,
-        sampler: Sampler,
+        sampler: Sampler | None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
         pad_batches: bool = True,
+        group: TPGroup | None = None,
     ) -> None:
+        """``sampler`` None: a tensor-parallel rank other than 0 (it samples nothing);
+        ``group``: on rank 0 of a tensor-parallel group, every layout is broadcast to the
+        other ranks before the forward pass."""
         self.model = model
+        self.group = group
         self.attn = attn
         self.sampler = sampler
         self.kv_caches = kv_caches
@@ -178,40 +260,54 @@ class ModelRunner:
         block_tables = np.zeros((len(tables), width), dtype=np.int64)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
-
-        # Every per-step array in one int64 buffer: one host-to-device copy per step.
-        parts = {
-            "input_ids": input_ids,
-            "positions": positions,
-            "slot_mapping": slots,
-            "fresh_block_ids": fresh_blocks,
-            "cu_seqlens_q": query_start,
-            "seq_lens_k": seq_lens,
-            "block_tables": block_tables.ravel(),
-            "logits_indices": logits_rows,
-        }
-        # Sections start at even offsets (16-byte aligned), as GPU kernels load best.
-        sizes = [len(a) for a in parts.values()]
-        starts = np.cumsum([0] + [n + n % 2 for n in sizes])
-        host = np.zeros(int(starts[-1]), dtype=np.int64)
-        for a, start, n in zip(parts.values(), starts, sizes):
-            host[start : start + n] = a
-        dev = self.transfer(host)
-        views = {name: dev[start : start + n] for name, start, n in zip(parts, starts, sizes)}
-        views["block_tables"] = views["block_tables"].view(len(tables), width)
-
-        layout = BatchLayout(
-            **views,
+        step = StepArrays(
+            [
+                input_ids,
+                positions,
+                slots,
+                np.asarray(fresh_blocks, dtype=np.int64),
+                np.asarray(query_start, dtype=np.int64),
+                np.asarray(seq_lens, dtype=np.int64),
+                block_tables.ravel(),
+                np.asarray(logits_rows, dtype=np.int64),
+            ],
             num_prefill_seqs=len(multi),
             num_prefill_tokens=sum(c.num_tokens for c in multi),
             num_decode_tokens=len(singles),
-            query_start_host=query_start,
-            context_start_host=context_start,
-            seq_lens_k_host=seq_lens,
-            block_tables_host=tables,
-            block_size=bs,
+            table_width=width,
+            context_start=context_start,
+            tables=tables,
+            query_start=query_start,
+            seq_lens=seq_lens,
         )
-        return layout, sampled_chunks
+        if self.group is not None:  # the other ranks run the same batch
+            self.group.send(OP_STEP, step.encode())
+        return self.layout_of(step), sampled_chunks
+
+    def layout_of(self, step: StepArrays) -> BatchLayout:
+        """The step's arrays on the device (one copy) as a ``BatchLayout``."""
+        # Every per-step array in one int64 buffer: one host-to-device copy per step.
+        # Sections start at even offsets (16-byte aligned), as GPU kernels load best.
+        sizes = [len(a) for a in step.sections]
+        starts = np.cumsum([0] + [n + n % 2 for n in sizes])
+        host = np.zeros(int(starts[-1]), dtype=np.int64)
+        for a, start, n in zip(step.sections, starts, sizes):
+            host[start : start + n] = a
+        dev = self.transfer(host)
+        views = {name: dev[start : start + n] for name, start, n in zip(SECTIONS, starts, sizes)}
+        num_seqs = len(step.context_start)
+        views["block_tables"] = views["block_tables"].view(num_seqs, step.table_width)
+        return BatchLayout(
+            **views,
+            num_prefill_seqs=step.num_prefill_seqs,
+            num_prefill_tokens=step.num_prefill_tokens,
+            num_decode_tokens=step.num_decode_tokens,
+            query_start_host=step.query_start,
+            context_start_host=step.context_start,
+            seq_lens_k_host=step.seq_lens,
+            block_tables_host=step.tables,
+            block_size=self.block_size,
+        )
 
     @torch.inference_mode()
     def execute(
@@ -227,16 +323,27 @@ class ModelRunner:
             masks = self._start_masks(sampled_chunks)
             hidden, _ = self.graphs.run(out)
             layout_time = self.graphs.last_layout_time
+            logits = self.model.compute_logits(hidden)  # [S, V] fp32
         else:
             layout, sampled_chunks = self.build_layout(out)
             masks = self._start_masks(sampled_chunks)
             meta = self.attn.prepare(layout)
             layout_time = time.perf_counter() - t0
-            hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
-            hidden = hidden[layout.logits_indices]
+            try:
+                hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
+                hidden = hidden[layout.logits_indices]
+                logits = self.model.compute_logits(hidden) if sampled_chunks else None
+            except Exception as exc:
+                if self.group is None or isinstance(exc, CollectiveError):
+                    raise
+                # The other ranks wait in a collective this rank will not reach.
+                raise CollectiveError(
+                    f"rank 0 failed inside a tensor-parallel forward pass: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
         if not sampled_chunks:
             return RunnerOutput({}, {}, layout_time)
-        logits = self.model.compute_logits(hidden)  # [S, V] fp32
+        assert logits is not None
         result = RunnerOutput({}, {}, layout_time)
         if masks is not None:
             assert self.masks is not None
@@ -253,6 +360,21 @@ class ModelRunner:
             self._sample_group(logits[row : row + n], group, verify, draft_probs, result)
             row += n
         return result
+
+    @torch.inference_mode()
+    def follow(self, step: StepArrays) -> None:
+        """A tensor-parallel rank other than 0: run rank 0's batch (its share of every
+        layer, the collectives with the others, and its part of the logits)."""
+        layout = self.layout_of(step)
+        meta = self.attn.prepare(layout)
+        hidden = self.model(layout, self.kv_caches, self.attn, meta)
+        if layout.logits_indices.numel():
+            self.model.compute_logits(hidden[layout.logits_indices])
+
+    def zero_null_block(self) -> None:
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[NULL_BLOCK].zero_()
+            v_cache[NULL_BLOCK].zero_()
 
     def _start_masks(self, chunks: list[ScheduledChunk]):
         """Begin the grammar masks of the sampled chunks that carry one (None: none do)."""

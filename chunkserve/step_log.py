@@ -60,6 +60,8 @@ class StepStats:
     mask_wait_time: float = 0.0
     grammar_compiles: list[tuple[float, bool]] | None = None
     num_structured_requests: int = 0
+    # Tensor parallel: seconds rank 0 spent in collectives this step (part of forward_time).
+    comm_time: float = 0.0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -7,11 +7,19 @@ backend, the sampler, the model runner, CUDA graphs and the warm-up steps. The e
 Built in two phases so a bad configuration fails before the weights load: the constructor
 resolves the device and sizes the KV cache (where that needs no loaded weights), ``load``
 reads the weights and allocates the rest.
+
+Tensor parallel (``tensor_parallel_size`` > 1): the engine core's worker is rank 0; ``load``
+starts this node's other ranks (``distributed.launch``), each a ``Worker`` of its own that
+holds its shard of the weights and of the KV cache and ``follow``s rank 0's steps. Rank 0
+alone samples, runs a draft model and fills grammar masks. A rank that dies or a collective
+that fails or times out is a ``DeviceError``: the engine is dead, as with a lost GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 
 import torch
@@ -23,13 +31,29 @@ from chunkserve.config import (
     EngineConfig,
     ModelConfig,
 )
+from chunkserve.distributed.group import (
+    OP_PING,
+    OP_SHUTDOWN,
+    OP_STEP,
+    OP_ZERO_NULL_BLOCK,
+    CollectiveError,
+    TPGroup,
+)
+from chunkserve.distributed.launch import (
+    LocalRanks,
+    RankExited,
+    RankSpec,
+    connect_store,
+    start_rank0,
+)
+from chunkserve.distributed.shard import plan_shards
 from chunkserve.draft import DraftModel
 from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.request import Request, SamplingParams
-from chunkserve.runner import ModelRunner, RunnerOutput, allocate_kv_caches
+from chunkserve.runner import ModelRunner, RunnerOutput, StepArrays, allocate_kv_caches
 from chunkserve.sampler import Sampler
 from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -37,6 +61,10 @@ logger = logging.getLogger("chunkserve")
 
 # Decode-only steps with more requests than this run eagerly (graph memory grows with size).
 MAX_GRAPH_BATCH_SIZE = 256
+
+# An idle tensor-parallel rank 0 pings its group this often (seconds), so the other ranks'
+# wait for the next step never reaches its timeout.
+TP_PING_INTERVAL_S = 600.0
 
 # Messages of errors after which the device's state cannot be trusted (a CUDA context after a
 # device-side assert fails every later call): the engine is dead, not the step.
@@ -68,20 +96,43 @@ def is_fatal_device_error(exc: BaseException) -> bool:
 
 
 class Worker:
-    """The device side of one engine core."""
+    """The device side of one engine core (tensor parallel: of one rank of it)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        rank: RankSpec | None = None,
+    ):
+        """``rank``: a tensor-parallel rank other than 0 (None: the engine core's worker)."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
+        self.rank_spec = rank
+        self.rank = 0 if rank is None else rank.rank
+        tp = config.tensor_parallel_size
+        # This rank's share of the model; a model that cannot be split so fails here.
+        self.shard = plan_shards(model_config, tp, self.rank)
+        self.group: TPGroup | None = None
+        self.local_ranks: LocalRanks | None = None
         configure_cpu_runtime()
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        num_threads = config.num_threads
+        if num_threads is None and tp > 1 and self.device.type == "cpu":
+            # The node's cores, shared by its ranks.
+            num_threads = max(1, (os.cpu_count() or 1) // (tp // config.nnodes))
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if self.device.type == "cuda" and rank is not None:
+            torch.cuda.set_device(rank.local_rank)
+            self.device = torch.device("cuda", rank.local_rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
-        self._bytes_per_block = model_config.kv_bytes_per_token(dtype_size) * self.block_size
+        # Every rank's pool has the same blocks, sized by the rank with the most KV heads.
+        per_token = model_config.kv_bytes_per_token(dtype_size, self.shard.max_kv_heads)
+        self._bytes_per_block = per_token * self.block_size
         # A draft model (speculative decoding) is found and checked now; its KV pool shares
         # the target's block ids, so every block costs both.
         self.draft: DraftModel | None = None
@@ -120,15 +171,50 @@ class Worker:
     def num_threads(self) -> int:
         return torch.get_num_threads()
 
+    @property
+    def tp_pids(self) -> list[int]:
+        """PIDs of the tensor-parallel rank processes this worker started."""
+        return [] if self.local_ranks is None else self.local_ranks.pids
+
+    def _join_group(self) -> None:
+        """Tensor parallel: start this node's other ranks (rank 0) and join the group."""
+        tp = self.config.tensor_parallel_size
+        if tp == 1:
+            return
+        if self.rank_spec is None:
+            store, _, self.local_ranks = start_rank0(self.config)
+        else:
+            store = connect_store(self.rank_spec)
+        try:
+            self.group = TPGroup.join(store, self.rank, tp, self.device)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "tensor-parallel rank %d of %d: %d query / %d KV heads, %d MLP columns, "
+            "vocabulary rows %d..%d%s",
+            self.rank,
+            tp,
+            self.shard.num_heads,
+            self.shard.num_kv_heads,
+            self.shard.intermediate_size,
+            *self.shard.vocab,
+            f", rank processes {self.tp_pids}" if self.tp_pids else "",
+        )
+
     def load(self, source: ModelSource, reader, max_num_seqs: int) -> None:
-        """Load the weights and allocate the KV cache, sampler and runner."""
+        """Load the weights and allocate the KV cache, sampler and runner (tensor parallel:
+        this rank's share, the other ranks loading theirs at the same time)."""
         config, model_config = self.config, self.model_config
+        self._join_group()
         t0 = time.perf_counter()
         self.model = LlamaModel(
             model_config,
             self.dtype,
             self.device,
             max_positions=max(self.max_model_len, model_config.max_position_embeddings),
+            shard=self.shard,
+            group=self.group,
         )
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
@@ -137,36 +223,43 @@ class Worker:
         self.load_time = time.perf_counter() - t0
         if self._sized_by_free_memory:  # what the weights left free
             self._size_kv_cache()
+            if self.group is not None:  # the block tables are shared: the least of the ranks
+                self.num_blocks = self.group.min_int(self.num_blocks)
+                self.kv_cache_memory = (self.num_blocks + 1) * self._bytes_per_block
         on_cuda = self.device.type == "cuda"
         self.attention = get_attention_backend(
             config.attention_backend,
             self.device,
-            model_config.num_heads,
-            model_config.num_kv_heads,
+            self.shard.num_heads,
+            self.shard.num_kv_heads,
             model_config.head_dim,
         )
         kv_caches = allocate_kv_caches(
             model_config.num_layers,
             self.num_blocks,
             self.block_size,
-            model_config.num_kv_heads,
+            self.shard.num_kv_heads,
             model_config.head_dim,
             self.dtype,
             self.device,
         )
-        self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
         self.model.fused_ops = config.fused_ops and on_cuda and triton_usable(self.device)
+        leader = self.rank == 0
+        self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
         # Padding token counts to a few sizes helps oneDNN's caches on a CPU; on a GPU
         # eager steps run at their exact size and decode-only steps replay CUDA graphs.
         self.runner = ModelRunner(
             self.model,
             self.attention,
-            self.sampler,
+            self.sampler if leader else None,
             kv_caches,
             self.block_size,
             self.device,
             pad_batches=not on_cuda,
+            group=self.group if leader else None,
         )
+        if not leader:
+            return  # a rank other than 0 follows rank 0's steps (``follow``)
         if self._draft_config is not None:
             assert self._draft_source is not None
             self.draft = DraftModel(
@@ -183,12 +276,14 @@ class Worker:
                 dummy_weights=config.load_format == "dummy",
             )
             self._draft_reader = None
-        graphs_ok = self.attention.supports_cuda_graphs
+        graphs_ok = self.attention.supports_cuda_graphs and self.group is None
         self.cuda_graphs = on_cuda and not config.enforce_eager and graphs_ok
         if on_cuda and not config.enforce_eager and not graphs_ok:
             logger.info(
-                "CUDA graphs off: the %s attention backend cannot be captured",
-                self.attention.name,
+                "CUDA graphs off: %s",
+                "tensor-parallel steps run eagerly"
+                if self.group is not None
+                else f"the {self.attention.name} attention backend cannot be captured",
             )
         if self.cuda_graphs:
             self.runner.enable_decode_graphs(
@@ -198,19 +293,64 @@ class Worker:
             self._warm_up()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Forward and sample one step. Raises ``DeviceError`` when the device is lost;
-        other exceptions fail the step's requests only."""
+        """Forward and sample one step. Raises ``DeviceError`` when the device (or a
+        tensor-parallel rank) is lost; other exceptions fail the step's requests only."""
         assert self.runner is not None, "Worker.load first"
         try:
+            if self.local_ranks is not None:
+                self.local_ranks.check()
             if self.draft is None:
-                return self.runner.execute(out)
-            result = self.runner.execute(out, self.draft.probs)
-            self.draft.follow(out)
+                result = self.runner.execute(out)
+            else:
+                result = self.runner.execute(out, self.draft.probs)
+                self.draft.follow(out)
+            if self.group is not None:
+                result.comm_time = self.group.take_comm_time()
             return result
+        except (CollectiveError, RankExited) as exc:
+            raise DeviceError(str(exc)) from exc
         except Exception as exc:
             if is_fatal_device_error(exc):
                 raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
             raise
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run rank 0's steps until it says stop (or
+        the group breaks: a ``CollectiveError`` ends the process)."""
+        assert self.group is not None and self.runner is not None and self.rank != 0
+        while True:
+            op, payload = self.group.recv()
+            if op == OP_STEP:
+                self.runner.follow(StepArrays.decode(payload))
+            elif op == OP_ZERO_NULL_BLOCK:
+                self.runner.zero_null_block()
+            elif op == OP_SHUTDOWN:
+                logger.info("tensor-parallel rank %d: stopping", self.rank)
+                return
+
+    def keepalive(self) -> None:
+        """Called while the engine idles: ping the other ranks now and then."""
+        group = self.group
+        if group is not None and time.monotonic() - group.last_send > TP_PING_INTERVAL_S:
+            try:
+                group.send(OP_PING)
+            except CollectiveError as exc:
+                raise DeviceError(str(exc)) from exc
+        if self.local_ranks is not None:
+            try:
+                self.local_ranks.check()
+            except RankExited as exc:
+                raise DeviceError(str(exc)) from exc
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the other ranks to stop and wait for the ones it started."""
+        if self.group is not None and self.rank == 0:
+            with contextlib.suppress(CollectiveError):  # a rank gone already
+                self.group.send(OP_SHUTDOWN)
+            self.group = None
+        if self.local_ranks is not None:
+            self.local_ranks.stop(10.0)
+            self.local_ranks = None
 
     def propose_drafts(self, wanted: list[tuple[Request, int]]) -> None:
         """The draft model's tokens for these decodes (speculative decoding)."""
@@ -247,9 +387,9 @@ class Worker:
                 decodes=[ScheduledChunk(decode, bs, 1)],
             )
         )
-        for k_cache, v_cache in self.runner.kv_caches:
-            k_cache[NULL_BLOCK].zero_()
-            v_cache[NULL_BLOCK].zero_()
+        self.runner.zero_null_block()
+        if self.group is not None:
+            self.group.send(OP_ZERO_NULL_BLOCK)
         torch.cuda.synchronize(self.device)
         logger.info("warm-up steps: %.1fs", time.perf_counter() - t0)
 

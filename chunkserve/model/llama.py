@@ -4,12 +4,18 @@ RMSNorm, rotary embeddings (the file's theta, optional llama3/linear scaling), g
 attention through an ``AttentionBackend`` over the paged KV cache, SwiGLU MLP, tied or separate
 LM head. Q/K/V and gate/up projections are fused into one matmul each. Numerics follow HF
 transformers' ``LlamaForCausalLM`` (norms in fp32, cast back before the weight multiply).
+
+Tensor parallel: given a ``ShardPlan`` and its ``TPGroup``, the model holds one rank's share
+(see ``distributed.shard``): its query/KV heads, MLP columns and vocabulary rows, with an
+all-reduce after the output and down projections and after the embedding lookup, and the
+LM head's logits gathered to rank 0.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +23,10 @@ from torch import nn
 
 from chunkserve.attention.base import AttentionBackend, BatchLayout
 from chunkserve.config import ModelConfig
+from chunkserve.distributed.shard import ShardPlan, plan_shards
+
+if TYPE_CHECKING:
+    from chunkserve.distributed.group import TPGroup
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,17 +91,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        shard: ShardPlan,
+        group: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
-            hd,
-        )
-        self.q_size = config.num_heads * hd
-        self.kv_size = config.num_kv_heads * hd
+        # This rank's heads and MLP columns (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, hd
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        self.intermediate_size = shard.intermediate_size
         self.eps = config.rms_norm_eps
+        self.group = group
 
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(
@@ -103,8 +119,12 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.o_proj = param(h, self.q_size)
         self.post_norm = param(h)
-        self.gate_up_proj = param(2 * config.intermediate_size, h)
-        self.down_proj = param(h, config.intermediate_size)
+        self.gate_up_proj = param(2 * self.intermediate_size, h)
+        self.down_proj = param(h, self.intermediate_size)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel projection's partial output."""
+        return x if self.group is None else self.group.all_reduce(x)
 
     def forward(
         self,
@@ -125,11 +145,11 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
-        hidden = hidden + F.linear(o.view(t, self.q_size), self.o_proj)
+        hidden = hidden + self._reduce(F.linear(o.view(t, self.q_size), self.o_proj))
 
         x = rms_norm(hidden, self.post_norm, self.eps)
         gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        return hidden + self._reduce(F.linear(F.silu(gate) * up, self.down_proj))
 
     def forward_fused(
         self,
@@ -156,28 +176,40 @@ class DecoderLayer(nn.Module):
         )
         o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
         x, residual = ops.add_rms_norm(
-            F.linear(o.view(t, self.q_size), self.o_proj), residual, self.post_norm, self.eps
+            self._reduce(F.linear(o.view(t, self.q_size), self.o_proj)),
+            residual,
+            self.post_norm,
+            self.eps,
         )
         delta = F.linear(ops.silu_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
-        return delta, residual
+        return self._reduce(delta), residual
 
 
 class LlamaModel(nn.Module):
     """``forward`` maps a BatchLayout to hidden states [T, hidden]; ``compute_logits`` maps the
-    rows to sample to fp32 logits [S, vocab]."""
+    rows to sample to fp32 logits [S, vocab] (on rank 0; None on the other ranks)."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        shard: ShardPlan | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.shard = shard = shard or plan_shards(config, 1, 0)
+        self.group = group if shard.size > 1 else None
+        vocab_rows = shard.vocab_shard  # V, or this rank's ceil(V / N) rows
         self.embed = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            torch.zeros(vocab_rows, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype, device, shard, self.group) for _ in range(config.num_layers)
         )
         self.norm = nn.Parameter(
             torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False
@@ -186,7 +218,7 @@ class LlamaModel(nn.Module):
             self.embed
             if config.tie_word_embeddings
             else nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                torch.zeros(vocab_rows, config.hidden_size, dtype=dtype, device=device),
                 requires_grad=False,
             )
         )
@@ -201,7 +233,7 @@ class LlamaModel(nn.Module):
         attn: AttentionBackend,
         attn_meta: object,
     ) -> torch.Tensor:
-        hidden = F.embedding(layout.input_ids, self.embed)  # [T, hidden]
+        hidden = self.embed_tokens(layout.input_ids)  # [T, hidden]
         if self.fused_ops:
             residual = None
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -222,30 +254,56 @@ class LlamaModel(nn.Module):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]. Vocabulary-parallel: each rank looks up the ids in
+        its rows (zeros for the others') and the all-reduce sums the ranks' parts."""
+        if self.group is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_shard)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.group.all_reduce(x.masked_fill_(outside[:, None], 0))
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF weight name -> the tensor (a row slice of a fused parameter) it fills."""
-        cfg = self.config
-        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        logits = F.linear(x, self.lm_head).float()  # [S, V], or [S, V / N] on a rank
+        if self.group is None:
+            return logits
+        return self.group.gather_vocab(logits, self.config.vocab_size)
+
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, tuple[slice, ...]]]:
+        """HF weight name -> (the tensor it fills: a parameter or a row slice of a fused one,
+        the slice of the checkpoint tensor this rank takes)."""
+        cfg, shard, hd = self.config, self.shard, self.config.head_dim
+        whole = (slice(None),)
+        v0, v1 = shard.vocab
+        vocab = (slice(v0, v1),)
+        targets = {
+            "model.embed_tokens.weight": (self.embed[: v1 - v0], vocab),
+            "model.norm.weight": (self.norm, whole),
+        }
         if not cfg.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head
+            targets["lm_head.weight"] = (self.lm_head[: v1 - v0], vocab)
+        (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
+        i0, i1 = shard.intermediate
+        # Column-parallel: this rank's output rows; row-parallel: its input columns.
+        src_rows = {"q": slice(q0 * hd, q1 * hd), "k": slice(k0 * hd, k1 * hd)}
+        src_rows["v"] = src_rows["k"]
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
+            q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate_size
             qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
             for n, rows in qkv_rows.items():
-                targets[p + f"self_attn.{n}_proj.weight"] = layer.qkv_proj[rows]
+                src = (src_rows[n],)
+                targets[p + f"self_attn.{n}_proj.weight"] = (layer.qkv_proj[rows], src)
                 if layer.qkv_bias is not None:
-                    targets[p + f"self_attn.{n}_proj.bias"] = layer.qkv_bias[rows]
-            targets[p + "self_attn.o_proj.weight"] = layer.o_proj
-            targets[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:inter]
-            targets[p + "mlp.up_proj.weight"] = layer.gate_up_proj[inter:]
-            targets[p + "mlp.down_proj.weight"] = layer.down_proj
-            targets[p + "input_layernorm.weight"] = layer.input_norm
-            targets[p + "post_attention_layernorm.weight"] = layer.post_norm
+                    targets[p + f"self_attn.{n}_proj.bias"] = (layer.qkv_bias[rows], src)
+            targets[p + "self_attn.o_proj.weight"] = (layer.o_proj, (slice(None), src_rows["q"]))
+            targets[p + "mlp.gate_proj.weight"] = (layer.gate_up_proj[:inter], (slice(i0, i1),))
+            targets[p + "mlp.up_proj.weight"] = (layer.gate_up_proj[inter:], (slice(i0, i1),))
+            targets[p + "mlp.down_proj.weight"] = (layer.down_proj, (slice(None), slice(i0, i1)))
+            targets[p + "input_layernorm.weight"] = (layer.input_norm, whole)
+            targets[p + "post_attention_layernorm.weight"] = (layer.post_norm, whole)
         return targets
 
     @torch.no_grad()
@@ -253,7 +311,7 @@ class LlamaModel(nn.Module):
         """Random weights of the right shapes, drawn on the model's device (``load_format
         dummy``): norms 1, biases 0, the rest N(0, 0.02) as HF initialises Llama."""
         gen = torch.Generator(device=self.embed.device)
-        gen.manual_seed(seed)
+        gen.manual_seed(seed + self.shard.rank)
         for name, param in self.named_parameters():
             if name.endswith("norm"):
                 param.fill_(1.0)
@@ -262,10 +320,35 @@ class LlamaModel(nn.Module):
             else:
                 param.normal_(0.0, 0.02, generator=gen)
 
+    def _full_shape(self, name: str, dst: torch.Tensor) -> tuple[int, ...]:
+        """The checkpoint's shape of weight ``name`` (whose shard is ``dst``)."""
+        if self.shard.size == 1:
+            return tuple(dst.shape)
+        cfg, hd = self.config, self.config.head_dim
+        h = cfg.hidden_size
+        rows = {
+            "embed_tokens": cfg.vocab_size,
+            "lm_head": cfg.vocab_size,
+            "q_proj": cfg.num_heads * hd,
+            "k_proj": cfg.num_kv_heads * hd,
+            "v_proj": cfg.num_kv_heads * hd,
+            "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size,
+        }
+        kind = name.split(".")[-2]
+        if kind in rows:
+            return (rows[kind],) + tuple(dst.shape[1:])
+        if kind == "o_proj":
+            return (h, cfg.num_heads * hd)
+        if kind == "down_proj":
+            return (h, cfg.intermediate_size)
+        return tuple(dst.shape)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into the
-        fused parameters as they stream in, so peak memory is the model plus one tensor."""
+        fused parameters as they stream in, so peak memory is the model plus one tensor. A
+        tensor-parallel rank copies its slice of each."""
         targets = self._weight_targets()
         for name, tensor in weights:
             if name not in targets:
@@ -274,13 +357,13 @@ class LlamaModel(nn.Module):
                 ):
                     continue  # derived, or a copy of the tied embedding
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
-            dst = targets.pop(name)
-            if tuple(dst.shape) != tuple(tensor.shape):
+            dst, part = targets.pop(name)
+            expected = self._full_shape(name, dst)
+            if tuple(tensor.shape) != expected:
                 raise ValueError(
-                    f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dst.shape)}"
+                    f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
                 )
-            dst.copy_(tensor)
+            dst.copy_(tensor[part])
         if targets:
             missing = sorted(targets)
             raise ValueError(

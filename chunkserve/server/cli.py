@@ -105,6 +105,20 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1 and not args.core_process:
         raise ValueError("data_parallel_size: more than one core needs --core-process")
     config = engine_config_from_args(args)
+    if config.tensor_parallel_size > 1:
+        from chunkserve.distributed import launch
+
+        if args.data_parallel_size > 1 and (config.nnodes > 1 or launch.launcher_env()):
+            raise ValueError(
+                "data_parallel_size: with tensor parallelism over several nodes or a "
+                "launcher, use one engine core"
+            )
+        spec = launch.launcher_rank(config)
+        if spec is not None and spec.rank != 0:  # a launcher's rank: compute, serve nothing
+            launch.run_rank(config, spec)
+            return 0
+        if spec is None and config.node_rank > 0:  # a node other than 0: its ranks only
+            return launch.run_headless(config)
     if args.core_process:
         engine = MultiprocessEngine(config, args.data_parallel_size, watchdog)
     else:
@@ -121,6 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"({info.kv_cache_memory / 2**20:.0f} MiB) | max_model_len={engine.max_model_len} "
         f"max_num_seqs={sc.max_num_seqs} chunked_prefill={sc.enable_chunked_prefill} "
         f"scheduling_policy={sc.policy} | budget {info.budget_policy} | "
+        f"tensor_parallel_size={info.tensor_parallel_size} | "
         f"api_key={'set' if args.api_key else 'none'} "
         f"max_waiting_requests={args.max_waiting_requests}",
         flush=True,

@@ -1,0 +1,245 @@
+"""Starting a tensor-parallel group: who is which rank, where the store is, which processes
+to start, and the main of a rank process.
+
+Three ways to get ``tensor_parallel_size`` ranks:
+
+- one node (the default): the engine core is rank 0; it starts ranks 1..N-1 as processes of
+  its own (``python -m chunkserve.distributed.launch``, the arguments pickled on stdin) and
+  hosts the group's store on a free loopback port;
+- several nodes: every node runs ``chunkserve serve --tensor-parallel-size N --nnodes M
+  --node-rank K`` with ``MASTER_ADDR`` / ``MASTER_PORT`` naming node 0 (which serves and hosts
+  the store); node K starts ranks ``K * N/M .. (K+1) * N/M - 1``; nodes other than 0 serve
+  nothing (headless);
+- a launcher (``torchrun`` or any that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``, ``LOCAL_RANK``): each process is one rank; rank 0 serves, the others run
+  the rank loop (``chunkserve serve`` does the right thing in each).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from chunkserve.config import EngineConfig
+
+logger = logging.getLogger("chunkserve.tp")
+
+STORE_TIMEOUT = datetime.timedelta(seconds=300)  # ranks of other nodes may load slowly
+
+
+class RankExited(RuntimeError):
+    """A rank process of this node exited."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to join its group."""
+
+    rank: int
+    size: int
+    local_rank: int  # its index on its node (its GPU on CUDA)
+    master_addr: str
+    master_port: int
+
+
+def launcher_env() -> dict[str, str] | None:
+    """The launcher's variables when a launcher (torchrun, ...) started this process as one
+    rank, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return dict(os.environ)
+    return None
+
+
+def _master_from_env(what: str) -> tuple[str, int]:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ValueError(
+            f"{what}: set MASTER_ADDR and MASTER_PORT to node 0's address and a free port "
+            f"(the tensor-parallel group's store)"
+        )
+    try:
+        return addr, int(port)
+    except ValueError:
+        raise ValueError(f"MASTER_PORT: not a port number: {port!r}") from None
+
+
+def launcher_rank(config: EngineConfig) -> RankSpec | None:
+    """This process's rank under a launcher (checked against the config), else None."""
+    env = launcher_env()
+    if env is None or config.tensor_parallel_size == 1:
+        return None
+    world = int(env["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher started "
+            f"WORLD_SIZE={world} processes"
+        )
+    addr, port = _master_from_env("tensor_parallel_size")
+    rank = int(env["RANK"])
+    return RankSpec(rank, world, int(env.get("LOCAL_RANK", rank)), addr, port)
+
+
+def connect_store(spec: RankSpec) -> dist.Store:
+    """The group's store as a client (ranks other than 0)."""
+    return dist.TCPStore(
+        spec.master_addr, spec.master_port, spec.size, is_master=False, timeout=STORE_TIMEOUT
+    )
+
+
+class LocalRanks:
+    """The rank processes this one started, watched by PID."""
+
+    def __init__(self, processes: dict[int, subprocess.Popen]) -> None:
+        self.processes = processes
+
+    @classmethod
+    def start(cls, config: EngineConfig, specs: list[RankSpec]) -> LocalRanks:
+        log_level = logging.getLogger("chunkserve").getEffectiveLevel()
+        procs: dict[int, subprocess.Popen] = {}
+        try:
+            for spec in specs:
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "chunkserve.distributed.launch"], stdin=subprocess.PIPE
+                )
+                assert p.stdin is not None
+                p.stdin.write(pickle.dumps((config, spec, os.getpid(), log_level)))
+                p.stdin.close()
+                procs[spec.rank] = p
+        except BaseException:
+            cls(procs).stop(0.0)
+            raise
+        return cls(procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes.values()]
+
+    def check(self) -> None:
+        """Raise ``RankExited`` if one of the ranks has exited."""
+        for rank, p in self.processes.items():
+            code = p.poll()
+            if code is not None:
+                raise RankExited(
+                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
+                )
+
+    def wait_any(self) -> int:
+        """Block until one rank exits; its exit code."""
+        while True:
+            for p in self.processes.values():
+                code = p.poll()
+                if code is not None:
+                    return code
+            time.sleep(0.2)
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the ranks to exit, then kill the rest."""
+        deadline = time.monotonic() + timeout
+        for p in self.processes.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+
+
+def start_rank0(config: EngineConfig) -> tuple[dist.Store, RankSpec, LocalRanks | None]:
+    """Rank 0's side (the engine core): host the store (or reach the launcher's), start this
+    node's other ranks. Returns the store, rank 0's spec and the processes started."""
+    size = config.tensor_parallel_size
+    spec = launcher_rank(config)
+    if spec is not None:
+        if spec.rank != 0:
+            raise ValueError(f"RANK: the engine core is rank 0, not {spec.rank}")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            # torchrun's agent already serves a store at MASTER_PORT: be its client.
+            return connect_store(spec), spec, None
+        store = dist.TCPStore(
+            spec.master_addr,
+            spec.master_port,
+            spec.size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=STORE_TIMEOUT,
+        )
+        return store, spec, None
+    if config.nnodes > 1:
+        addr, port = _master_from_env("nnodes")
+    else:
+        addr, port = "127.0.0.1", 0  # a free port, chosen by the store as it binds
+    store = dist.TCPStore(
+        addr, port, size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+    )
+    per_node = size // config.nnodes
+    specs = [RankSpec(r, size, r, addr, store.port) for r in range(1, per_node)]
+    ranks = LocalRanks.start(config, specs) if specs else None
+    return store, RankSpec(0, size, 0, addr, store.port), ranks
+
+
+def node_specs(config: EngineConfig) -> list[RankSpec]:
+    """The ranks a node other than 0 runs (headless)."""
+    addr, port = _master_from_env("node_rank")
+    per_node = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * per_node
+    return [
+        RankSpec(first + i, config.tensor_parallel_size, i, addr, port) for i in range(per_node)
+    ]
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node other than 0: run its ranks until one exits (the engine ended or failed);
+    then stop the others. Returns the exit code."""
+    ranks = LocalRanks.start(config, node_specs(config))
+    logger.info(
+        "headless node %d: tensor-parallel ranks %s (pids %s) joining %s:%s",
+        config.node_rank,
+        sorted(ranks.processes),
+        ranks.pids,
+        os.environ.get("MASTER_ADDR"),
+        os.environ.get("MASTER_PORT"),
+    )
+    try:
+        code = ranks.wait_any()
+    finally:
+        ranks.stop(10.0)
+    return code
+
+
+def run_rank(config: EngineConfig, spec: RankSpec) -> None:
+    """A rank other than 0: load its shard, then follow rank 0's steps until told to stop
+    or the group breaks."""
+    from chunkserve.core import resolve_max_model_len
+    from chunkserve.model.loader import load_model_config, resolve_model
+    from chunkserve.worker import Worker
+
+    source = resolve_model(config.model, weights=config.load_format != "dummy")
+    model_config, reader = load_model_config(source)
+    worker = Worker(config, model_config, resolve_max_model_len(config, model_config), spec)
+    worker.load(source, reader, max_num_seqs=1)
+    worker.follow()
+
+
+def _main() -> None:
+    config, spec, _parent_pid, log_level = pickle.loads(sys.stdin.buffer.read())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank}: %(message)s"
+    )
+    try:
+        run_rank(config, spec)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    _main()
