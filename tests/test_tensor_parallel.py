@@ -1,0 +1,317 @@
+"""Tensor parallel on CPU (gloo, two ranks on loopback): the logits and greedy tokens of one
+process, with chunked mixed batches, preemption and prefix hits; blocks freed; a rank that
+dies or hangs ends the engine with an error; two "nodes" on one host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from chunkserve.config import ModelConfig
+from chunkserve.distributed.shard import plan_shards
+from chunkserve.engine import Engine
+from chunkserve.request import SamplingParams
+from chunkserve.worker import DeviceError
+from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
+from tests.test_invariance import (
+    BYTES_PER_BLOCK,
+    PREEMPT_TOKENS,
+    preemption_reference,  # noqa: F401  (a fixture)
+    preemption_workload,
+    run_staggered,
+    workload,
+)
+from tests.test_server import MODEL, Server, alive, free_port
+
+BASE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+BUDGET = 64  # static: both engines run the same steps, so their logits compare step by step
+
+
+def model_config(heads: int, kv_heads: int, inter: int = 1536, vocab: int = 49152):
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=vocab,
+        hidden_size=576,
+        intermediate_size=inter,
+        num_layers=2,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=64,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def test_shard_plans_cover_the_model_once() -> None:
+    # SmolLM2-135M: 9 query heads in 3 KV groups, split 1 + 2 over two ranks.
+    cfg = model_config(9, 3, vocab=49153)
+    a, b = (plan_shards(cfg, 2, r) for r in range(2))
+    assert (a.kv_heads, b.kv_heads) == ((0, 1), (1, 3))
+    assert (a.q_heads, b.q_heads) == ((0, 3), (3, 9))
+    assert a.max_kv_heads == b.max_kv_heads == 2
+    assert (a.intermediate, b.intermediate) == ((0, 768), (768, 1536))
+    assert a.vocab_shard == b.vocab_shard == 24577  # padded: ceil(49153 / 2)
+    assert (a.vocab, b.vocab) == ((0, 24577), (24577, 49153))
+    # More ranks than KV heads: each KV head replicated, its query heads split.
+    plans = [plan_shards(model_config(8, 2), 4, r) for r in range(4)]
+    assert [p.kv_heads for p in plans] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [p.q_heads for p in plans] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        plan_shards(cfg, 4, 0)  # 3 KV heads cannot be shared by 4 ranks
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(tensor_parallel_size=4), "tensor_parallel_size"),  # the model's 3 KV heads
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+        (dict(tensor_parallel_size=2, nnodes=3), "nnodes"),
+        (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), "node_rank"),
+    ],
+)
+def test_bad_tensor_parallel_configs_fail_before_loading(
+    kwargs, field, no_weight_loading
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        Engine(**BASE, **kwargs)
+
+
+def record_logits(engine: Engine) -> list[torch.Tensor]:
+    """Every step's logits as rank 0 gets them (after the gather)."""
+    model = engine.core.worker.runner.model
+    seen: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def recording(hidden):
+        out = original(hidden)
+        seen.append(out.clone())
+        return out
+
+    model.compute_logits = recording
+    return seen
+
+
+def run_all(engine: Engine, prompts, params) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tp1 = Engine(**BASE, max_num_batched_tokens=BUDGET)
+    tp2 = Engine(**BASE, max_num_batched_tokens=BUDGET, tensor_parallel_size=2)
+    yield tp1, tp2
+    pids = tp2.core_infos[0].tp_pids
+    tp2.shutdown()
+    time.sleep(0.5)
+    assert pids and not any(alive(p) for p in pids)  # the rank process ended with it
+
+
+def test_logits_match_one_process(engines) -> None:
+    tp1, tp2 = engines
+    assert tp2.core.worker.shard.size == 2 and len(tp2.core_infos[0].tp_pids) == 1
+    prompts = NATURAL_PROMPTS + [random_prompt(__import__("random").Random(5), 300)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ref_logits, tp_logits = record_logits(tp1), record_logits(tp2)
+    steps = []
+    tp2.step_listeners.append(steps.append)
+    expected = run_all(tp1, prompts, params)
+    assert run_all(tp2, prompts, params) == expected
+    assert any(s.kind == "mixed" for s in steps)  # prefill chunks beside decodes
+    assert all(s.comm_time > 0 for s in steps)
+    assert len(ref_logits) == len(tp_logits) > 0
+    for a, b in zip(tp_logits, ref_logits, strict=True):
+        assert a.shape == b.shape and a.shape[1] == 49152
+        rel = ((a - b).abs().max() / b.abs().max()).item()
+        assert rel < 1e-4, rel
+    assert_no_blocks_in_use(tp2)
+
+
+def test_greedy_tokens_chunked_staggered_and_prefix_hits(engines) -> None:
+    tp1, tp2 = engines
+    prompts = workload()  # up to 700 tokens: chunked at 64 a step, beside decodes
+    assert run_staggered(tp2, prompts) == run_staggered(tp1, prompts)
+    assert_no_blocks_in_use(tp2)
+    # A shared prefix: the second request's first blocks come from the prefix cache.
+    rng = __import__("random").Random(7)
+    prefix = random_prompt(rng, 200)
+    pair = [prefix + random_prompt(rng, 20), prefix + random_prompt(rng, 30)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    ids = [tp2.add_request(p, params) for p in pair[:1]]
+    got = run_all(tp2, pair[:1], params)
+    hits_before = tp2.core.kv.num_hit_tokens
+    got += run_all(tp2, pair[1:], params)
+    assert tp2.core.kv.num_hit_tokens - hits_before >= 192
+    assert got == run_all(tp1, pair[:1], params) + run_all(tp1, pair[1:], params)
+    del ids
+    assert_no_blocks_in_use(tp2)
+
+
+def test_aborts_free_every_block(engines) -> None:
+    _, tp2 = engines
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    rng = __import__("random").Random(11)
+    ids = [tp2.add_request(random_prompt(rng, n), params) for n in (30, 150, 400)]
+    for _ in range(6):
+        tp2.step()
+    assert tp2.core.kv.num_free_blocks < tp2.core.kv.num_blocks
+    for i in ids:
+        tp2.abort_request(i)
+    tp2.step()
+    assert_no_blocks_in_use(tp2)
+
+
+def test_preemption_matches_unpreempted(preemption_reference) -> None:  # noqa: F811
+    # 30 blocks as in test_invariance; a rank's block holds 2 of the 3 KV heads.
+    engine = Engine(
+        dtype="float32",
+        block_size=16,
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=128,
+        kv_cache_memory=31 * BYTES_PER_BLOCK * 2 // 3,
+        max_model_len=480,
+        tensor_parallel_size=2,
+    )
+    try:
+        assert engine.core.worker.num_blocks == 30
+        got = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
+        assert got == preemption_reference
+        assert engine.core.scheduler.num_preemptions > 0
+        assert_no_blocks_in_use(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error() -> None:
+    engine = Engine(**BASE, tensor_parallel_size=2)
+    try:
+        engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        (pid,) = engine.core_infos[0].tp_pids
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(DeviceError, match="rank 1|tensor-parallel"):
+            while time.monotonic() - t0 < 30:
+                engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        engine.shutdown()
+    assert not alive(pid)
+
+
+def test_served_with_a_hung_rank_goes_503_and_leaves_no_process() -> None:
+    s = Server("--tensor-parallel-size", "2", "--watchdog-timeout", "3")
+    try:
+        client = s.client()
+        r = client.completions.create(
+            model=MODEL, prompt=NATURAL_PROMPTS[0], temperature=0.0, max_tokens=8
+        )
+        c = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hi."}],
+            temperature=0.0,
+            max_tokens=8,
+        )
+        assert r.choices[0].text and c.choices[0].message.content
+        ranks = rank_pids(s.proc.pid)
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGSTOP)  # hung: the next step's all-reduce waits on it
+        long = {"model": MODEL, "prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
+        t0 = time.time()
+        resp = httpx.post(s.base + "/v1/completions", json=long, timeout=60)
+        assert resp.status_code >= 500 and "error" in resp.json(), resp.text
+        while httpx.get(s.base + "/health", timeout=10).status_code == 200:
+            assert time.time() - t0 < 15, "/health still 200"
+            time.sleep(0.2)
+    finally:
+        s.stop()
+    s.proc.wait(20)
+    time.sleep(1.0)
+    assert not any(alive(p) for p in ranks)  # the stopped rank was killed too
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    """PIDs of tensor-parallel rank processes whose ancestor is ``server_pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"chunkserve.distributed.launch" not in f.read():
+                    continue
+        except OSError:
+            continue
+        pid = int(entry)
+        p = pid
+        while p > 1:
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    p = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                break
+            if p == server_pid:
+                out.append(pid)
+                break
+    return out
+
+
+def test_two_nodes_on_loopback(engines, monkeypatch) -> None:
+    """``--nnodes 2``: node 1 runs rank 1 headless, node 0 serves; MASTER_ADDR/PORT join
+    them (here both on this host)."""
+    tp1, _ = engines
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chunkserve",
+            "serve",
+            "--tensor-parallel-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-batched-tokens",
+            str(BUDGET),
+        ],
+        env=env,
+    )
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        node0 = Engine(
+            **BASE, max_num_batched_tokens=BUDGET, tensor_parallel_size=2, nnodes=2, node_rank=0
+        )
+        assert node0.core_infos[0].tp_pids == []  # its rank 1 is node 1's
+        params = SamplingParams(max_tokens=10, temperature=0.0)
+        assert run_all(node0, NATURAL_PROMPTS, params) == run_all(tp1, NATURAL_PROMPTS, params)
+        node0.shutdown()
+        assert node1.wait(30) == 0  # told to stop: the headless node exits cleanly
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(10)
