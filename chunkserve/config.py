@@ -434,6 +434,10 @@ class EngineConfig:
     node when more than one); each node runs ``tensor_parallel_size / nnodes`` ranks."""
     node_rank: int = 0
     """This node's index among ``nnodes``: node 0 serves; the others only compute."""
+    tensor_parallel_shm: bool = True
+    """Ranks on one CPU host sum their partial outputs through shared memory (gloo's
+    per-call latency is ~100x a decode layer's work on a small VM); False: every
+    collective on gloo."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

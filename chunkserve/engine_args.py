@@ -166,6 +166,12 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         default=0,
         help="this node's index: 0 serves, the others run their ranks headless",
     )
+    g.add_argument(
+        "--no-tensor-parallel-shm",
+        dest="tensor_parallel_shm",
+        action="store_false",
+        help="tensor-parallel ranks on one CPU host sum over gloo instead of shared memory",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -209,6 +215,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
+        tensor_parallel_shm=args.tensor_parallel_shm,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)

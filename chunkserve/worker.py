@@ -44,6 +44,7 @@ from chunkserve.distributed.launch import (
     RankExited,
     RankSpec,
     connect_store,
+    launcher_env,
     start_rank0,
 )
 from chunkserve.distributed.shard import plan_shards
@@ -186,21 +187,40 @@ class Worker:
         else:
             store = connect_store(self.rank_spec)
         try:
-            self.group = TPGroup.join(store, self.rank, tp, self.device)
+            self.group = TPGroup.join(
+                store, self.rank, tp, self.device, shm_alive=self._shm_liveness()
+            )
         except BaseException:
             self.shutdown()
             raise
         logger.info(
             "tensor-parallel rank %d of %d: %d query / %d KV heads, %d MLP columns, "
-            "vocabulary rows %d..%d%s",
+            "vocabulary rows %d..%d, sums over %s%s",
             self.rank,
             tp,
             self.shard.num_heads,
             self.shard.num_kv_heads,
             self.shard.intermediate_size,
             *self.shard.vocab,
+            "shared memory" if self.group.shm is not None else "gloo",
             f", rank processes {self.tp_pids}" if self.tp_pids else "",
         )
+
+    def _shm_liveness(self):
+        """With every rank a process of this host started by rank 0 (and shared memory
+        allowed): what a rank waiting in a shared-memory sum checks, else None."""
+        config = self.config
+        if not config.tensor_parallel_shm or config.nnodes > 1 or launcher_env() is not None:
+            return None
+        if self.rank == 0:
+            return None if self.local_ranks is None else self.local_ranks.check
+        parent = os.getppid()  # rank 0, which started this rank
+
+        def parent_alive() -> None:
+            if os.getppid() != parent:
+                raise RankExited("tensor-parallel rank 0 is gone")
+
+        return parent_alive
 
     def load(self, source: ModelSource, reader, max_num_seqs: int) -> None:
         """Load the weights and allocate the KV cache, sampler and runner (tensor parallel:

@@ -78,9 +78,7 @@ def test_shard_plans_cover_the_model_once() -> None:
         (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), "node_rank"),
     ],
 )
-def test_bad_tensor_parallel_configs_fail_before_loading(
-    kwargs, field, no_weight_loading
-) -> None:
+def test_bad_tensor_parallel_configs_fail_before_loading(kwargs, field, no_weight_loading) -> None:
     with pytest.raises(ValueError, match=field):
         Engine(**BASE, **kwargs)
 
@@ -124,6 +122,7 @@ def engines():
 def test_logits_match_one_process(engines) -> None:
     tp1, tp2 = engines
     assert tp2.core.worker.shard.size == 2 and len(tp2.core_infos[0].tp_pids) == 1
+    assert tp2.core.worker.group.shm is not None  # one host: sums through shared memory
     prompts = NATURAL_PROMPTS + [random_prompt(__import__("random").Random(5), 300)]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     ref_logits, tp_logits = record_logits(tp1), record_logits(tp2)
@@ -159,6 +158,21 @@ def test_greedy_tokens_chunked_staggered_and_prefix_hits(engines) -> None:
     assert got == run_all(tp1, pair[:1], params) + run_all(tp1, pair[1:], params)
     del ids
     assert_no_blocks_in_use(tp2)
+
+
+def test_gloo_sums_match_shared_memory(engines) -> None:
+    """The shared-memory sums' off switch: every collective on gloo, the same tokens."""
+    tp1, _ = engines
+    engine = Engine(
+        **BASE, max_num_batched_tokens=BUDGET, tensor_parallel_size=2, tensor_parallel_shm=False
+    )
+    try:
+        assert engine.core.worker.group.shm is None
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        prompts = NATURAL_PROMPTS[:3] + [random_prompt(__import__("random").Random(3), 150)]
+        assert run_all(engine, prompts, params) == run_all(tp1, prompts, params)
+    finally:
+        engine.shutdown()
 
 
 def test_aborts_free_every_block(engines) -> None:

@@ -8,6 +8,9 @@ process, one after another or side by side):
 - ``device``: the forward pass's all-reduces (after the row-parallel projections and the
   vocabulary-parallel embedding) and the gather of the LM head's logits to rank 0. NCCL on
   CUDA, gloo on CPU.
+  On one CPU node the sums go through shared memory instead (``shm``: gloo's latency per
+  call is ~100x a layer's work at decode batch sizes on a small VM); gloo takes the ones too
+  large for its buffers.
 - ``meta``: gloo on the host, the step messages (``send`` / ``recv``). Ranks other than 0 wait
   in it while the engine idles, so its timeout is long; a rank 0 that dies closes its
   connections and the wait ends with an error at once (measured: gloo raises "Connection
@@ -21,11 +24,15 @@ capacity is preceded by one resize message.
 from __future__ import annotations
 
 import datetime
+import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from chunkserve.distributed.shm import ShmAllReduce, shm_supported
 
 # Step-message operations.
 OP_SHUTDOWN = 0
@@ -42,6 +49,9 @@ INITIAL_CAPACITY = 4096  # int64 words: a decode step of ~500 requests, a ~1,300
 COLLECTIVE_TIMEOUT_S = 300.0
 # Ranks other than 0 wait for the next step message this long (an idle engine sends pings).
 META_TIMEOUT = datetime.timedelta(days=20)
+# Bytes of one shared-memory all-reduce slot (a rank's tensor): 3,640 rows of 576 bf16
+# values; larger sums (long prefill chunks, where gloo's latency matters least) use gloo.
+SHM_CAPACITY = 4 << 20
 
 
 class CollectiveError(RuntimeError):
@@ -52,12 +62,21 @@ class CollectiveError(RuntimeError):
 class TPGroup:
     """One rank's end of a tensor-parallel group of ``size`` ranks."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, device_pg, meta_pg) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        device_pg,
+        meta_pg,
+        shm: ShmAllReduce | None = None,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.device = device
         self._dev = device_pg
         self._meta = meta_pg
+        self.shm = shm
         self._capacity = INITIAL_CAPACITY
         self._buf = torch.zeros(HEADER + self._capacity, dtype=torch.int64)
         # Seconds spent in collectives since ``take_comm_time`` (CPU: the host waits in them;
@@ -73,8 +92,11 @@ class TPGroup:
         size: int,
         device: torch.device,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        shm_alive: Callable[[], None] | None = None,
     ) -> TPGroup:
-        """Make both process groups over ``store`` (every rank calls this)."""
+        """Make both process groups over ``store`` (every rank calls this). ``shm_alive``
+        (every rank on one CPU host): sum through shared memory, calling it while waiting
+        (it raises when another rank is known to be gone)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", store), rank, size, META_TIMEOUT)
         dev_store = dist.PrefixStore("device", store)
@@ -85,7 +107,17 @@ class TPGroup:
         else:
             dev = dist.ProcessGroupGloo(dev_store, rank, size, timeout)
         group = cls(rank, size, device, dev, meta)
-        group.barrier()
+        use_shm = shm_alive is not None and device.type == "cpu"
+        use_shm = use_shm and group.min_int(int(shm_supported(size, SHM_CAPACITY))) == 1
+        if use_shm:
+            assert shm_alive is not None
+            if rank == 0:
+                store.set("chunkserve-shm", ShmAllReduce.create(size, SHM_CAPACITY))
+            path = store.get("chunkserve-shm").decode()
+            group.shm = ShmAllReduce(path, rank, size, SHM_CAPACITY, shm_alive, timeout_s)
+        group.barrier()  # every rank has mapped the file: its name can go
+        if use_shm and rank == 0:
+            os.unlink(path)
         return group
 
     # ---- the forward pass's collectives ----------------------------------------------------
@@ -93,8 +125,11 @@ class TPGroup:
         """Sum ``x`` over the ranks, in place; returns it."""
         t0 = time.perf_counter()
         try:
-            self._dev.allreduce([x]).wait()
-        except RuntimeError as exc:
+            if self.shm is not None and x.is_contiguous() and self.shm.fits(x):
+                self.shm.all_reduce(x)
+            else:
+                self._dev.allreduce([x]).wait()
+        except Exception as exc:
             raise CollectiveError(f"tensor-parallel all-reduce failed: {exc}") from exc
         self._comm_time += time.perf_counter() - t0
         return x
@@ -104,16 +139,21 @@ class TPGroup:
         ranks get None)."""
         t0 = time.perf_counter()
         local = local.contiguous()
-        out = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else []
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
+        out: list[torch.Tensor] | None = []
         try:
-            self._dev.gather([out] if out else [], [local], opts).wait()
-        except RuntimeError as exc:
+            if self.shm is not None and self.shm.fits(local):
+                out = self.shm.gather(local)
+            else:
+                out = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else []
+                opts = dist.GatherOptions()
+                opts.rootRank = 0
+                self._dev.gather([out] if out else [], [local], opts).wait()
+        except Exception as exc:
             raise CollectiveError(f"tensor-parallel logits gather failed: {exc}") from exc
         self._comm_time += time.perf_counter() - t0
         if self.rank != 0:
             return None
+        assert out
         return torch.cat(out, dim=-1)[:, :vocab_size]
 
     def min_int(self, value: int) -> int:
