@@ -38,6 +38,10 @@ from chunkserve.request import SamplingParams
 CONFIGS = {
     "tp1 x 2 threads": (dict(num_threads=2), 1),
     "tp2 x 1 thread": (dict(num_threads=1, tensor_parallel_size=2), 1),
+    "tp2 x 1 thread (gloo sums)": (
+        dict(num_threads=1, tensor_parallel_size=2, tensor_parallel_shm=False),
+        1,
+    ),
     "dp2 x 1 thread": (dict(num_threads=1), 2),
 }
 
@@ -69,7 +73,7 @@ def drive(engine, prompts, params) -> tuple[dict[str, list[float]], float]:
 
 def measure(name: str, args) -> dict:
     extra, dp = CONFIGS[name]
-    config = EngineConfig.from_kwargs(max_model_len=args.max_model_len, **extra)
+    config = EngineConfig.from_kwargs(max_model_len=args.max_model_len, dtype=args.dtype, **extra)
     engine = MultiprocessEngine(config, dp)
     steps: list = []
     engine.step_listeners.append(steps.append)
@@ -150,6 +154,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it, else fp32")
     args = p.parse_args()
     meta = {
         "machine": cpu_description(),

@@ -175,6 +175,58 @@ def test_gloo_sums_match_shared_memory(engines) -> None:
         engine.shutdown()
 
 
+def test_step_arrays_cross_as_one_array(engines) -> None:
+    """What rank 0 broadcasts decodes to the layout it runs itself."""
+    from chunkserve.runner import StepArrays
+
+    tp1, _ = engines
+    runner = tp1.core.worker.runner
+    sent: list[StepArrays] = []
+    original = runner.layout_of
+
+    def keep(step):
+        sent.append(step)
+        return original(step)
+
+    runner.layout_of = keep
+    try:
+        rng = __import__("random").Random(2)
+        run_all(tp1, [random_prompt(rng, n) for n in (5, 90, 170)], SamplingParams(max_tokens=3))
+    finally:
+        runner.layout_of = original
+    assert len(sent) > 3
+    for step in sent:
+        back = StepArrays.decode(step.encode())
+        for a, b in zip(back.sections, step.sections, strict=True):
+            assert a.tolist() == list(b)
+        assert back.tables == [list(t) for t in step.tables]
+        assert (back.query_start, back.seq_lens) == (step.query_start, step.seq_lens)
+        assert back.context_start == step.context_start
+        assert (back.num_prefill_seqs, back.num_prefill_tokens, back.num_decode_tokens) == (
+            step.num_prefill_seqs,
+            step.num_prefill_tokens,
+            step.num_decode_tokens,
+        )
+
+
+def test_speculative_decoding_matches_one_process(engines) -> None:
+    """n-gram drafts verified in tensor-parallel steps: the tokens of one process."""
+    tp1, _ = engines
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    engine = Engine(**BASE, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        steps = []
+        engine.step_listeners.append(steps.append)
+        text = "one two three four five six seven eight nine ten " * 6
+        params = SamplingParams(max_tokens=24, temperature=0.0)
+        prompts = [text, NATURAL_PROMPTS[2]]
+        assert run_all(engine, prompts, params) == run_all(tp1, prompts, params)
+        assert sum(s.num_draft_tokens for s in steps) > 0
+        assert_no_blocks_in_use(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_aborts_free_every_block(engines) -> None:
     _, tp2 = engines
     params = SamplingParams(max_tokens=200, ignore_eos=True)
