@@ -284,7 +284,7 @@ class MultiprocessEngine(FrontEnd):
         for pid in core.info.tp_pids if core.info else []:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"chunkserve.distributed.launch" not in f.read():
+                    if b"chunkserve.distributed.rank" not in f.read():
                         continue
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -319,7 +319,7 @@ def rank_pids(server_pid: int) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"chunkserve.distributed.launch" not in f.read():
+                if b"chunkserve.distributed.rank" not in f.read():
                     continue
         except OSError:
             continue

@@ -4,7 +4,7 @@ to start, and the main of a rank process.
 Three ways to get ``tensor_parallel_size`` ranks:
 
 - one node (the default): the engine core is rank 0; it starts ranks 1..N-1 as processes of
-  its own (``python -m chunkserve.distributed.launch``, the arguments pickled on stdin) and
+  its own (``python -m chunkserve.distributed.rank``, the arguments pickled on stdin) and
   hosts the group's store on a free loopback port;
 - several nodes: every node runs ``chunkserve serve --tensor-parallel-size N --nnodes M
   --node-rank K`` with ``MASTER_ADDR`` / ``MASTER_PORT`` naming node 0 (which serves and hosts
@@ -21,7 +21,6 @@ import datetime
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,10 @@ from chunkserve.config import EngineConfig
 logger = logging.getLogger("chunkserve.tp")
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # ranks of other nodes may load slowly
+
+
+# The main of a rank process (``python -m``; its arguments pickled on stdin).
+RANK_MODULE = "chunkserve.distributed.rank"
 
 
 class RankExited(RuntimeError):
@@ -107,9 +110,7 @@ class LocalRanks:
         procs: dict[int, subprocess.Popen] = {}
         try:
             for spec in specs:
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "chunkserve.distributed.launch"], stdin=subprocess.PIPE
-                )
+                p = subprocess.Popen([sys.executable, "-m", RANK_MODULE], stdin=subprocess.PIPE)
                 assert p.stdin is not None
                 p.stdin.write(pickle.dumps((config, spec, os.getpid(), log_level)))
                 p.stdin.close()
@@ -212,34 +213,3 @@ def run_headless(config: EngineConfig) -> int:
     finally:
         ranks.stop(10.0)
     return code
-
-
-def run_rank(config: EngineConfig, spec: RankSpec) -> None:
-    """A rank other than 0: load its shard, then follow rank 0's steps until told to stop
-    or the group breaks."""
-    from chunkserve.core import resolve_max_model_len
-    from chunkserve.model.loader import load_model_config, resolve_model
-    from chunkserve.worker import Worker
-
-    source = resolve_model(config.model, weights=config.load_format != "dummy")
-    model_config, reader = load_model_config(source)
-    worker = Worker(config, model_config, resolve_max_model_len(config, model_config), spec)
-    worker.load(source, reader, max_num_seqs=1)
-    worker.follow()
-
-
-def _main() -> None:
-    config, spec, _parent_pid, log_level = pickle.loads(sys.stdin.buffer.read())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-    logging.basicConfig(
-        level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank}: %(message)s"
-    )
-    try:
-        run_rank(config, spec)
-    except Exception:
-        logger.exception("tensor-parallel rank %d failed", spec.rank)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    _main()

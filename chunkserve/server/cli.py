@@ -115,7 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
             )
         spec = launch.launcher_rank(config)
         if spec is not None and spec.rank != 0:  # a launcher's rank: compute, serve nothing
-            launch.run_rank(config, spec)
+            from chunkserve.distributed.rank import run_rank
+
+            run_rank(config, spec)
             return 0
         if spec is None and config.node_rank > 0:  # a node other than 0: its ranks only
             return launch.run_headless(config)
