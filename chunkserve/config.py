@@ -358,7 +358,8 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV pool; default 1 GiB on CPU, 90% of free memory on a GPU."""
+    """Bytes for the KV pool; default 1 GiB on CPU, 90% of free memory on a GPU (tensor
+    parallel: per rank, each holding its share of the KV heads)."""
     max_num_batched_tokens: int | None = None
     """Token budget of one step, decodes plus prefill chunks. Given alone (no
     ``itl_slo_ms``, no ``max_decode_slowdown``): every step has this budget (static, as in

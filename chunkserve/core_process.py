@@ -131,7 +131,7 @@ def run_core(
     enc, dec = encoder(), command_decoder()
     try:
         if data_parallel_size > 1:
-            _pick_gpu(config.device, index, data_parallel_size)
+            _pick_gpu(config.device, index, data_parallel_size, config.tensor_parallel_size)
         core = EngineCore(config, eos_token_ids, index=index)
     except Exception as exc:
         logger.exception("engine core %d failed to start", index)
@@ -153,11 +153,16 @@ def run_core(
         ctx.term()
 
 
-def _pick_gpu(device: str, index: int, data_parallel_size: int) -> None:
+def _pick_gpu(device: str, index: int, data_parallel_size: int, tensor_parallel_size: int) -> None:
     import torch
 
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return  # CPU cores share the machine: each takes --num-threads of it
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            "data_parallel_size: several engine cores with tensor_parallel_size > 1 on CUDA "
+            "(each core's ranks would take the same GPUs); run one core per node"
+        )
     found = torch.cuda.device_count()
     if found < data_parallel_size:
         raise ValueError(

@@ -239,6 +239,12 @@ class Metrics:
             "after the forward pass.",
             _LATENCY_BUCKETS,
         )
+        self.tp_comm_time = hist(
+            "tensor_parallel_comm_seconds",
+            "Per tensor-parallel step: time rank 0 spent in collectives (the step broadcast, "
+            "the sums, the logits gather; waiting for slower ranks included).",
+            _LATENCY_BUCKETS,
+        )
         self.prefix_queries = Counter(
             "chunkserve:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -355,6 +361,8 @@ class Metrics:
             for pos, n in enumerate(s.accepted_per_position or ()):
                 if n:
                     self.spec_accepted_per_pos.labels(**lab, position=str(pos)).inc(n)
+        if s.comm_time:
+            self.tp_comm_time.labels(**lab).observe(s.comm_time)
         if s.num_masked_rows:
             self.mask_time.labels(**lab).observe(s.mask_time)
             self.mask_wait_time.labels(**lab).observe(s.mask_wait_time)

@@ -170,19 +170,11 @@ def test_batch_metadata_is_one_buffer(tiny_model_dir: Path) -> None:
     engine.step()
     out = engine.core.scheduler.schedule()
     layout, _ = engine.core.worker.runner.build_layout(out)
-    names = (
-        "input_ids",
-        "positions",
-        "slot_mapping",
-        "fresh_block_ids",
-        "cu_seqlens_q",
-        "seq_lens_k",
-        "block_tables",
-        "logits_indices",
-    )
-    storages = {getattr(layout, n).untyped_storage().data_ptr() for n in names}
+    from chunkserve.runner import SECTIONS
+
+    storages = {getattr(layout, n).untyped_storage().data_ptr() for n in SECTIONS}
     assert len(storages) == 1
-    assert all(getattr(layout, n).dtype == torch.int64 for n in names)
+    assert all(getattr(layout, n).dtype == torch.int64 for n in SECTIONS)
     assert layout.block_tables.shape[0] == layout.num_seqs
 
 

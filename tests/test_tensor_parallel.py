@@ -294,6 +294,7 @@ def test_served_with_a_hung_rank_goes_503_and_leaves_no_process() -> None:
             max_tokens=8,
         )
         assert r.choices[0].text and c.choices[0].message.content
+        assert s.metrics()["chunkserve:tensor_parallel_comm_seconds_count"] > 0
         ranks = rank_pids(s.proc.pid)
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGSTOP)  # hung: the next step's all-reduce waits on it
