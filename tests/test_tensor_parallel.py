@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -181,11 +182,23 @@ def test_step_arrays_cross_as_one_array(engines) -> None:
 
     tp1, _ = engines
     runner = tp1.core.worker.runner
-    sent: list[StepArrays] = []
+    sent: list[tuple[np.ndarray, dict]] = []
     original = runner.layout_of
 
-    def keep(step):
-        sent.append(step)
+    def keep(step):  # as it is now: a request's block list grows after the step
+        sent.append(
+            (
+                step.encode(),
+                dict(
+                    sections=[a.tolist() for a in step.sections],
+                    tables=[list(t) for t in step.tables],
+                    query_start=list(step.query_start),
+                    seq_lens=list(step.seq_lens),
+                    context_start=list(step.context_start),
+                    counts=(step.num_prefill_seqs, step.num_prefill_tokens, step.num_decode_tokens),
+                ),
+            )
+        )
         return original(step)
 
     runner.layout_of = keep
@@ -195,18 +208,14 @@ def test_step_arrays_cross_as_one_array(engines) -> None:
     finally:
         runner.layout_of = original
     assert len(sent) > 3
-    for step in sent:
-        back = StepArrays.decode(step.encode())
-        for a, b in zip(back.sections, step.sections, strict=True):
-            assert a.tolist() == list(b)
-        assert back.tables == [list(t) for t in step.tables]
-        assert (back.query_start, back.seq_lens) == (step.query_start, step.seq_lens)
-        assert back.context_start == step.context_start
-        assert (back.num_prefill_seqs, back.num_prefill_tokens, back.num_decode_tokens) == (
-            step.num_prefill_seqs,
-            step.num_prefill_tokens,
-            step.num_decode_tokens,
-        )
+    for data, want in sent:
+        back = StepArrays.decode(data)
+        assert [a.tolist() for a in back.sections] == want["sections"]
+        assert back.tables == want["tables"]
+        assert (back.query_start, back.seq_lens) == (want["query_start"], want["seq_lens"])
+        assert back.context_start == want["context_start"]
+        got = (back.num_prefill_seqs, back.num_prefill_tokens, back.num_decode_tokens)
+        assert got == want["counts"]
 
 
 def test_speculative_decoding_matches_one_process(engines) -> None:
@@ -382,3 +391,77 @@ def test_two_nodes_on_loopback(engines, monkeypatch) -> None:
         if node1.poll() is None:
             node1.kill()
             node1.wait(10)
+
+
+def test_torchrun_starts_one_process_per_rank(engines) -> None:
+    """A launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): torchrun runs
+    ``chunkserve serve`` twice; rank 0 serves, rank 1 computes; the answer is one process's."""
+    tp1, _ = engines
+    port, master = free_port(), free_port()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(master),
+        "-m",
+        "chunkserve",
+        "serve",
+        "--tp",
+        "2",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "64MiB",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, "torchrun exited"
+            assert time.time() < deadline, "not healthy in time"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        body = {"model": MODEL, "prompt": NATURAL_PROMPTS[0], "max_tokens": 12}
+        r = httpx.post(base + "/v1/completions", json={**body, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        rid = tp1.add_request(NATURAL_PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
+        text = None
+        while text is None:
+            for out in tp1.step():
+                if out.request_id == rid and out.finished:
+                    text = out.text
+        assert r.json()["choices"][0]["text"] == text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    time.sleep(1.0)
+    left = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if str(port).encode() in f.read() and alive(int(entry)):
+                    left.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    assert not left, left
