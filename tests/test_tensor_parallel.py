@@ -32,6 +32,8 @@ from tests.test_invariance import (
 from tests.test_server import MODEL, Server, alive, free_port
 
 BASE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+# BASE as ``chunkserve serve`` flags.
+SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "64MiB"]
 BUDGET = 64  # static: both engines run the same steps, so their logits compare step by step
 
 
@@ -365,12 +367,7 @@ def test_two_nodes_on_loopback(engines, monkeypatch) -> None:
             "2",
             "--node-rank",
             "1",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "1024",
-            "--kv-cache-memory",
-            "64MiB",
+            *SERVE_FLAGS,
             "--max-num-batched-tokens",
             str(BUDGET),
         ],
@@ -416,12 +413,7 @@ def test_torchrun_starts_one_process_per_rank(engines) -> None:
         "2",
         "--port",
         str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--kv-cache-memory",
-        "64MiB",
+        *SERVE_FLAGS,
         "--log-level",
         "warning",
     ]
