@@ -95,7 +95,6 @@ class CoreInfo:
     block_size: int
     kv_cache_memory: int
     budget_policy: str
-    tensor_parallel_size: int = 1
     tp_pids: list[int] = field(default_factory=list)  # its tensor-parallel rank processes
 
 
@@ -264,7 +263,6 @@ class EngineCore:
             block_size=w.block_size,
             kv_cache_memory=w.kv_cache_memory,
             budget_policy=self.budget_policy.describe(),
-            tensor_parallel_size=self.config.tensor_parallel_size,
             tp_pids=w.tp_pids,
         )
 

@@ -71,8 +71,9 @@ class StepArrays:
     table_width: int  # columns of block_tables
     context_start: list[int]  # [B]
     tables: list[list[int]]  # [B][blocks of that sequence]
-    query_start: list[int] = field(default_factory=list)  # [B + 1], cu_seqlens_q
-    seq_lens: list[int] = field(default_factory=list)  # [B], seq_lens_k
+    # Host lists of two sections (the backends loop over them without a device sync).
+    query_start: list[int]  # [B + 1], cu_seqlens_q
+    seq_lens: list[int]  # [B], seq_lens_k
 
     def encode(self) -> np.ndarray:
         """One int64 array: a header (counts, section sizes), the sections, each sequence's

@@ -183,7 +183,7 @@ class Worker:
         if tp == 1:
             return
         if self.rank_spec is None:
-            store, _, self.local_ranks = start_rank0(self.config)
+            store, self.local_ranks = start_rank0(self.config)
         else:
             store = connect_store(self.rank_spec)
         try:
@@ -264,14 +264,16 @@ class Worker:
             self.device,
         )
         self.model.fused_ops = config.fused_ops and on_cuda and triton_usable(self.device)
-        leader = self.rank == 0
-        self.sampler = Sampler(model_config.vocab_size, self.device, seed=config.seed)
+        leader = self.rank == 0  # samples; the other ranks only compute their shares
+        self.sampler = (
+            Sampler(model_config.vocab_size, self.device, seed=config.seed) if leader else None
+        )
         # Padding token counts to a few sizes helps oneDNN's caches on a CPU; on a GPU
         # eager steps run at their exact size and decode-only steps replay CUDA graphs.
         self.runner = ModelRunner(
             self.model,
             self.attention,
-            self.sampler if leader else None,
+            self.sampler,
             kv_caches,
             self.block_size,
             self.device,
@@ -349,18 +351,16 @@ class Worker:
                 return
 
     def keepalive(self) -> None:
-        """Called while the engine idles: ping the other ranks now and then."""
+        """Called while the engine idles: ping the other ranks now and then, and see that
+        the ones it started live."""
         group = self.group
-        if group is not None and time.monotonic() - group.last_send > TP_PING_INTERVAL_S:
-            try:
+        try:
+            if group is not None and time.monotonic() - group.last_send > TP_PING_INTERVAL_S:
                 group.send(OP_PING)
-            except CollectiveError as exc:
-                raise DeviceError(str(exc)) from exc
-        if self.local_ranks is not None:
-            try:
+            if self.local_ranks is not None:
                 self.local_ranks.check()
-            except RankExited as exc:
-                raise DeviceError(str(exc)) from exc
+        except (CollectiveError, RankExited) as exc:
+            raise DeviceError(str(exc)) from exc
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop and wait for the ones it started."""

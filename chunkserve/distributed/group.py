@@ -66,14 +66,12 @@ class TPGroup:
         self,
         rank: int,
         size: int,
-        device: torch.device,
         device_pg,
         meta_pg,
         shm: ShmAllReduce | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
-        self.device = device
         self._dev = device_pg
         self._meta = meta_pg
         self.shm = shm
@@ -106,7 +104,7 @@ class TPGroup:
             dev = dist.ProcessGroupNCCL(dev_store, rank, size, opts)
         else:
             dev = dist.ProcessGroupGloo(dev_store, rank, size, timeout)
-        group = cls(rank, size, device, dev, meta)
+        group = cls(rank, size, dev, meta)
         use_shm = shm_alive is not None and device.type == "cpu"
         use_shm = use_shm and group.min_int(int(shm_supported(size, SHM_CAPACITY))) == 1
         if use_shm:

@@ -112,7 +112,7 @@ class LocalRanks:
             for spec in specs:
                 p = subprocess.Popen([sys.executable, "-m", RANK_MODULE], stdin=subprocess.PIPE)
                 assert p.stdin is not None
-                p.stdin.write(pickle.dumps((config, spec, os.getpid(), log_level)))
+                p.stdin.write(pickle.dumps((config, spec, log_level)))
                 p.stdin.close()
                 procs[spec.rank] = p
         except BaseException:
@@ -153,9 +153,9 @@ class LocalRanks:
                 p.wait(5.0)
 
 
-def start_rank0(config: EngineConfig) -> tuple[dist.Store, RankSpec, LocalRanks | None]:
+def start_rank0(config: EngineConfig) -> tuple[dist.Store, LocalRanks | None]:
     """Rank 0's side (the engine core): host the store (or reach the launcher's), start this
-    node's other ranks. Returns the store, rank 0's spec and the processes started."""
+    node's other ranks. Returns the store and the processes started."""
     size = config.tensor_parallel_size
     spec = launcher_rank(config)
     if spec is not None:
@@ -163,7 +163,7 @@ def start_rank0(config: EngineConfig) -> tuple[dist.Store, RankSpec, LocalRanks 
             raise ValueError(f"RANK: the engine core is rank 0, not {spec.rank}")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             # torchrun's agent already serves a store at MASTER_PORT: be its client.
-            return connect_store(spec), spec, None
+            return connect_store(spec), None
         store = dist.TCPStore(
             spec.master_addr,
             spec.master_port,
@@ -172,7 +172,7 @@ def start_rank0(config: EngineConfig) -> tuple[dist.Store, RankSpec, LocalRanks 
             wait_for_workers=False,
             timeout=STORE_TIMEOUT,
         )
-        return store, spec, None
+        return store, None
     if config.nnodes > 1:
         addr, port = _master_from_env("nnodes")
     else:
@@ -183,7 +183,7 @@ def start_rank0(config: EngineConfig) -> tuple[dist.Store, RankSpec, LocalRanks 
     per_node = size // config.nnodes
     specs = [RankSpec(r, size, r, addr, store.port) for r in range(1, per_node)]
     ranks = LocalRanks.start(config, specs) if specs else None
-    return store, RankSpec(0, size, 0, addr, store.port), ranks
+    return store, ranks
 
 
 def node_specs(config: EngineConfig) -> list[RankSpec]:

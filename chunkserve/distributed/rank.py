@@ -29,7 +29,7 @@ def run_rank(config: EngineConfig, spec: RankSpec) -> None:
 
 
 def _main() -> None:
-    config, spec, _parent_pid, log_level = pickle.loads(sys.stdin.buffer.read())
+    config, spec, log_level = pickle.loads(sys.stdin.buffer.read())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank}: %(message)s"

@@ -89,8 +89,9 @@ def plan_shards(config: ModelConfig, size: int, rank: int) -> ShardPlan:
             f"tensor_parallel_size: {size} ranks are more than the model's MLP width "
             f"({config.intermediate_size}) or vocabulary ({config.vocab_size}) can be split over"
         )
-    q_heads, kv_heads = _heads(config, size, rank)
-    max_kv = max(_heads(config, size, r)[1][1] - _heads(config, size, r)[1][0] for r in range(size))
+    heads = [_heads(config, size, r) for r in range(size)]
+    q_heads, kv_heads = heads[rank]
+    max_kv = max(kv[1] - kv[0] for _, kv in heads)
     shard = -(-config.vocab_size // size)
     first = min(rank * shard, config.vocab_size)
     return ShardPlan(

@@ -320,29 +320,13 @@ class LlamaModel(nn.Module):
             else:
                 param.normal_(0.0, 0.02, generator=gen)
 
-    def _full_shape(self, name: str, dst: torch.Tensor) -> tuple[int, ...]:
-        """The checkpoint's shape of weight ``name`` (whose shard is ``dst``)."""
-        if self.shard.size == 1:
-            return tuple(dst.shape)
-        cfg, hd = self.config, self.config.head_dim
-        h = cfg.hidden_size
-        rows = {
-            "embed_tokens": cfg.vocab_size,
-            "lm_head": cfg.vocab_size,
-            "q_proj": cfg.num_heads * hd,
-            "k_proj": cfg.num_kv_heads * hd,
-            "v_proj": cfg.num_kv_heads * hd,
-            "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size,
-        }
-        kind = name.split(".")[-2]
-        if kind in rows:
-            return (rows[kind],) + tuple(dst.shape[1:])
-        if kind == "o_proj":
-            return (h, cfg.num_heads * hd)
-        if kind == "down_proj":
-            return (h, cfg.intermediate_size)
-        return tuple(dst.shape)
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each weight's shape in the checkpoint: the unsharded model's (built on the meta
+        device: shapes only, no memory)."""
+        full = self
+        if self.shard.size > 1:
+            full = LlamaModel(self.config, self.dtype, torch.device("meta"), max_positions=1)
+        return {name: tuple(dst.shape) for name, (dst, _) in full._weight_targets().items()}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -350,6 +334,7 @@ class LlamaModel(nn.Module):
         fused parameters as they stream in, so peak memory is the model plus one tensor. A
         tensor-parallel rank copies its slice of each."""
         targets = self._weight_targets()
+        shapes = self._checkpoint_shapes()
         for name, tensor in weights:
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq") or (
@@ -358,7 +343,7 @@ class LlamaModel(nn.Module):
                     continue  # derived, or a copy of the tied embedding
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
             dst, part = targets.pop(name)
-            expected = self._full_shape(name, dst)
+            expected = shapes[name]
             if tuple(tensor.shape) != expected:
                 raise ValueError(
                     f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}"

@@ -137,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"({info.kv_cache_memory / 2**20:.0f} MiB) | max_model_len={engine.max_model_len} "
         f"max_num_seqs={sc.max_num_seqs} chunked_prefill={sc.enable_chunked_prefill} "
         f"scheduling_policy={sc.policy} | budget {info.budget_policy} | "
-        f"tensor_parallel_size={info.tensor_parallel_size} | "
+        f"tensor_parallel_size={config.tensor_parallel_size} | "
         f"api_key={'set' if args.api_key else 'none'} "
         f"max_waiting_requests={args.max_waiting_requests}",
         flush=True,
