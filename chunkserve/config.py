@@ -14,6 +14,8 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DISAGGREGATION_MODES = (None, "prefill", "decode")
+KV_CONNECTORS = ("shm", "torch")
 PREFILL_ORDERS = ("shortest", "arrival")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -439,6 +441,19 @@ class EngineConfig:
     """Ranks on one CPU host sum their partial outputs through shared memory (gloo's
     per-call latency is ~100x a decode layer's work on a small VM); False: every
     collective on gloo."""
+    disaggregation_mode: str | None = None
+    """Prefill/decode disaggregation (SGLang's ``--disaggregation-mode``): ``prefill``
+    computes prompts' KV caches and sends them to the decode instance that asked
+    (``chunkserve.disagg``); ``decode`` takes requests naming a prefill instance
+    (``kv_transfer_params.prefill_url``, set by ``chunkserve router``), receives their KV
+    and samples every token. None: colocated (requests naming one are refused)."""
+    kv_connector: str = "shm"
+    """How a decode instance receives KV blocks: ``shm`` (a shared-memory file per transfer:
+    both instances on one host) or ``torch`` (torch.distributed point-to-point: gloo on CPU,
+    NCCL on CUDA; separate hosts). The prefill side follows what each handle names."""
+    kv_transfer_host: str = "127.0.0.1"
+    """``kv_connector="torch"``: the address a decode instance listens on for prefill
+    instances (one they can reach)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -519,6 +534,30 @@ class EngineConfig:
             "nnodes",
             f"{self.nnodes} nodes cannot hold {self.tensor_parallel_size} tensor-parallel ranks "
             f"evenly",
+        )
+        _require(
+            self.disaggregation_mode in DISAGGREGATION_MODES,
+            "disaggregation_mode",
+            f"must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}",
+        )
+        _require(
+            self.kv_connector in KV_CONNECTORS,
+            "kv_connector",
+            f"must be one of {KV_CONNECTORS}, got {self.kv_connector!r}",
+        )
+        _require(
+            self.disaggregation_mode is None or self.tensor_parallel_size == 1,
+            "disaggregation_mode",
+            "prefill/decode instances run one rank each (tensor_parallel_size 1)",
+        )
+        spec = self.speculative_config
+        _require(
+            self.disaggregation_mode != "decode"
+            or not isinstance(spec, SpeculativeConfig)
+            or spec.method != "draft_model",
+            "speculative_config",
+            "a draft model needs its own prefill of each prompt, which a decode instance "
+            "does not run; use method ngram",
         )
         _require(
             _is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes,

@@ -21,6 +21,9 @@ from typing import Any
 from chunkserve.budget import UNPROFILED_WARMUP_STEPS, BudgetController
 from chunkserve.config import EngineConfig, ModelConfig
 from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel, StepShape, find_profile
+from chunkserve.disagg.connector import Connectors
+from chunkserve.disagg.remote import RemotePrefills
+from chunkserve.disagg.sender import KVSender
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
 from chunkserve.request import Request, RequestStatus, SamplingParams
@@ -31,6 +34,9 @@ from chunkserve.structured import GrammarCompiler
 from chunkserve.worker import DeviceError, Worker
 
 logger = logging.getLogger("chunkserve")
+
+# Disaggregated decode with nothing to run but KV arriving: the core polls this often.
+TRANSFER_POLL_S = 0.001
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -158,6 +164,22 @@ class EngineCore:
             self.worker.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(sched_config, self.kv)
+        # Prefill/decode disaggregation (``chunkserve.disagg``): the decode side asks for
+        # prompts' KV and takes it in; the prefill side sends it.
+        self.connectors: Connectors | None = None
+        self.remote: RemotePrefills | None = None
+        self.sender: KVSender | None = None
+        mode = config.disaggregation_mode
+        if mode is not None:
+            self.connectors = Connectors(
+                config.kv_connector, config.kv_transfer_host, self.worker.device
+            )
+            if mode == "decode":
+                self.remote = RemotePrefills(
+                    self.connectors, self.worker, self.scheduler, config.block_size
+                )
+            else:
+                self.sender = KVSender(self.connectors, self.worker, config.block_size)
         spec = config.speculative_config
         self.speculator = Speculator(spec, max_model_len) if spec else None
         # Structured outputs: grammars compiled off the step loop; the tokenizer is read
@@ -173,7 +195,8 @@ class EngineCore:
             "chunkserve engine core: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
             "fused_ops=%s weights loaded in %.1fs | KV cache: %d blocks x %d tokens = %d "
             "tokens (%.0f MiB) | max_model_len=%d max_num_seqs=%d chunked_prefill=%s "
-            "policy=%s | %s | speculative: %s | tensor_parallel_size=%d",
+            "policy=%s | %s | speculative: %s | tensor_parallel_size=%d | "
+            "disaggregation: %s",
             source.name,
             w.device,
             str(w.dtype).removeprefix("torch."),
@@ -192,6 +215,9 @@ class EngineCore:
             self.budget_policy.describe(),
             spec.describe() if spec else "off",
             config.tensor_parallel_size,
+            "off"
+            if mode is None
+            else f"{mode}" + (f" (kv_connector={config.kv_connector})" if self.remote else ""),
         )
 
     # ---- setup -----------------------------------------------------------------------------
@@ -281,6 +307,16 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
         )
+        kv = req.params.kv_transfer_params
+        if kv is not None and (kv.send is None) != (self.sender is None):
+            # The edge refuses these (``InputProcessor``); in process, say so again.
+            raise ValueError(
+                f"kv_transfer_params: this instance's disaggregation_mode is "
+                f"{self.config.disaggregation_mode!r}"
+            )
+        if kv is not None and kv.send is not None:
+            assert self.sender is not None
+            self.sender.open(request, kv.send)  # a handle that does not fit: ValueError
         if req.params.structured_outputs is not None:
             self.grammars.submit(request)  # scheduled once its grammar is compiled
         else:
@@ -300,19 +336,41 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 self.scheduler.finish_request(request, status)
-                self.worker.forget(request_id)
+                self._forget(request_id)
 
     def fail_request(self, request_id: str, error: str) -> None:
         """A request whose output processing raised: it ends alone, its blocks free."""
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.scheduler.fail_requests([request], error)
-            self.worker.forget(request_id)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended: drop its sampling state and any KV transfer of it."""
+        self.worker.forget(request_id)
+        if self.remote is not None:
+            self.remote.release(request_id)
+        if self.sender is not None:
+            self.sender.release(request_id)
+
+    def _fail(self, failures: list[tuple[Request, str]]) -> list[CoreOutput]:
+        """End these requests alone with their errors; their final outputs."""
+        outputs = []
+        for request, error in failures:
+            self.scheduler.fail_requests([request], error)
+            outputs.append(self._final(request, error))
+        return outputs
 
     def shutdown(self) -> None:
-        """Stop the background threads (grammar compiles and masks) and the
+        """Stop the background threads (grammar compiles and masks, KV transfers) and the
         tensor-parallel ranks."""
         self.grammars.shutdown()
+        if self.remote is not None:
+            self.remote.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.connectors is not None:
+            self.connectors.close()
         runner = self.worker.runner
         if runner is not None and runner.masks is not None:
             runner.masks.shutdown()
@@ -350,6 +408,9 @@ class EngineCore:
         """Run one iteration: an output for every request that got a token or ended in it."""
         t_start = time.perf_counter()
         failed = self._admit_grammars() if self.grammars.pending else []
+        if self.remote is not None:  # disaggregated decode: KV asked for, and arriving
+            failed += self._fail(self.remote.start(self.scheduler.admit_remote()))
+            failed += self._fail(self.remote.poll())
         kv = self.kv
         queried, hits = kv.num_queried_tokens, kv.num_hit_tokens
         decision = None
@@ -363,6 +424,8 @@ class EngineCore:
         t_sched = time.perf_counter()
         if out.is_empty:
             self._prev_step_end = None  # idle: the next gap starts afresh
+            if self.remote is not None and self.remote.active:
+                time.sleep(TRANSFER_POLL_S)  # only KV in flight: poll again shortly
             return CoreStep(failed)
         try:
             result = self.worker.execute(out)
@@ -375,6 +438,8 @@ class EngineCore:
             return CoreStep(failed + self._fail_step(out, f"{type(exc).__name__}: {exc}"))
         t_fwd = time.perf_counter()
         outputs = failed
+        if self.sender is not None:  # before ``update`` may free a finished prompt's blocks
+            outputs += self._fail(self.sender.after_execute(out))
         if result.failed:  # sampling raised for these rows only
             for chunk in out.chunks:
                 r = chunk.request
@@ -405,7 +470,7 @@ class EngineCore:
                 )
             )
             if r.is_finished:
-                self.worker.forget(r.request_id)
+                self._forget(r.request_id)
         spec = None
         if self.speculator is not None:
             spec = self.speculator.record(out.decodes)
@@ -420,6 +485,12 @@ class EngineCore:
             stats.num_accepted_tokens = spec.accepted
             stats.accepted_per_position = spec.per_position
         stats.comm_time = result.comm_time
+        ends = self.remote or self.sender
+        if ends is not None:
+            records = ends.take_records()
+            if records:
+                stats.kv_transfers = [(r.num_bytes, r.copy_s, r.wait_s) for r in records]
+            stats.num_waiting_for_kv = self.scheduler.num_waiting_for_kv
         stats.num_masked_rows = result.num_masked_rows
         stats.mask_time, stats.mask_wait_time = result.mask_time, result.mask_wait_time
         compiles = self.grammars.take_records()
@@ -516,7 +587,7 @@ class EngineCore:
 
     def _final(self, request: Request, error: str | None = None) -> CoreOutput:
         """The last output of a request that ends without a new token (abort, error)."""
-        self.worker.forget(request.request_id)
+        self._forget(request.request_id)
         return CoreOutput(
             request.request_id,
             [],

@@ -192,8 +192,9 @@ def _serve(index, core: EngineCore, commands, reports, enc, dec, parent: int) ->
             continue
         step = core.step()
         outputs = finals + step.outputs
+        if outputs or step.stats is not None or changed:  # not while only KV arrives
+            reports.send(enc.encode(StepReport(index, outputs, step.stats, core.load())))
         finals, changed = [], False
-        reports.send(enc.encode(StepReport(index, outputs, step.stats, core.load())))
 
 
 def _apply(core: EngineCore, cmd: Command, finals: list[CoreOutput]) -> None:

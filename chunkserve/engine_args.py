@@ -172,6 +172,26 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         action="store_false",
         help="tensor-parallel ranks on one CPU host sum over gloo instead of shared memory",
     )
+    g.add_argument(
+        "--disaggregation-mode",
+        choices=["prefill", "decode"],
+        default=None,
+        help="prefill/decode disaggregation: 'prefill' computes prompts' KV and sends it to "
+        "the decode instance that asked; 'decode' receives it and samples every token "
+        "(put `chunkserve router` in front)",
+    )
+    g.add_argument(
+        "--kv-connector",
+        choices=["shm", "torch"],
+        default="shm",
+        help="decode side: how KV blocks arrive: shared memory (one host, the default) or "
+        "torch.distributed point-to-point (separate hosts)",
+    )
+    g.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="--kv-connector torch: the address this decode instance listens on",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -216,6 +236,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         tensor_parallel_shm=args.tensor_parallel_shm,
+        disaggregation_mode=args.disaggregation_mode,
+        kv_connector=args.kv_connector,
+        kv_transfer_host=args.kv_transfer_host,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)

@@ -49,7 +49,9 @@ class FrontEnd:
         self.max_model_len = resolve_max_model_len(config, model_config)
         # Pure configuration: a bad one fails here, before any core loads weights.
         self.budget_policy = config.budget_policy(self.max_model_len)
-        self.inputs = InputProcessor(self.tokenizer, model_config, self.max_model_len)
+        self.inputs = InputProcessor(
+            self.tokenizer, model_config, self.max_model_len, config.disaggregation_mode
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._source: ModelSource | None = source
         self._reader = reader

@@ -11,15 +11,23 @@ from collections.abc import Sequence
 
 from chunkserve import structured
 from chunkserve.config import ModelConfig
+from chunkserve.disagg.connector import KVHandle
 from chunkserve.request import INT64_MAX, INT64_MIN, SamplingParams
 from chunkserve.tokenizer import Tokenizer
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_config: ModelConfig,
+        max_model_len: int,
+        disaggregation_mode: str | None = None,
+    ):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
+        self.disaggregation_mode = disaggregation_mode
 
     def check_request(
         self, num_prompt_tokens: int, params: SamplingParams, priority: int = 0
@@ -53,6 +61,7 @@ class InputProcessor:
                 f"prompt: {n} tokens is too long; max_model_len is "
                 f"{self.max_model_len} (prompt + at least one output token)"
             )
+        self._check_kv_transfer(params, n)
         if params.max_tokens is None:
             if params.min_tokens > self.max_model_len - n:
                 raise ValueError(
@@ -67,6 +76,29 @@ class InputProcessor:
                 f"{params.max_tokens} for the completion)"
             )
         return params.max_tokens
+
+    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        kv = params.kv_transfer_params
+        if kv is None:
+            return
+        mode = self.disaggregation_mode
+        if kv.prefill_url is not None and mode != "decode":
+            raise ValueError(
+                "kv_transfer_params.prefill_url: only a decode instance "
+                "(--disaggregation-mode decode) takes a prefill instance to use"
+            )
+        if kv.send is not None:
+            if mode != "prefill":
+                raise ValueError(
+                    "kv_transfer_params.send: only a prefill instance "
+                    "(--disaggregation-mode prefill) sends KV blocks"
+                )
+            handle = KVHandle.from_dict(kv.send)
+            if handle.num_tokens != num_prompt_tokens:
+                raise ValueError(
+                    f"kv_transfer_params.send.num_tokens: {handle.num_tokens}, but the prompt "
+                    f"has {num_prompt_tokens} tokens"
+                )
 
     def tokenize_prompt(
         self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None = None

@@ -74,6 +74,7 @@ FINISHED_REASONS = tuple(
     )
 )
 _RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0)
+_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -245,6 +246,30 @@ class Metrics:
             "the sums, the logits gather; waiting for slower ranks included).",
             _LATENCY_BUCKETS,
         )
+        self.kv_transfer_bytes = hist(
+            "kv_transfer_bytes",
+            "Per request: KV cache bytes sent (prefill instance) or received (decode "
+            "instance) in prefill/decode disaggregation.",
+            _BYTES_BUCKETS,
+        )
+        self.kv_transfer_time = hist(
+            "kv_transfer_seconds",
+            "Per request: time this instance spent moving its KV blocks (prefill: reading "
+            "them out and handing them to the connector; decode: copying them into the pool).",
+            _LATENCY_BUCKETS,
+        )
+        self.kv_transfer_wait = hist(
+            "kv_transfer_wait_seconds",
+            "Per request, decode instance: from asking the prefill instance to the last KV "
+            "block in (its queue and prefill there included).",
+            _REQUEST_BUCKETS,
+        )
+        self.waiting_for_kv = Gauge(
+            "chunkserve:num_requests_waiting_for_kv",
+            "Decode instance: requests holding KV blocks while their prompt's KV arrives.",
+            labels,
+            registry=reg,
+        )
         self.prefix_queries = Counter(
             "chunkserve:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -363,6 +388,12 @@ class Metrics:
                     self.spec_accepted_per_pos.labels(**lab, position=str(pos)).inc(n)
         if s.comm_time:
             self.tp_comm_time.labels(**lab).observe(s.comm_time)
+        for num_bytes, seconds, wait in s.kv_transfers or ():
+            self.kv_transfer_bytes.labels(**lab).observe(num_bytes)
+            self.kv_transfer_time.labels(**lab).observe(seconds)
+            if wait:
+                self.kv_transfer_wait.labels(**lab).observe(wait)
+        self.waiting_for_kv.labels(**lab).set(s.num_waiting_for_kv)
         if s.num_masked_rows:
             self.mask_time.labels(**lab).observe(s.mask_time)
             self.mask_wait_time.labels(**lab).observe(s.mask_wait_time)

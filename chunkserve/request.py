@@ -47,6 +47,51 @@ MAX_GRAMMAR_CHARS = 64 << 10
 MAX_CHOICES = 256
 
 
+MAX_URL_CHARS = 2048
+
+
+@dataclass
+class KVTransferParams:
+    """Prefill/decode disaggregation (``chunkserve.disagg``): exactly one of
+
+    - ``prefill_url``, to a decode instance: compute this prompt's KV cache on that prefill
+      instance (``http(s)://host:port``), receive it here, then sample every token here;
+    - ``send``, to a prefill instance: a connector handle (``disagg.connector.KVHandle`` as
+      a dict, made by the decode instance that asks): where this prompt's KV blocks go.
+    """
+
+    prefill_url: str | None = None
+    send: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        name = "kv_transfer_params"
+        _check(
+            (self.prefill_url is None) != (self.send is None),
+            name,
+            "give exactly one of 'prefill_url' (to a decode instance) and 'send' (to a "
+            "prefill instance)",
+        )
+        url = self.prefill_url
+        _check(
+            url is None
+            or (
+                isinstance(url, str)
+                and url.startswith(("http://", "https://"))
+                and len(url) <= MAX_URL_CHARS
+            ),
+            f"{name}.prefill_url",
+            f"must be an http(s):// URL of at most {MAX_URL_CHARS} characters, got {url!r}",
+        )
+        _check(
+            self.send is None or isinstance(self.send, dict),
+            f"{name}.send",
+            "must be an object (a KV connector handle)",
+        )
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a grammar: exactly one of ``json`` (a JSON schema, as a dict
@@ -167,6 +212,9 @@ class SamplingParams:
     """Constrain the output to a JSON schema, regex, choice or grammar (see
     ``StructuredOutputsParams``); a dict of its fields is taken too. Logprobs are then of
     the masked distribution."""
+    kv_transfer_params: KVTransferParams | None = None
+    """Prefill/decode disaggregation (``KVTransferParams``; a dict of its fields is taken
+    too): where this prompt's KV cache comes from or goes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -179,6 +227,11 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as exc:
                 raise ValueError(f"structured_outputs: {exc}") from None
+        if isinstance(self.kv_transfer_params, dict):
+            try:
+                self.kv_transfer_params = KVTransferParams(**self.kv_transfer_params)
+            except TypeError as exc:
+                raise ValueError(f"kv_transfer_params: {exc}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -275,6 +328,14 @@ class SamplingParams:
         )
         if so is not None:
             so.validate()
+        kv = self.kv_transfer_params
+        _check(
+            kv is None or isinstance(kv, KVTransferParams),
+            "kv_transfer_params",
+            "must be a KVTransferParams or a dict of its fields",
+        )
+        if kv is not None:
+            kv.validate()
 
     @property
     def greedy(self) -> bool:
@@ -304,6 +365,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, blocks freed, will recompute
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks held, the prompt's KV arriving (disaggregated)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -455,6 +517,12 @@ class Request:
     def is_prefilling(self) -> bool:
         """True until only the newest sampled token is left to compute."""
         return self.num_output_tokens == 0 or self.num_uncomputed_tokens > 1
+
+    @property
+    def prefill_url(self) -> str | None:
+        """Disaggregated decode: the prefill instance computing this prompt's KV."""
+        kv = self.sampling_params.kv_transfer_params
+        return None if kv is None else kv.prefill_url
 
     @property
     def is_finished(self) -> bool:

@@ -19,6 +19,13 @@ With chunked prefill off the old behaviour returns: a step either prefills whole
 
 When the pool runs out of blocks, the least urgent running request (newest arrival under
 FCFS) is preempted: its blocks are freed and it recomputes later from its place by arrival.
+
+Disaggregated decode (``kv_transfer_params.prefill_url``): such a request waits in its own
+queue (``remote_waiting``, by arrival); ``admit_remote`` gives it blocks for its whole prompt
+(after its cached prefix) while they last, and it waits in ``receiving`` (status
+``WAITING_FOR_KV``, never preempted: another instance is writing its blocks) until
+``kv_received`` makes it a running prefill with one token left: the step that computes that
+token samples its first output.
 """
 
 from __future__ import annotations
@@ -152,6 +159,9 @@ class Scheduler:
         )
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []  # sorted by policy key
+        # Disaggregated decode: prompts whose KV another instance computes (module doc).
+        self.remote_waiting: list[Request] = []  # by arrival
+        self.receiving: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._prefilled_last_step: set[str] = set()
@@ -174,6 +184,9 @@ class Scheduler:
         # The last sampled token is never written to the cache, hence ``needed - 1``.
         assert self.kv.num_blocks_for(needed - 1) <= self.kv.num_blocks, "cannot ever fit"
         self.requests[request.request_id] = request
+        if request.prefill_url is not None:
+            self.remote_waiting.append(request)  # computed elsewhere: no prefill load here
+            return
         self.arrivals.append(request)
         self.num_added += 1
         self._insert(self.waiting, request)
@@ -193,11 +206,16 @@ class Scheduler:
         return not limit or num_decodes <= limit
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_waiting or self.receiving)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.remote_waiting)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """Requests holding blocks while their prompt's KV arrives (disaggregated)."""
+        return len(self.receiving)
 
     @property
     def num_running(self) -> int:
@@ -209,6 +227,10 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            del self.receiving[request.request_id]
+        elif request.prefill_url is not None and request in self.remote_waiting:
+            self.remote_waiting.remove(request)
         else:
             self.waiting.remove(request)
         self.kv.free(request)
@@ -221,6 +243,45 @@ class Scheduler:
         if request is not None:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    # ---- disaggregated decode -------------------------------------------------------------
+    def admit_remote(self) -> list[Request]:
+        """Give waiting remote-prefill requests (by arrival) blocks for their whole prompt,
+        after the prefix this cache holds, while sequence slots and blocks last. Returns the
+        requests admitted: their KV is to be asked for from ``num_computed_tokens`` on."""
+        admitted = []
+        kv = self.kv
+        while self.remote_waiting:
+            if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+                break
+            request = self.remote_waiting[0]
+            blocks, hit = kv.match_prefix(request)
+            if blocks:
+                kv.acquire_prefix(request, blocks)
+            need = self._future_tokens(request)
+            fits = not self.running or need <= self._admission_headroom()
+            if not (fits and kv.allocate_slots(request, request.num_uncomputed_tokens)):
+                if blocks:  # give the hit back; it stays cached
+                    kv.free(request)
+                    request.num_computed_tokens = request.num_cached_tokens = 0
+                break
+            kv.record_query(request.num_tokens, hit)
+            self.remote_waiting.pop(0)
+            request.status = RequestStatus.WAITING_FOR_KV
+            request.metrics.first_scheduled_time = self.clock()
+            self.receiving[request.request_id] = request
+            admitted.append(request)
+        return admitted
+
+    def kv_received(self, request: Request, num_tokens: int) -> None:
+        """The prompt's KV up to ``num_tokens`` is in the request's blocks: it runs, a
+        prefill with the rest (one token) to compute."""
+        assert request.status == RequestStatus.WAITING_FOR_KV
+        del self.receiving[request.request_id]
+        request.num_computed_tokens = num_tokens
+        self.kv.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self._insert(self.running, request)
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(

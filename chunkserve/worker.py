@@ -382,6 +382,32 @@ class Worker:
                 raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
             raise
 
+    # ---- KV blocks in and out (prefill/decode disaggregation) ----------------------------
+    def kv_block_layout(self) -> tuple[tuple[int, int, int, int, int], str]:
+        """One KV block as ``read_kv_blocks`` gives it: ``(num_layers, 2, block_size,
+        num_kv_heads, head_dim)``, and the dtype's name."""
+        mc = self.model_config
+        layout = (mc.num_layers, 2, self.block_size, self.shard.num_kv_heads, mc.head_dim)
+        return layout, str(self.dtype).removeprefix("torch.")
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks: ``[len(block_ids), num_layers, 2, block_size,
+        num_kv_heads, head_dim]``."""
+        assert self.runner is not None, "Worker.load first"
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        layers = [torch.stack((k[idx], v[idx]), 1) for k, v in self.runner.kv_caches]
+        return torch.stack(layers, 1)
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Put ``blocks`` (as ``read_kv_blocks`` gives them, on any device) into these
+        blocks."""
+        assert self.runner is not None, "Worker.load first"
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        blocks = blocks.to(self.device)
+        for i, (k, v) in enumerate(self.runner.kv_caches):
+            k.index_copy_(0, idx, blocks[:, i, 0])
+            v.index_copy_(0, idx, blocks[:, i, 1])
+
     def forget(self, request_id: str) -> None:
         """A request ended: drop its per-request sampling state."""
         self.sampler.forget(request_id)

@@ -138,6 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"max_num_seqs={sc.max_num_seqs} chunked_prefill={sc.enable_chunked_prefill} "
         f"scheduling_policy={sc.policy} | budget {info.budget_policy} | "
         f"tensor_parallel_size={config.tensor_parallel_size} | "
+        f"disaggregation={config.disaggregation_mode or 'off'}"
+        f"{f' kv_connector={config.kv_connector}' if config.disaggregation_mode else ''} | "
         f"api_key={'set' if args.api_key else 'none'} "
         f"max_waiting_requests={args.max_waiting_requests}",
         flush=True,

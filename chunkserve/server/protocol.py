@@ -77,6 +77,8 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     best_of: int | None = None
+    # Prefill/decode disaggregation (``chunkserve router`` sets it; vLLM's name).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The first field this server refuses (it cannot honour it), if any."""
@@ -179,6 +181,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.token_biases(),
             structured_outputs=self.structured(),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 

@@ -1,0 +1,212 @@
+"""The KV transfer interface between a prefill and a decode instance.
+
+A transfer moves the KV blocks of one prompt, ``[first_token, num_tokens)`` of it (the
+decode side already holds the blocks before ``first_token``: a prefix it had cached), as
+blocks ``0 .. num_blocks - 1`` of the transfer (block ``i`` holds tokens
+``first_token + i * block_size ...``). The decode side opens an ``Inbox`` and sends its
+``KVHandle`` (as a dict, inside the HTTP request that asks for the prefill); the prefill
+side opens an ``Outbox`` from the handle and sends blocks in order as its chunks complete
+them, so the transfer overlaps the rest of the prefill.
+
+One block of a transfer, as it travels: ``[num_layers, 2 (K, V), block_size, num_kv_heads,
+head_dim]`` in the model's dtype (``KVHandle.layout``, checked on both sides: a pair of
+instances with different models, dtypes or block sizes fails the request, not the engine).
+
+Which connector a decode instance uses is its ``kv_connector`` setting; a prefill instance
+takes whatever a handle names.
+
+Pure Python here (no torch): the edge checks handles with it.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any
+
+CONNECTOR_KINDS = ("shm", "torch")
+_ID = re.compile(r"[0-9a-f]{32}")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class TransferError(RuntimeError):
+    """A transfer failed (the peer is gone, a handle does not fit this instance)."""
+
+
+def new_transfer_id() -> str:
+    return secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where one prompt's KV blocks go (made by the decode side; see the module doc)."""
+
+    kind: str  # "shm" | "torch"
+    transfer_id: str  # 32 hex digits
+    address: str  # shm: the file's path; torch: "host:port" of the decode side's store
+    first_token: int  # block-aligned
+    num_tokens: int  # the prompt's tokens the prefill side computes (the decode side's n - 1)
+    num_blocks: int
+    layout: tuple[int, int, int, int, int]  # num_layers, 2, block_size, num_kv_heads, head_dim
+    dtype: str
+    seq: int = 0  # torch: the transfer's number on its pair of instances
+    pair: str = ""  # torch: the pair's key in the store (a new one after a failure)
+
+    @property
+    def block_size(self) -> int:
+        return self.layout[2]
+
+    @property
+    def block_numel(self) -> int:
+        n = 1
+        for d in self.layout:
+            n *= d
+        return n
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layout"] = list(self.layout)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVHandle:
+        """A handle sent by a client: ``ValueError`` naming the field for anything off."""
+        name = "kv_transfer_params.send"
+        if not isinstance(d, dict):
+            raise ValueError(f"{name}: must be an object")
+        fields = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"{name}.{unknown[0]}: not a field of a KV handle")
+        missing = sorted(fields - {"seq", "pair"} - set(d))
+        if missing:
+            raise ValueError(f"{name}.{missing[0]}: missing")
+
+        def need(ok: bool, field: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}.{field}: {what}, got {d.get(field)!r}")
+
+        def is_int(x: Any, lo: int = 0) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and lo <= x < 1 << 62
+
+        need(d["kind"] in CONNECTOR_KINDS, "kind", f"must be one of {CONNECTOR_KINDS}")
+        tid = d["transfer_id"]
+        need(isinstance(tid, str) and _ID.fullmatch(tid) is not None, "transfer_id", "32 hex")
+        need(isinstance(d["address"], str) and len(d["address"]) <= 512, "address", "a string")
+        layout = d["layout"]
+        need(
+            isinstance(layout, (list, tuple))
+            and len(layout) == 5
+            and all(is_int(x, 1) and x < 1 << 20 for x in layout)
+            and layout[1] == 2,
+            "layout",
+            "must be [num_layers, 2, block_size, num_kv_heads, head_dim]",
+        )
+        need(d["dtype"] in _DTYPES, "dtype", f"must be one of {_DTYPES}")
+        bs = layout[2]
+        need(is_int(d["first_token"]) and d["first_token"] % bs == 0, "first_token", "aligned")
+        need(is_int(d["num_tokens"], d["first_token"] + 1), "num_tokens", "> first_token")
+        blocks = -(-(d["num_tokens"] - d["first_token"]) // bs)
+        need(d["num_blocks"] == blocks, "num_blocks", f"must be {blocks}")
+        need(is_int(d.get("seq", 0)), "seq", "an integer >= 0")
+        need(isinstance(d.get("pair", ""), str) and len(d.get("pair", "")) <= 128, "pair", "str")
+        return cls(**{**d, "layout": tuple(layout)})
+
+    def check_fits(self, layout: tuple[int, ...], dtype: str) -> None:
+        """``TransferError`` unless this instance's KV blocks have the handle's layout."""
+        if tuple(self.layout) != tuple(layout) or self.dtype != dtype:
+            raise TransferError(
+                f"kv_transfer_params.send: the decode instance's KV blocks are "
+                f"{list(self.layout)} {self.dtype}, this instance's {list(layout)} {dtype} "
+                f"(the same model, dtype and block size on both sides)"
+            )
+
+
+class Inbox(ABC):
+    """The decode side of one transfer: blocks arrive in order."""
+
+    handle: KVHandle
+
+    @abstractmethod
+    def num_ready(self) -> int:
+        """Blocks ``0 .. num_ready() - 1`` have arrived (never decreases)."""
+
+    @abstractmethod
+    def read(self, start: int, stop: int) -> Any:
+        """Blocks ``start .. stop - 1``: a tensor ``[stop - start, *layout]``."""
+
+    def failed(self) -> str | None:
+        """Why the transfer cannot complete (the connection broke), if so."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transfer's resources (done, aborted or failed); idempotent."""
+
+
+class Outbox(ABC):
+    """The prefill side of one transfer."""
+
+    @abstractmethod
+    def send(self, start: int, blocks: Any) -> None:
+        """Blocks ``start .. start + len(blocks) - 1`` of the transfer (a tensor
+        ``[n, *layout]`` the outbox may keep: the caller made it for this). In order, each
+        block once. Raises ``TransferError`` if the receiver is gone."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """The prefill is done or ended; idempotent."""
+
+
+class KVConnector(ABC):
+    """One instance's end of KV transfers (see the module doc)."""
+
+    @abstractmethod
+    def open_inbox(self, handle: KVHandle, peer: str) -> tuple[Inbox, KVHandle]:
+        """Decode side: receive the transfer ``handle`` describes (its address filled in
+        here) from the prefill instance ``peer``; returns the inbox and the handle to send."""
+
+    @abstractmethod
+    def open_outbox(self, handle: KVHandle) -> Outbox:
+        """Prefill side: send to the inbox ``handle`` names."""
+
+    def close(self) -> None:  # noqa: B027 (most connectors hold nothing to close)
+        """Stop background threads and drop connections."""
+
+
+class Connectors:
+    """The connectors of one instance, made on first use: its own kind for inboxes, and any
+    kind a handle names for outboxes."""
+
+    def __init__(self, kind: str, host: str, device: Any) -> None:
+        if kind not in CONNECTOR_KINDS:
+            raise ValueError(f"kv_connector: must be one of {CONNECTOR_KINDS}, got {kind!r}")
+        self.kind, self.host, self.device = kind, host, device
+        self._made: dict[str, KVConnector] = {}
+
+    def get(self, kind: str) -> KVConnector:
+        conn = self._made.get(kind)
+        if conn is None:
+            if kind == "shm":
+                from chunkserve.disagg.shm import ShmConnector
+
+                conn = ShmConnector()
+            else:
+                from chunkserve.disagg.torch_p2p import TorchConnector
+
+                conn = TorchConnector(self.host, self.device)
+            self._made[kind] = conn
+        return conn
+
+    def open_inbox(self, handle: KVHandle, peer: str) -> tuple[Inbox, KVHandle]:
+        return self.get(self.kind).open_inbox(handle, peer)
+
+    def open_outbox(self, handle: KVHandle) -> Outbox:
+        return self.get(handle.kind).open_outbox(handle)
+
+    def close(self) -> None:
+        for conn in self._made.values():
+            conn.close()
+        self._made.clear()

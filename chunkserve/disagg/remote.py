@@ -1,0 +1,218 @@
+"""The decode side of disaggregation: ask a prefill instance for a prompt's KV cache and
+take its blocks into this instance's pool as they arrive.
+
+For each admitted request (``Scheduler.admit_remote``: its blocks are allocated, its cached
+prefix counted) the prompt's tokens ``[num_computed_tokens, n - 1)`` are asked for: an
+inbox opens, and ``POST <prefill_url>/v1/completions`` carries the prompt's first ``n - 1``
+token ids with ``kv_transfer_params.send`` (the handle) and ``max_tokens`` 1; the prefill
+instance computes them chunked, under its own budget and with its own prefix cache, and
+sends each chunk's blocks at once. Every step here, ``poll`` copies the blocks that arrived
+into the request's blocks; when all did, the request runs with one token left, and the step
+that computes it samples the first token: here, once, with this instance's sampler, so the
+outputs are those of a colocated server. The prefill instance's own sampled token is
+discarded.
+
+The HTTP calls run on one background thread's event loop; ending a request here (finish,
+abort, failure) cancels its call, which closes the connection, so the prefill instance
+aborts its side too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import httpx
+
+from chunkserve.disagg.connector import Connectors, Inbox, KVHandle, new_transfer_id
+from chunkserve.request import Request
+
+logger = logging.getLogger("chunkserve.disagg")
+
+# Longest a prefill instance may take to answer (it queues under load: a long wait).
+PREFILL_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 5.0
+# After the prefill instance answered, the blocks still in flight must land within this.
+ARRIVAL_GRACE_S = 30.0
+
+
+@dataclass
+class TransferRecord:
+    """One request's transfer as this end saw it."""
+
+    num_bytes: int
+    copy_s: float  # moving its blocks at this end (decode: into the pool; prefill: out)
+    wait_s: float = 0.0  # decode: from asking to the last block in
+
+
+@dataclass
+class _Transfer:
+    request: Request
+    inbox: Inbox
+    block_ids: list[int]  # the pool's blocks for the transfer's blocks, in order
+    end: int  # the tokens computed once all arrived
+    asked_at: float
+    call: Future
+    copied: int = 0
+    copy_s: float = 0.0
+    answered_at: float | None = None
+    num_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class _HttpLoop:
+    """An asyncio loop on its own thread, with one HTTP client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kv-http", daemon=True)
+        self._thread.start()
+        timeout = httpx.Timeout(PREFILL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        self.client: httpx.AsyncClient = self.run(self._client(timeout)).result()
+
+    @staticmethod
+    async def _client(timeout: httpx.Timeout) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+
+    def run(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.run(self.client.aclose()).result(5.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+
+
+async def _ask(client: httpx.AsyncClient, url: str, body: dict) -> None:
+    """Ask a prefill instance; raises with what it said when it did not do it."""
+    resp = await client.post(f"{url.rstrip('/')}/v1/completions", json=body)
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:
+            message = resp.text[:500]
+        raise RuntimeError(f"HTTP {resp.status_code}: {message}")
+    choice = resp.json()["choices"][0]
+    if choice.get("finish_reason") not in ("length", "stop"):
+        raise RuntimeError(f"finish_reason {choice.get('finish_reason')!r}")
+
+
+class RemotePrefills:
+    """The transfers of the requests waiting for their KV (see the module doc)."""
+
+    def __init__(self, connectors: Connectors, worker, scheduler, block_size: int) -> None:
+        self.connectors = connectors
+        self.worker = worker
+        self.scheduler = scheduler
+        self.block_size = block_size
+        self.layout, self.dtype = worker.kv_block_layout()
+        self._transfers: dict[str, _Transfer] = {}
+        self._http: _HttpLoop | None = None
+        self.records: list[TransferRecord] = []  # finished since the last ``take_records``
+
+    @property
+    def active(self) -> bool:
+        return bool(self._transfers)
+
+    def start(self, admitted: list[Request]) -> list[tuple[Request, str]]:
+        """Ask for the KV of requests ``Scheduler.admit_remote`` admitted; the ones that
+        could not be asked, with why."""
+        failed = []
+        for r in admitted:
+            end = r.num_prompt_tokens - 1  # the last token is computed here: it samples
+            first = r.num_computed_tokens
+            if first >= end:  # all cached here already
+                self.scheduler.kv_received(r, end)
+                continue
+            bs = self.block_size
+            num_blocks = -(-(end - first) // bs)
+            handle = KVHandle(
+                "shm", new_transfer_id(), "", first, end, num_blocks, self.layout, self.dtype
+            )
+            url = r.prefill_url
+            assert url is not None
+            try:
+                inbox, handle = self.connectors.open_inbox(handle, url)
+            except Exception as exc:
+                failed.append((r, f"KV transfer: {type(exc).__name__}: {exc}"))
+                continue
+            body = {
+                "prompt": r.prompt_token_ids[:end],
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "kv_transfer_params": {"send": handle.as_dict()},
+            }
+            if self._http is None:
+                self._http = _HttpLoop()
+            call = self._http.run(_ask(self._http.client, url, body))
+            first_block = first // bs
+            self._transfers[r.request_id] = _Transfer(
+                r,
+                inbox,
+                r.block_ids[first_block : first_block + num_blocks],
+                end,
+                time.monotonic(),
+                call,
+            )
+        return failed
+
+    def poll(self) -> list[tuple[Request, str]]:
+        """Copy the blocks that arrived into the pool; requests whose KV is complete run.
+        Returns the requests whose transfer failed, with why."""
+        failed = []
+        now = time.monotonic()
+        for request_id, t in list(self._transfers.items()):
+            ready = t.inbox.num_ready()
+            if ready > t.copied:
+                t0 = time.perf_counter()
+                blocks = t.inbox.read(t.copied, ready)
+                self.worker.write_kv_blocks(t.block_ids[t.copied : ready], blocks)
+                t.num_bytes += blocks.numel() * blocks.element_size()
+                del blocks
+                t.copy_s += time.perf_counter() - t0
+                t.copied = ready
+            if t.copied == len(t.block_ids):
+                self._end(request_id)
+                self.scheduler.kv_received(t.request, t.end)
+                self.records.append(TransferRecord(t.num_bytes, t.copy_s, now - t.asked_at))
+                continue
+            error = t.inbox.failed()
+            if error is None and t.call.done():
+                exc = t.call.exception()
+                if exc is not None:
+                    error = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
+                elif t.answered_at is None:
+                    t.answered_at = now
+                elif now - t.answered_at > ARRIVAL_GRACE_S:
+                    error = f"{len(t.block_ids) - t.copied} KV blocks never arrived"
+            if error is not None:
+                self._end(request_id)
+                url = t.request.prefill_url
+                failed.append((t.request, f"prefill instance {url} failed: {error}"))
+        return failed
+
+    def release(self, request_id: str) -> None:
+        """The request ended: its transfer stops (the call is cancelled)."""
+        if request_id in self._transfers:
+            self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        t = self._transfers.pop(request_id)
+        t.inbox.close()
+        if not t.call.done():
+            t.call.cancel()
+
+    def take_records(self) -> list[TransferRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def close(self) -> None:
+        for request_id in list(self._transfers):
+            self._end(request_id)
+        if self._http is not None:
+            self._http.close()
+            self._http = None

@@ -1,0 +1,107 @@
+"""The prefill side of disaggregation: a request that came with ``kv_transfer_params.send``
+sends its prompt's KV blocks to the decode instance's inbox as the steps compute them.
+
+After each forward pass (before ``Scheduler.update`` may finish the request and free its
+blocks), every prefill chunk of such a request sends the blocks of the transfer it
+completed: full blocks, and the last partial one once the prompt is done. Blocks a prefix
+cache hit gave the request go with its first chunk. A preempted request recomputes and
+sends on from where it was: a block goes once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from chunkserve.disagg.connector import Connectors, KVHandle, Outbox, TransferError
+from chunkserve.disagg.remote import TransferRecord
+from chunkserve.request import Request
+
+
+@dataclass
+class _Sending:
+    handle: KVHandle
+    outbox: Outbox
+    sent: int = 0  # blocks of the transfer sent
+    num_bytes: int = 0
+    copy_s: float = 0.0
+
+
+class KVSender:
+    def __init__(self, connectors: Connectors, worker, block_size: int) -> None:
+        self.connectors = connectors
+        self.worker = worker
+        self.block_size = block_size
+        self.layout, self.dtype = worker.kv_block_layout()
+        self._sending: dict[str, _Sending] = {}
+        self.records: list[TransferRecord] = []
+
+    def open(self, request: Request, send: dict) -> None:
+        """Open the request's outbox; ``ValueError`` naming the field if the handle does not
+        fit this instance or its inbox is not there."""
+        handle = KVHandle.from_dict(send)
+        try:
+            handle.check_fits(self.layout, self.dtype)
+        except TransferError as exc:
+            raise ValueError(str(exc)) from None
+        if handle.num_tokens != request.num_prompt_tokens:
+            raise ValueError(
+                f"kv_transfer_params.send.num_tokens: {handle.num_tokens}, but the prompt "
+                f"has {request.num_prompt_tokens} tokens"
+            )
+        if handle.block_size != self.block_size:
+            raise ValueError("kv_transfer_params.send.layout: another block size")
+        try:
+            outbox = self.connectors.open_outbox(handle)
+        except TransferError as exc:
+            raise ValueError(str(exc)) from None
+        self._sending[request.request_id] = _Sending(handle, outbox)
+
+    def after_execute(self, out) -> list[tuple[Request, str]]:
+        """Send what this step's prefill chunks completed; the requests whose transfer
+        failed, with why."""
+        failed = []
+        bs = self.block_size
+        for chunk in out.prefills:
+            r = chunk.request
+            s = self._sending.get(r.request_id)
+            if s is None:
+                continue
+            h = s.handle
+            if chunk.end >= h.num_tokens:
+                done = h.num_blocks
+            else:
+                done = max(0, (chunk.end - h.first_token) // bs)
+            if done <= s.sent:
+                continue
+            first_block = h.first_token // bs
+            t0 = time.perf_counter()
+            try:
+                blocks = self.worker.read_kv_blocks(
+                    r.block_ids[first_block + s.sent : first_block + done]
+                )
+                s.outbox.send(s.sent, blocks)
+            except TransferError as exc:
+                failed.append((r, f"KV transfer: {exc}"))
+                self.release(r.request_id)
+                continue
+            s.num_bytes += blocks.numel() * blocks.element_size()
+            s.copy_s += time.perf_counter() - t0
+            s.sent = done
+            if done == h.num_blocks:
+                self.records.append(TransferRecord(s.num_bytes, s.copy_s))
+                self.release(r.request_id)
+        return failed
+
+    def release(self, request_id: str) -> None:
+        s = self._sending.pop(request_id, None)
+        if s is not None:
+            s.outbox.close()
+
+    def take_records(self) -> list[TransferRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def close(self) -> None:
+        for request_id in list(self._sending):
+            self.release(request_id)
