@@ -38,6 +38,12 @@ COMMANDS: tuple[Command, ...] = (
         "chunkserve.server.cli:_serve",
     ),
     Command(
+        "router",
+        "route OpenAI requests to prefill/decode or data-parallel server instances",
+        "chunkserve.router:_router_args",
+        "chunkserve.router:_router",
+    ),
+    Command(
         "bench",
         "benchmarks: load generator (serve) and budget sweeps (sweep)",
         "chunkserve.bench.cli:_bench_args",
