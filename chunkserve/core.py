@@ -188,6 +188,7 @@ class EngineCore:
             lambda: self._load_tokenizer(source), model_config.vocab_size, eos_token_ids
         )
         self.step_count = 0
+        self._kv_recorded = (0, 0)  # prefix-cache counters as of the last step's record
         self._prev_step_end: float | None = None
         self._log = StepLogger(config.log_stats_interval)
         w = self.worker
@@ -407,12 +408,14 @@ class EngineCore:
     def step(self, token_budget: int | None = None) -> CoreStep:
         """Run one iteration: an output for every request that got a token or ended in it."""
         t_start = time.perf_counter()
+        kv = self.kv
+        # Prefix-cache lookups since the last step's record (a step that ran nothing, as
+        # while a decode instance admits requests whose KV is to arrive, records none).
+        queried, hits = self._kv_recorded
         failed = self._admit_grammars() if self.grammars.pending else []
         if self.remote is not None:  # disaggregated decode: KV asked for, and arriving
             failed += self._fail(self.remote.start(self.scheduler.admit_remote()))
             failed += self._fail(self.remote.poll())
-        kv = self.kv
-        queried, hits = kv.num_queried_tokens, kv.num_hit_tokens
         decision = None
         draft_budget = None
         if self.speculator is not None:
@@ -479,6 +482,7 @@ class EngineCore:
         # The step's shape, once, for the profile's prediction and the controller.
         shape = StepShape.of(out) if self.profile or self.controller else None
         stats = self._stats(out, result, decision, shape, outputs, (queried, hits))
+        self._kv_recorded = (kv.num_queried_tokens, kv.num_hit_tokens)
         stats.num_generated_tokens = num_generated
         if spec is not None and spec.drafts:
             stats.num_drafts, stats.num_draft_tokens = spec.drafts, spec.draft_tokens

@@ -1,0 +1,391 @@
+"""Prefill/decode disaggregation: connectors and the decode side's scheduling alone, then one
+prefill and one decode instance behind ``chunkserve router`` (real servers on loopback
+ports), checked against the decode instance serving the same requests colocated."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from chunkserve.config import SchedulerConfig
+from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+from chunkserve.disagg.shm import ShmConnector, shm_path
+from chunkserve.disagg.torch_p2p import TorchConnector
+from chunkserve.kv_cache import KVCacheManager
+from chunkserve.request import KVTransferParams, Request, RequestStatus, SamplingParams
+from chunkserve.scheduler import Scheduler
+from tests.conftest import NATURAL_PROMPTS
+from tests.test_server import MODEL, Server, free_port
+
+LAYOUT = (2, 2, 4, 3, 8)  # num_layers, K/V, block_size, num_kv_heads, head_dim
+
+
+def handle(num_tokens: int = 10, first: int = 0, kind: str = "shm") -> KVHandle:
+    blocks = -(-(num_tokens - first) // LAYOUT[2])
+    return KVHandle(kind, new_transfer_id(), "", first, num_tokens, blocks, LAYOUT, "float32")
+
+
+# ---- handles and connectors ----------------------------------------------------------------
+def test_handle_round_trip_and_bad_fields_named() -> None:
+    h = handle(10)
+    assert KVHandle.from_dict(h.as_dict()) == h
+    for field, value in [
+        ("kind", "nfs"),
+        ("transfer_id", "../../etc/passwd"),
+        ("layout", [2, 3, 4, 3, 8]),
+        ("dtype", "int8"),
+        ("first_token", 3),  # not block-aligned
+        ("num_blocks", 99),
+        ("num_tokens", -1),
+    ]:
+        with pytest.raises(ValueError, match=rf"kv_transfer_params\.send\.{field}"):
+            KVHandle.from_dict({**h.as_dict(), field: value})
+    with pytest.raises(ValueError, match=r"send\.extra"):
+        KVHandle.from_dict({**h.as_dict(), "extra": 1})
+    with pytest.raises(TransferError, match="same model"):
+        h.check_fits((2, 2, 4, 3, 16), "float32")
+
+
+def test_kv_transfer_params_need_exactly_one_side() -> None:
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        SamplingParams(kv_transfer_params={})
+    with pytest.raises(ValueError, match="prefill_url"):
+        SamplingParams(kv_transfer_params={"prefill_url": "file:///etc"})
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        SamplingParams(kv_transfer_params={"bogus": 1})
+    p = SamplingParams(kv_transfer_params={"prefill_url": "http://127.0.0.1:1"})
+    assert isinstance(p.kv_transfer_params, KVTransferParams)
+
+
+def _blocks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *LAYOUT), generator=g)
+
+
+def test_shm_transfer_arrives_in_order_and_leaves_no_file() -> None:
+    conn = ShmConnector()
+    inbox, h = conn.open_inbox(handle(10), "http://p")
+    assert h.address == shm_path(h.transfer_id) and os.path.exists(h.address)
+    out = conn.open_outbox(KVHandle.from_dict(h.as_dict()))  # as it travels
+    data = _blocks(3, 0)
+    assert inbox.num_ready() == 0
+    out.send(0, data[:2])
+    assert inbox.num_ready() == 2
+    with pytest.raises(TransferError, match="out of order"):
+        out.send(0, data[2:])
+    out.send(2, data[2:])
+    assert inbox.num_ready() == 3
+    assert torch.equal(inbox.read(0, 3), data)
+    out.close()
+    inbox.close()
+    inbox.close()  # idempotent
+    assert not os.path.exists(h.address)
+
+
+def test_shm_outbox_opens_only_the_handles_file() -> None:
+    conn = ShmConnector()
+    inbox, h = conn.open_inbox(handle(10), "http://p")
+    try:
+        with pytest.raises(TransferError, match="address"):
+            conn.open_outbox(KVHandle(**{**h.__dict__, "address": "/tmp/x"}))
+        bigger = KVHandle(**{**h.__dict__, "num_tokens": 14, "num_blocks": 4})
+        with pytest.raises(TransferError, match="not the handle's"):
+            conn.open_outbox(bigger)
+        gone = KVHandle(**{**h.__dict__, "transfer_id": new_transfer_id()})
+        gone = KVHandle(**{**gone.__dict__, "address": shm_path(gone.transfer_id)})
+        with pytest.raises(TransferError, match="No such file"):
+            conn.open_outbox(gone)
+    finally:
+        inbox.close()
+
+
+def test_torch_transfer_between_two_pairs_of_threads() -> None:
+    """The decode side's store and receiver thread, the prefill side's sender thread (one
+    process here; two in a deployment), two transfers interleaved, one closed early."""
+    recv = TorchConnector("127.0.0.1", torch.device("cpu"))
+    send = TorchConnector("127.0.0.1", torch.device("cpu"))
+    try:
+        a, ha = recv.open_inbox(handle(12), "http://p")
+        b, hb = recv.open_inbox(handle(8), "http://p")
+        c, hc = recv.open_inbox(handle(4), "http://p")
+        assert ha.pair == hb.pair and ha.seq != hb.seq
+        oa = send.open_outbox(KVHandle.from_dict(ha.as_dict()))
+        ob = send.open_outbox(KVHandle.from_dict(hb.as_dict()))
+        oc = send.open_outbox(KVHandle.from_dict(hc.as_dict()))
+        da, db = _blocks(3, 1), _blocks(2, 2)
+        c.close()  # the decode side gave up on this one: its blocks are dropped
+        oc.send(0, _blocks(1, 3))
+        oa.send(0, da[:1])
+        ob.send(0, db)
+        oa.send(1, da[1:])
+        deadline = time.time() + 30
+        while (a.num_ready() < 3 or b.num_ready() < 2) and time.time() < deadline:
+            time.sleep(0.01)
+        assert torch.equal(a.read(0, 3), da) and torch.equal(b.read(0, 2), db)
+        assert a.failed() is None
+    finally:
+        send.close()
+        recv.close()
+
+
+# ---- the decode side's scheduling ------------------------------------------------------------
+def remote_request(rid: str, n: int, url: str | None = "http://p") -> Request:
+    kv = KVTransferParams(prefill_url=url) if url else None
+    params = SamplingParams(max_tokens=4, temperature=0.0, kv_transfer_params=kv)
+    return Request(rid, list(range(100, 100 + n)), params, max_tokens=4)
+
+
+def test_remote_request_holds_blocks_until_its_kv_arrives() -> None:
+    kv = KVCacheManager(20, 4, enable_prefix_caching=True)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, block_size=4)
+    s = Scheduler(cfg, kv)
+    r = remote_request("a", 10)
+    s.add_request(r)
+    assert s.num_waiting == 1 and s.schedule(64).is_empty  # nothing local to run
+    assert s.admit_remote() == [r]
+    assert r.status == RequestStatus.WAITING_FOR_KV and len(r.block_ids) == 3
+    assert s.schedule(64).is_empty  # waits for its KV, blocks held
+    s.kv_received(r, 9)
+    out = s.schedule(64)
+    assert [(c.start, c.num_tokens) for c in out.prefills] == [(9, 1)]
+    s.update(out, {"a": 7})
+    assert r.output_token_ids == [7]
+    # A second request with the same prompt finds the first's blocks cached here: only
+    # the rest is asked for.
+    r2 = remote_request("b", 10)
+    s.add_request(r2)
+    assert s.admit_remote() == [r2] and r2.num_computed_tokens == 8
+    s.abort_request("b")  # while its KV arrives: its blocks go back
+    s.abort_request("a")
+    assert kv.num_free_blocks == 20
+    kv.pool.check_invariants()
+
+
+def test_remote_admission_waits_for_blocks() -> None:
+    kv = KVCacheManager(4, 4)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=16, block_size=4)
+    s = Scheduler(cfg, kv)
+    a, b = remote_request("a", 12), remote_request("b", 12)
+    s.add_request(a)
+    s.add_request(b)
+    assert s.admit_remote() == [a]  # b does not fit beside it
+    assert s.admit_remote() == []
+    s.abort_request("a")
+    assert s.admit_remote() == [b]
+
+
+# ---- served: one prefill and one decode instance behind the router --------------------------
+class Router:
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "chunkserve", "router", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()
+            try:
+                if httpx.get(self.base + "/v1/models", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("router did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class Deployment:
+    def __init__(self) -> None:
+        common = ("--enable-prefix-caching", "--num-threads", "1")
+        self.prefill = Server("--disaggregation-mode", "prefill", *common)
+        self.decode = Server("--disaggregation-mode", "decode", *common)
+        self.router = Router("--prefill", self.prefill.base, "--decode", self.decode.base)
+
+    def stop(self) -> None:
+        self.router.stop()
+        self.decode.stop()
+        self.prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def pd() -> Iterator[Deployment]:
+    d = Deployment()
+    yield d
+    d.stop()
+
+
+LONG = " ".join(NATURAL_PROMPTS) * 3  # ~180 tokens: three 64-token chunks on the prefill side
+
+
+def _post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json={"model": MODEL, **body}, timeout=120)
+
+
+def _stream_text(base: str, path: str, body: dict) -> str:
+    import json
+
+    parts = []
+    body = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", base + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
+
+
+def _text(resp: httpx.Response) -> str:
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    return choice.get("text") or choice["message"]["content"]
+
+
+def test_outputs_identical_to_colocated(pd: Deployment) -> None:
+    """Through the router the prompt is computed on the prefill instance; sent straight to
+    the decode instance (no kv_transfer_params) the same request runs colocated there."""
+    before = pd.prefill.metrics()
+    for prompt in [NATURAL_PROMPTS[0], LONG]:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+        local = _text(_post(pd.decode.base, "/v1/completions", body))
+        assert _text(_post(pd.router.base, "/v1/completions", body)) == local
+        assert _stream_text(pd.router.base, "/v1/completions", body) == local
+    chat = {
+        "messages": [{"role": "user", "content": NATURAL_PROMPTS[1]}],
+        "max_tokens": 24,
+        "temperature": 0.0,
+    }
+    local = _text(_post(pd.decode.base, "/v1/chat/completions", chat))
+    assert _text(_post(pd.router.base, "/v1/chat/completions", chat)) == local
+    assert _stream_text(pd.router.base, "/v1/chat/completions", chat) == local
+    after = pd.prefill.metrics()
+    # The prefill instance did the prompts (the long one in several chunks: budget 64).
+    sent = after["chunkserve:kv_transfer_bytes_count"] - before.get(
+        "chunkserve:kv_transfer_bytes_count", 0
+    )
+    assert sent == 6
+    steps = after["chunkserve:iteration_tokens_total_count"]
+    assert steps - before["chunkserve:iteration_tokens_total_count"] > 6
+    for side in (pd.prefill, pd.decode):
+        m = side.wait_idle()
+        assert m["chunkserve:kv_cache_blocks_used"] == 0
+
+
+def test_cached_prefix_on_the_decode_side_is_not_sent_again(pd: Deployment) -> None:
+    fresh = " ".join(reversed(LONG.split()))  # no other test sent it: nothing cached yet
+    body = {"prompt": fresh + " The end.", "max_tokens": 4, "temperature": 0.0}
+    m0 = pd.decode.metrics()
+    _text(_post(pd.router.base, "/v1/completions", body))
+    m1 = pd.decode.metrics()
+    first = m1["chunkserve:kv_transfer_bytes_sum"] - m0.get("chunkserve:kv_transfer_bytes_sum", 0)
+    body["prompt"] = fresh + " Another ending, a little longer."
+    _text(_post(pd.router.base, "/v1/completions", body))
+    m2 = pd.decode.metrics()
+    second = m2["chunkserve:kv_transfer_bytes_sum"] - m1["chunkserve:kv_transfer_bytes_sum"]
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2's layers, K/V, a block, fp32
+    assert first >= 8 * block_bytes  # the whole ~180-token prompt
+    assert 0 < second <= 3 * block_bytes  # only the blocks after the shared prefix
+    assert m2["chunkserve:prefix_cache_hits_total"] > m1["chunkserve:prefix_cache_hits_total"]
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_client_disconnect_frees_blocks_on_both_sides(pd: Deployment, when: str) -> None:
+    """The client leaves while the prompt is computed on the prefill instance, or while
+    tokens stream: the router drops the decode instance's stream, which aborts the request
+    and its call to the prefill instance; no block stays held on either side."""
+    body = {
+        "model": MODEL,
+        "prompt": LONG * 2 if when == "prefill" else NATURAL_PROMPTS[2],
+        "max_tokens": 100,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    got = threading.Event()
+
+    def client() -> None:
+        with (
+            httpx.Client(timeout=60) as c,
+            c.stream("POST", pd.router.base + "/v1/completions", json=body) as resp,
+        ):
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    got.set()
+                    return
+
+    t = threading.Thread(target=client, daemon=True)
+    if when == "prefill":
+        with httpx.Client(timeout=60) as c, contextlib.suppress(httpx.TimeoutException):
+            c.post(
+                pd.router.base + "/v1/completions",
+                json={**body, "stream": False},
+                timeout=0.3,  # the prompt takes six chunks on the prefill instance
+            )
+    else:
+        t.start()
+        assert got.wait(60)
+        t.join(10)
+    for side in (pd.prefill, pd.decode):
+        m = side.wait_idle(timeout=30)
+        assert m["chunkserve:kv_cache_blocks_used"] == 0
+        assert m["chunkserve:num_requests_running"] == 0
+    m = pd.decode.metrics()
+    assert m["chunkserve:num_requests_waiting_for_kv"] == 0
+    assert m.get("chunkserve:request_success_total{abort}", 0) >= 1
+
+
+def test_bad_kv_transfer_params_are_refused_at_the_edge(pd: Deployment) -> None:
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = _post(pd.router.base, "/v1/completions", {**body, "kv_transfer_params": {"x": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    r = _post(
+        pd.prefill.base,
+        "/v1/completions",
+        {**body, "kv_transfer_params": {"prefill_url": "http://x"}},
+    )
+    assert r.status_code == 400 and "prefill_url" in r.json()["error"]["message"]
+    h = handle(1).as_dict()
+    r = _post(pd.decode.base, "/v1/completions", {**body, "kv_transfer_params": {"send": h}})
+    assert r.status_code == 400 and "send" in r.json()["error"]["message"]
+    # A handle naming a file that is not there: the prefill instance refuses the request.
+    h = {**handle(1).as_dict(), "layout": [30, 2, 16, 3, 64], "num_tokens": 1}
+    h["address"] = shm_path(h["transfer_id"])
+    r = _post(pd.prefill.base, "/v1/completions", {**body, "kv_transfer_params": {"send": h}})
+    assert r.status_code in (400, 500) and "error" in r.json()
+    assert httpx.get(pd.prefill.base + "/health").status_code == 200
+
+
+def test_dead_instances_give_clean_errors(pd: Deployment) -> None:
+    """Runs last in the module: it kills the instances."""
+    body = {"prompt": NATURAL_PROMPTS[3], "max_tokens": 4, "temperature": 0.0}
+    pd.prefill.proc.kill()
+    pd.prefill.proc.wait(10)
+    r = _post(pd.router.base, "/v1/completions", body)
+    assert r.status_code >= 500 and "prefill instance" in r.json()["error"]["message"]
+    m = pd.decode.wait_idle()
+    assert m["chunkserve:kv_cache_blocks_used"] == 0
+    assert httpx.get(pd.decode.base + "/health").status_code == 200  # it serves on
+    pd.decode.proc.kill()
+    pd.decode.proc.wait(10)
+    r = _post(pd.router.base, "/v1/completions", body)
+    assert r.status_code == 502 and r.json()["error"]["message"]
