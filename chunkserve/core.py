@@ -111,6 +111,7 @@ class CoreLoad:
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
+    num_waiting_for_kv: int = 0  # disaggregated decode: holding blocks, KV arriving
 
 
 @dataclass
@@ -390,6 +391,7 @@ class EngineCore:
             self.scheduler.num_running,
             self.scheduler.num_waiting + len(self.grammars.pending),
             kv.num_blocks - kv.num_free_blocks,
+            self.scheduler.num_waiting_for_kv,
         )
 
     def get_request(self, request_id: str) -> Request | None:
@@ -494,7 +496,6 @@ class EngineCore:
             records = ends.take_records()
             if records:
                 stats.kv_transfers = [(r.num_bytes, r.copy_s, r.wait_s) for r in records]
-            stats.num_waiting_for_kv = self.scheduler.num_waiting_for_kv
         stats.num_masked_rows = result.num_masked_rows
         stats.mask_time, stats.mask_wait_time = result.mask_time, result.mask_wait_time
         compiles = self.grammars.take_records()

@@ -355,6 +355,9 @@ class Metrics:
         self.waiting.labels(**lab).set_function(lambda: engine.num_waiting)
         self.kv_usage.labels(**lab).set_function(lambda: engine.kv_blocks_used / num_blocks)
         self.kv_blocks_used.labels(**lab).set_function(lambda: engine.kv_blocks_used)
+        self.waiting_for_kv.labels(**lab).set_function(
+            lambda: sum(load.num_waiting_for_kv for load in engine.core_loads())
+        )
         for i in range(len(engine.core_infos)):
             core = {**lab, "engine": str(i)}
             self.core_steps.labels(**core)
@@ -393,7 +396,6 @@ class Metrics:
             self.kv_transfer_time.labels(**lab).observe(seconds)
             if wait:
                 self.kv_transfer_wait.labels(**lab).observe(wait)
-        self.waiting_for_kv.labels(**lab).set(s.num_waiting_for_kv)
         if s.num_masked_rows:
             self.mask_time.labels(**lab).observe(s.mask_time)
             self.mask_wait_time.labels(**lab).observe(s.mask_wait_time)

@@ -63,10 +63,8 @@ class StepStats:
     # Tensor parallel: seconds rank 0 spent in collectives this step (part of forward_time).
     comm_time: float = 0.0
     # Disaggregation: the KV transfers that ended at this end since the last record, as
-    # (bytes, seconds moving them here, seconds from asking to the last block: decode side),
-    # and the requests holding blocks while their KV arrives.
+    # (bytes, seconds moving them here, seconds from asking to the last block: decode side).
     kv_transfers: list[tuple[int, float, float]] | None = None
-    num_waiting_for_kv: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
