@@ -26,9 +26,9 @@ Two targets (``config.BudgetPolicy``):
   below it by how much measured steps have exceeded their predictions.
 
 In the adaptive policy, the prompts whose rest fits the target whole (planned at position
-0, beside the decodes) get room for all of it plus one block: the scheduler serves the
-shortest prompts first, so a short prompt arriving while a long one is chunked is prefilled
-in the next step or two, and the long one still moves.
+0, beside the decodes) get room for all of it plus one block, and no more, decodes or not:
+the scheduler serves the shortest prompts first, so a short prompt arriving while a long one
+is chunked is prefilled in the next step or two, and the long one still moves.
 
 Each step the running decodes are fixed (never dropped); the controller asks the cost model
 how many prefill tokens fit beside them and hands the scheduler that budget. Whenever
@@ -280,13 +280,12 @@ class BudgetController:
         )
         if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
             short = self._room_for_short(scheduler, decode_lens, target)
-            if short and decode_lens:
+            if short:
                 # Prompts that fit whole go now, beside one block of the long prompt: the
                 # step that makes their first token is no longer than it must be (a long
-                # chunk on top would add to their TTFT and to everyone's gap).
+                # chunk on top would add to their TTFT and to everyone's gap). With nothing
+                # decoding too (a prefill instance's steps): the long chunk waits one step.
                 room = short
-            else:
-                room = max(room, short)
         over = room < self.min_prefill_tokens
         block = self.min_prefill_tokens
         if self.policy.kind == "adaptive":

@@ -38,6 +38,11 @@ PREFILL_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 5.0
 # After the prefill instance answered, the blocks still in flight must land within this.
 ARRIVAL_GRACE_S = 30.0
+# Copying arrived blocks into the pool takes at most about this long per step (slices of
+# COPY_SLICE_BLOCKS; the rest waits for the next step): a long prompt's blocks arriving at
+# once must not stall the decodes' step.
+COPY_BUDGET_S = 0.01
+COPY_SLICE_BLOCKS = 8
 
 
 @dataclass
@@ -165,16 +170,18 @@ class RemotePrefills:
         Returns the requests whose transfer failed, with why."""
         failed = []
         now = time.monotonic()
+        deadline = time.perf_counter() + COPY_BUDGET_S
         for request_id, t in list(self._transfers.items()):
             ready = t.inbox.num_ready()
-            if ready > t.copied:
+            while t.copied < ready and time.perf_counter() < deadline:
                 t0 = time.perf_counter()
-                blocks = t.inbox.read(t.copied, ready)
-                self.worker.write_kv_blocks(t.block_ids[t.copied : ready], blocks)
+                stop = min(ready, t.copied + COPY_SLICE_BLOCKS)
+                blocks = t.inbox.read(t.copied, stop)
+                self.worker.write_kv_blocks(t.block_ids[t.copied : stop], blocks)
                 t.num_bytes += blocks.numel() * blocks.element_size()
                 del blocks
                 t.copy_s += time.perf_counter() - t0
-                t.copied = ready
+                t.copied = stop
             if t.copied == len(t.block_ids):
                 self._end(request_id)
                 self.scheduler.kv_received(t.request, t.end)
@@ -187,7 +194,7 @@ class RemotePrefills:
                     error = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
                 elif t.answered_at is None:
                     t.answered_at = now
-                elif now - t.answered_at > ARRIVAL_GRACE_S:
+                elif now - t.answered_at > ARRIVAL_GRACE_S and ready < len(t.block_ids):
                     error = f"{len(t.block_ids) - t.copied} KV blocks never arrived"
             if error is not None:
                 self._end(request_id)
