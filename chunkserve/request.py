@@ -320,22 +320,18 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
-        so = self.structured_outputs
-        _check(
-            so is None or isinstance(so, StructuredOutputsParams),
-            "structured_outputs",
-            "must be a StructuredOutputsParams or a dict of its fields",
-        )
-        if so is not None:
-            so.validate()
-        kv = self.kv_transfer_params
-        _check(
-            kv is None or isinstance(kv, KVTransferParams),
-            "kv_transfer_params",
-            "must be a KVTransferParams or a dict of its fields",
-        )
-        if kv is not None:
-            kv.validate()
+        for name, cls in (
+            ("structured_outputs", StructuredOutputsParams),
+            ("kv_transfer_params", KVTransferParams),
+        ):
+            nested = getattr(self, name)
+            _check(
+                nested is None or isinstance(nested, cls),
+                name,
+                f"must be a {cls.__name__} or a dict of its fields",
+            )
+            if nested is not None:
+                nested.validate()
 
     @property
     def greedy(self) -> bool:

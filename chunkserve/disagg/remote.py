@@ -54,6 +54,17 @@ class TransferRecord:
     wait_s: float = 0.0  # decode: from asking to the last block in
 
 
+class TransferEnd:
+    """What both ends keep: the records of the transfers that ended since the last look."""
+
+    def __init__(self) -> None:
+        self.records: list[TransferRecord] = []
+
+    def take_records(self) -> list[TransferRecord]:
+        records, self.records = self.records, []
+        return records
+
+
 @dataclass
 class _Transfer:
     request: Request
@@ -106,10 +117,11 @@ async def _ask(client: httpx.AsyncClient, url: str, body: dict) -> None:
         raise RuntimeError(f"finish_reason {choice.get('finish_reason')!r}")
 
 
-class RemotePrefills:
+class RemotePrefills(TransferEnd):
     """The transfers of the requests waiting for their KV (see the module doc)."""
 
     def __init__(self, connectors: Connectors, worker, scheduler, block_size: int) -> None:
+        super().__init__()
         self.connectors = connectors
         self.worker = worker
         self.scheduler = scheduler
@@ -117,7 +129,6 @@ class RemotePrefills:
         self.layout, self.dtype = worker.kv_block_layout()
         self._transfers: dict[str, _Transfer] = {}
         self._http: _HttpLoop | None = None
-        self.records: list[TransferRecord] = []  # finished since the last ``take_records``
 
     @property
     def active(self) -> bool:
@@ -212,10 +223,6 @@ class RemotePrefills:
         t.inbox.close()
         if not t.call.done():
             t.call.cancel()
-
-    def take_records(self) -> list[TransferRecord]:
-        records, self.records = self.records, []
-        return records
 
     def close(self) -> None:
         for request_id in list(self._transfers):

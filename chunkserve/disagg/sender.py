@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from chunkserve.disagg.connector import Connectors, KVHandle, Outbox, TransferError
-from chunkserve.disagg.remote import TransferRecord
+from chunkserve.disagg.remote import TransferEnd, TransferRecord
 from chunkserve.request import Request
 
 
@@ -27,14 +27,14 @@ class _Sending:
     copy_s: float = 0.0
 
 
-class KVSender:
+class KVSender(TransferEnd):
     def __init__(self, connectors: Connectors, worker, block_size: int) -> None:
+        super().__init__()
         self.connectors = connectors
         self.worker = worker
         self.block_size = block_size
         self.layout, self.dtype = worker.kv_block_layout()
         self._sending: dict[str, _Sending] = {}
-        self.records: list[TransferRecord] = []
 
     def open(self, request: Request, send: dict) -> None:
         """Open the request's outbox; ``ValueError`` naming the field if the handle does not
@@ -97,10 +97,6 @@ class KVSender:
         s = self._sending.pop(request_id, None)
         if s is not None:
             s.outbox.close()
-
-    def take_records(self) -> list[TransferRecord]:
-        records, self.records = self.records, []
-        return records
 
     def close(self) -> None:
         for request_id in list(self._sending):
