@@ -21,7 +21,7 @@ from typing import Any
 from chunkserve.budget import UNPROFILED_WARMUP_STEPS, BudgetController
 from chunkserve.config import EngineConfig, ModelConfig
 from chunkserve.costmodel import DEFAULT_PRIOR, CostModel, OnlineCostModel, StepShape, find_profile
-from chunkserve.disagg.connector import Connectors
+from chunkserve.disagg.connectors import Connectors
 from chunkserve.disagg.remote import RemotePrefills
 from chunkserve.disagg.sender import KVSender
 from chunkserve.kv_cache import KVCacheManager

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from chunkserve.disagg.connector import Connectors, Inbox, KVHandle, new_transfer_id
+from chunkserve.disagg.connector import Inbox, KVHandle, new_transfer_id
+from chunkserve.disagg.connectors import Connectors
 from chunkserve.request import Request
 
 logger = logging.getLogger("chunkserve.disagg")

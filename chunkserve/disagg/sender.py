@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from chunkserve.disagg.connector import Connectors, KVHandle, Outbox, TransferError
+from chunkserve.disagg.connector import KVHandle, Outbox, TransferError
+from chunkserve.disagg.connectors import Connectors
 from chunkserve.disagg.remote import TransferEnd, TransferRecord
 from chunkserve.request import Request
 
