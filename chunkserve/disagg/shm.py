@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from concurrent.futures import ThreadPoolExecutor
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
