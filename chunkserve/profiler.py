@@ -86,7 +86,7 @@ def hardware_description(device: torch.device) -> str:
     return cpu_description()
 
 
-class _ShapeRunner:
+class ShapeRunner:
     """Runs one fabricated step of a given shape through the engine's model runner."""
 
     def __init__(self, core: EngineCore) -> None:
@@ -116,22 +116,39 @@ class _ShapeRunner:
             v_cache.index_fill_(0, blocks, 0)
         return r
 
-    def time_shape(self, shape: StepShape, repeats: int) -> float:
+    def build(self, shape: StepShape) -> tuple[SchedulerOutput, list[Request]]:
+        """The step of this shape and its requests (``free`` them after)."""
         out = SchedulerOutput()
         reqs = []
-        for i, ctx in enumerate(shape.decode_context_lens):
-            r = self._request(f"d{i}", ctx, ctx - 1, decode=True)
-            out.decodes.append(ScheduledChunk(r, ctx - 1, 1))
-            reqs.append(r)
-        for i, (start, n) in enumerate(shape.prefill_chunks):
-            # The first ``prefill_samples`` chunks end their prompt (their last row is
-            # sampled); the others stop one token short of it.
-            samples = i < shape.prefill_samples
-            r = self._request(f"p{i}", start + n + (not samples), start, decode=False)
-            out.prefills.append(ScheduledChunk(r, start, n))
-            reqs.append(r)
-        if StepShape.of(out) != shape:  # e.g. a decode that would not sample
-            raise AssertionError(f"profile: built {StepShape.of(out)} for {shape}")
+        try:
+            for i, ctx in enumerate(shape.decode_context_lens):
+                r = self._request(f"d{i}", ctx, ctx - 1, decode=True)
+                out.decodes.append(ScheduledChunk(r, ctx - 1, 1))
+                reqs.append(r)
+            for i, (start, n) in enumerate(shape.prefill_chunks):
+                # The first ``prefill_samples`` chunks end their prompt (their last row is
+                # sampled); the others stop one token short of it.
+                samples = i < shape.prefill_samples
+                r = self._request(f"p{i}", start + n + (not samples), start, decode=False)
+                out.prefills.append(ScheduledChunk(r, start, n))
+                reqs.append(r)
+            if StepShape.of(out) != shape:  # e.g. a decode that would not sample
+                raise AssertionError(f"profile: built {StepShape.of(out)} for {shape}")
+        except BaseException:
+            self.free(reqs)
+            raise
+        return out, reqs
+
+    def free(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.core.kv.free(r)
+
+    def time_shape(self, shape: StepShape, repeats: int) -> float:
+        """Median seconds of ``repeats`` runs of the step, after one warm-up run."""
+        return statistics.median(self.time_shape_runs(shape, repeats))
+
+    def time_shape_runs(self, shape: StepShape, repeats: int) -> list[float]:
+        out, reqs = self.build(shape)
         try:
             self.worker.runner.execute(out)  # warm-up (primitive creation, buffers)
             times = []
@@ -144,9 +161,8 @@ class _ShapeRunner:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
         finally:
-            for r in reqs:
-                self.core.kv.free(r)
-        return statistics.median(times)
+            self.free(reqs)
+        return times
 
 
 def measure_overhead(engine: Engine, steps: int = 30) -> float:
@@ -174,7 +190,7 @@ def run_profile(
     """Measure every shape of ``grid``; fit on most, check on the held-out rest; return the
     profile document (the saved model is fit on all shapes)."""
     shapes = grid_shapes(grid, engine.max_model_len)
-    runner = _ShapeRunner(engine.core)
+    runner = ShapeRunner(engine.core)
     times = []
     for i, shape in enumerate(shapes):
         times.append(runner.time_shape(shape, repeats))
