@@ -154,3 +154,23 @@ def _check_random_batch(rng, block_size, dtype, device, seed, backend="torch") -
 def test_unknown_backend_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("nope", torch.device("cpu"), H, HKV, HD)
+
+
+@pytest.mark.parametrize("start", [0, 200])
+def test_fp32_prefill_through_sdpa_matches_the_blocked_path(start: int) -> None:
+    """fp32 chunks go through PyTorch's SDPA, bf16 ones through query blocks: on a chunk
+    longer than a query block, after a cached prefix or not, both give the same rows."""
+    from chunkserve.attention.torch_ref import PREFILL_BLOCK_ROWS, TorchAttentionBackend
+
+    torch.manual_seed(start)
+    n = 2 * PREFILL_BLOCK_ROWS + 37
+    attn = TorchAttentionBackend(H, HKV, HD)
+    q = torch.randn(n, H, HD)
+    k, v = torch.randn(start + n, HKV, HD), torch.randn(start + n, HKV, HD)
+    got = attn._prefill(q, k, v, start)
+    assert got.shape == (n, H, HD)
+    torch.testing.assert_close(got, attn._prefill_blocked(q, k, v, start), atol=2e-5, rtol=1e-4)
+    # The dense reference, for a few rows (the first, across a block edge, the last).
+    rows = [0, PREFILL_BLOCK_ROWS - 1, PREFILL_BLOCK_ROWS, n - 1]
+    want = dense_reference(q[rows], k, v, [start + i for i in rows], HD**-0.5)
+    torch.testing.assert_close(got[rows], want, atol=2e-5, rtol=1e-4)
