@@ -48,7 +48,7 @@ def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
     from chunkserve.engine import Engine
 
     if mode == "defaults":
-        engine = Engine(num_threads=args.threads)
+        engine = Engine(num_threads=args.threads, dtype=args.dtype)
         budget = None
     else:
         chunked = mode == "chunked"
@@ -58,6 +58,7 @@ def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
             max_num_seqs=args.num_prompts,
             enable_chunked_prefill=chunked,
             num_threads=args.threads,
+            dtype=args.dtype,
         )
     prompts = make_prompts(
         engine.tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed
@@ -140,7 +141,7 @@ def run_hf(args: argparse.Namespace) -> dict:
     from chunkserve.model.loader import open_gguf
 
     tokenizer = Tokenizer.from_gguf(path, open_gguf(path))
-    dtype = resolve_dtype("auto", torch.device("cpu"))
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     prompts = make_prompts(tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed)
@@ -271,6 +272,9 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512, help="chunked max_num_batched_tokens")
     p.add_argument("--unchunked-budget", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--dtype", default="auto", help="both engines: auto (bf16 where the CPU has it), float32"
+    )
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument(
         "--hf-sort",
