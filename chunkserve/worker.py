@@ -52,7 +52,12 @@ from chunkserve.draft import DraftModel
 from chunkserve.kv_cache import NULL_BLOCK
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
-from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
+from chunkserve.platform import (
+    configure_cpu_runtime,
+    release_free_heap,
+    resolve_device,
+    resolve_dtype,
+)
 from chunkserve.request import Request, SamplingParams
 from chunkserve.runner import ModelRunner, RunnerOutput, StepArrays, allocate_kv_caches
 from chunkserve.sampler import Sampler
@@ -241,6 +246,9 @@ class Worker:
         else:
             self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
         self.load_time = time.perf_counter() - t0
+        if self.device.type == "cpu":
+            released = release_free_heap()  # the loader's freed buffers
+            logger.debug("released %.0f MiB of free heap after loading", released / 2**20)
         if self._sized_by_free_memory:  # what the weights left free
             self._size_kv_cache()
             if self.group is not None:  # the block tables are shared: the least of the ranks
