@@ -148,7 +148,7 @@ def profile_table(runner: ShapeRunner, shape: StepShape, repeats: int) -> tuple[
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    llm = LLM(dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(dtype=args.dtype, num_threads=args.threads, attention_backend=args.attention_backend)
     core = llm.engine.core
     model = core.worker.runner.model
     runner = ShapeRunner(core)
@@ -196,8 +196,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
         "command": "python benchmarks/cpu_floor.py "
-        + f"--dtype {args.dtype} --threads {args.threads}",
+        + f"--dtype {args.dtype} --threads {args.threads}"
+        + (
+            f" --attention-backend {args.attention_backend}"
+            if args.attention_backend != "auto"
+            else ""
+        ),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "attention_backend": core.worker.attention.name,
         "threads": torch.get_num_threads(),
         "model": llm.engine.model_name,
         "weight_bytes": weight_bytes,
@@ -238,7 +244,8 @@ def time_linears_head(model: LlamaModel, rows: int, repeats: int) -> float:
 def report(doc: dict[str, Any]) -> str:
     m, d64, d1, p = doc["matmul"], doc["decode64"], doc["decode1"], doc["prefill"]
     lines = [
-        f"# CPU steps against the matmul floor ({doc['dtype']}, {doc['threads']} threads)",
+        f"# CPU steps against the matmul floor ({doc['dtype']}, {doc['threads']} threads, "
+        f"{doc.get('attention_backend', 'torch')} attention)",
         "",
         f"Measured {doc['date']} on {doc['machine']}; commit {doc['commit']}; "
         f"model {doc['model']}.",
@@ -303,10 +310,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/cpu_floor"))
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="auto (the CPU kernel where it builds), torch (the gathers and matmuls before it)",
+    )
     args = p.parse_args()
     doc = measure(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{doc['dtype']}_t{doc['threads']}"
+    if args.attention_backend != "auto":
+        stem += f"_{doc['attention_backend']}_attention"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     text = report(doc)
     (args.out_dir / f"{stem}.md").write_text(text)

@@ -42,13 +42,15 @@ def peak_rss_mib() -> float:
 
 
 def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
-    """``mode``: defaults (no budget flag: the adaptive budget), chunked (static budget
-    ``--budget``) or unchunked."""
+    """``mode``: defaults (no budget flag: the adaptive budget), torch-attention (the
+    defaults on the torch attention backend instead of the CPU kernel: the before of
+    issue 23), chunked (static budget ``--budget``) or unchunked."""
     from chunkserve import SamplingParams
     from chunkserve.engine import Engine
 
-    if mode == "defaults":
-        engine = Engine(num_threads=args.threads, dtype=args.dtype)
+    if mode in ("defaults", "torch-attention"):
+        backend = "torch" if mode == "torch-attention" else "auto"
+        engine = Engine(num_threads=args.threads, dtype=args.dtype, attention_backend=backend)
         budget = None
     else:
         chunked = mode == "chunked"
@@ -86,6 +88,7 @@ def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
         "engine": f"chunkserve {mode}",
         "max_num_batched_tokens": budget,
         "budget_policy": engine.core.budget_policy.describe(),
+        "attention_backend": engine.core.worker.attention.name,
         "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_out,
@@ -235,8 +238,11 @@ def render(results: list[dict], args: argparse.Namespace, meta: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        name = r["engine"]
+        if r.get("attention_backend"):
+            name += f" ({r['attention_backend']} attention)"
         lines.append(
-            f"| {r['engine']} | {r['total_tok_s']:.0f} | {r['output_tok_s']:.1f} | "
+            f"| {name} | {r['total_tok_s']:.0f} | {r['output_tok_s']:.1f} | "
             f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['total_time_s']:.1f} | "
             f"{r['peak_rss_mib']:.0f} |"
         )

@@ -18,7 +18,7 @@ DISAGGREGATION_MODES = (None, "prefill", "decode")
 KV_CONNECTORS = ("shm", "torch")
 PREFILL_ORDERS = ("shortest", "arrival")
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 # Default KV-cache budget on CPU. The embedded model needs 23,040 bytes per token in bf16,
 # so 1 GiB holds ~46k tokens, and the whole process stays under 2 GiB.

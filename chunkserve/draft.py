@@ -79,6 +79,8 @@ class DraftModel:
             model_config.num_heads,
             model_config.num_kv_heads,
             model_config.head_dim,
+            dtype,
+            block_size,
         )
         kv_caches = allocate_kv_caches(
             model_config.num_layers,

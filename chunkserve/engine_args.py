@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from chunkserve.config import EngineConfig
+from chunkserve.config import ATTENTION_BACKENDS, EngineConfig
 
 
 def parse_bytes(text: str) -> int:
@@ -124,7 +124,7 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
     if sampler_seed:
         g.add_argument("--seed", type=int, default=0, help="sampler seed of unseeded requests")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     g.add_argument(
         "--load-format",
         default="auto",

@@ -261,6 +261,8 @@ class Worker:
             self.shard.num_heads,
             self.shard.num_kv_heads,
             model_config.head_dim,
+            self.dtype,
+            self.block_size,
         )
         kv_caches = allocate_kv_caches(
             model_config.num_layers,

@@ -6,12 +6,14 @@ offsets not aligned to blocks, decodes of different lengths in the same batch.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import pytest
 import torch
 
-from chunkserve.attention import get_attention_backend, triton_usable
+from chunkserve.attention import cpu_kernels, get_attention_backend, triton_usable
 from chunkserve.kv_cache import KVCacheManager
 from chunkserve.request import Request, SamplingParams
 from chunkserve.runner import ModelRunner, allocate_kv_caches
@@ -23,7 +25,7 @@ H, HKV, HD = 6, 2, 32
 def dense_reference(q_rows, k_all, v_all, positions, scale):
     """q_rows: [n, H, hd] of one request at ``positions``; k_all/v_all: [ctx, Hkv, hd] of
     that request from position 0. Each row sees keys 0..its position."""
-    g = H // HKV
+    g = q_rows.shape[1] // k_all.shape[1]
     out = torch.empty_like(q_rows)
     for i, pos in enumerate(positions):
         k = k_all[: pos + 1].repeat_interleave(g, dim=1)  # [pos+1, H, hd]
@@ -53,8 +55,15 @@ GPU_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
     not triton_usable(GPU_DEVICE), reason="triton not installed (or no CUDA and no interpreter)"
 )
+# The C kernel builds wherever a C compiler is (CI has gcc): there a failed build fails
+# these tests rather than skipping them.
+needs_cpu_kernel = pytest.mark.skipif(
+    not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")),
+    reason="no C compiler to build the CPU attention kernel",
+)
 BACKEND_DEVICES = [
     pytest.param("torch", torch.device("cpu"), id="torch-cpu"),
+    pytest.param("cpu", torch.device("cpu"), id="cpu-kernel", marks=needs_cpu_kernel),
     pytest.param("triton", GPU_DEVICE, id=f"triton-{GPU_DEVICE.type}", marks=needs_triton),
 ]
 if torch.cuda.is_available():
@@ -74,9 +83,14 @@ def test_backend_matches_dense(
         _check_random_batch(rng, block_size, dtype, device, seed, backend)
 
 
-def _check_random_batch(rng, block_size, dtype, device, seed, backend="torch") -> None:
-    prefills, decodes = random_batch(rng, block_size)
-    num_blocks = 800 // block_size + 40  # room for the largest random batch
+def _check_random_batch(
+    rng, block_size, dtype, device, seed, backend="torch", heads=(H, HKV, HD), batch=None
+) -> None:
+    """One batch (``random_batch``'s, or ``batch``: (prefills, decodes)) through the backend
+    against the dense reference, the pool poisoned with NaN outside what was written."""
+    H, HKV, HD = heads  # the module's names, for these heads
+    prefills, decodes = batch or random_batch(rng, block_size)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in prefills + decodes) + 40
     kv = KVCacheManager(num_blocks, block_size)
     # Shuffle the free list so block tables are not contiguous.
     order = list(range(1, num_blocks + 1))
@@ -85,7 +99,8 @@ def _check_random_batch(rng, block_size, dtype, device, seed, backend="torch") -
     for b in order:
         kv.pool._free[b] = None
     ((k_cache, v_cache),) = allocate_kv_caches(1, num_blocks, block_size, HKV, HD, dtype, device)
-    attn = get_attention_backend(backend, device, H, HKV, HD)
+    attn = get_attention_backend(backend, device, H, HKV, HD, dtype, block_size)
+    assert attn.name == backend
     # Poison the pool: any read of a slot that was neither written nor zeroed turns into NaN.
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
@@ -174,3 +189,69 @@ def test_fp32_prefill_through_sdpa_matches_the_blocked_path(start: int) -> None:
     rows = [0, PREFILL_BLOCK_ROWS - 1, PREFILL_BLOCK_ROWS, n - 1]
     want = dense_reference(q[rows], k, v, [start + i for i in rows], HD**-0.5)
     torch.testing.assert_close(got[rows], want, atol=2e-5, rtol=1e-4)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> None:
+    """Head sizes of 64 and 128 take the kernel's vector path; a lone long decode (a
+    prompt's first token after a long prefill) and a few long rows are split over key ranges
+    merged at the end; short chunks of several rows see their causal limits."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    cases = [
+        ([], [(2999, 1)]),  # one long decode alone: split into ranges
+        ([(1500, 17)], [(700, 1)]),  # a 17-row short chunk beside a decode
+        ([(0, 40), (33, 5)], [(rng.randint(1, 300), 1) for _ in range(12)]),
+    ]
+    for batch in cases:
+        _check_random_batch(rng, 16, dtype, torch.device("cpu"), seed, "cpu", heads, batch)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_uses_torch_threads_and_one_openmp_runtime() -> None:
+    """The library links the OpenMP runtime torch loaded: one libgomp in the process."""
+    assert cpu_kernels.load() is not None
+    with open("/proc/self/maps") as f:
+        gomps = {ln.rsplit(maxsplit=1)[-1] for ln in f if "libgomp" in ln}
+    assert len(gomps) == 1, gomps
+
+
+def test_cpu_kernel_build_failure_falls_back_to_torch(tmp_path, monkeypatch) -> None:
+    """No working compiler: the build's error is kept, ``auto`` picks the torch backend and
+    asking for ``cpu`` is a ValueError naming the field and the reason."""
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(Exception):  # noqa: B017 - whatever the failed build raises
+        cpu_kernels._load()
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_error", "RuntimeError: no C compiler")
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu, H, HKV, HD).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend: 'cpu'.*no C compiler"):
+        get_attention_backend("cpu", cpu, H, HKV, HD)
+
+
+def test_cpu_kernel_not_chosen_for_what_it_does_not_take() -> None:
+    """fp16, blocks over 64 tokens or heads over 256 wide stay on the torch backend."""
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu, H, HKV, HD, torch.float16).name == "torch"
+    assert get_attention_backend("auto", cpu, H, HKV, HD, torch.float32, 128).name == "torch"
+    assert get_attention_backend("auto", cpu, 2, 1, 512).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend: 'cpu'"):
+        get_attention_backend("cpu", cpu, H, HKV, HD, torch.float16)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_cache_is_keyed_and_rebuilt(tmp_path, monkeypatch) -> None:
+    """A fresh cache directory builds the library there; a second load reuses the file."""
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels._load()
+    built = sorted((tmp_path / "kernels").glob("paged_attention-*.so"))
+    assert [first.path] == built
+    mtime = first.path.stat().st_mtime_ns
+    assert cpu_kernels._load().path == first.path
+    assert first.path.stat().st_mtime_ns == mtime

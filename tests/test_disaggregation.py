@@ -183,6 +183,82 @@ def test_remote_admission_waits_for_blocks() -> None:
     assert s.admit_remote() == [b]
 
 
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = perf_counter
+
+
+def test_arrived_blocks_are_copied_in_slices_that_fit_the_step_budget(monkeypatch) -> None:
+    """Blocks that arrived at once are copied over several steps: each step's copying ends
+    within the budget, sized from the measured time per block (the first slice, unmeasured,
+    is one block), and a block slower than the whole budget still moves one a step."""
+    from concurrent.futures import Future
+
+    from chunkserve.disagg import remote
+
+    clock = _FakeClock()
+    monkeypatch.setattr(remote, "time", clock)
+
+    class Worker:
+        per_block_s = 0.002
+
+        def kv_block_layout(self):
+            return LAYOUT, "float32"
+
+        def write_kv_blocks(self, block_ids, blocks):
+            assert len(block_ids) == blocks.shape[0]
+            clock.now += self.per_block_s * len(block_ids)
+
+    class Inbox:
+        def num_ready(self):
+            return 40
+
+        def read(self, start, stop):
+            return torch.zeros(stop - start, 2)
+
+        def failed(self):
+            return None
+
+        def close(self):
+            pass
+
+    received = []
+    scheduler = type("S", (), {"kv_received": lambda self, r, end: received.append(end)})()
+    worker = Worker()
+    ends = remote.RemotePrefills(None, worker, scheduler, 4)
+    call: Future = Future()
+    r = remote_request("a", 161)
+    t = remote._Transfer(r, Inbox(), list(range(1, 41)), 160, clock.now, call)
+    ends._transfers["a"] = t
+    per_step = []
+    while ends.active:
+        before, copied = clock.now, t.copied
+        assert ends.poll() == []
+        per_step.append((t.copied - copied, clock.now - before))
+    assert received == [160]
+    assert per_step[0] == (5, pytest.approx(0.010))  # 1 block, then 4 in what was left
+    assert all(s <= remote.COPY_BUDGET_S + 1e-9 for _, s in per_step)
+    assert sum(n for n, _ in per_step) == 40 and len(per_step) == 8
+    assert ends.records[0].num_bytes == 40 * 2 * 4
+
+    # The machine slows down 15x (one block now takes longer than the whole budget): the
+    # slice sized before it overshoots once, then one block a step moves.
+    worker.per_block_s = 0.03
+    t2 = remote._Transfer(remote_request("b", 161), Inbox(), list(range(1, 41)), 160, 0.0, Future())
+    ends._transfers["b"] = t2
+    counts = []
+    for _ in range(3):
+        copied = t2.copied
+        ends.poll()
+        counts.append(t2.copied - copied)
+    assert counts == [5, 1, 1]
+
+
 # ---- served: one prefill and one decode instance behind the router --------------------------
 class Router:
     def __init__(self, *args: str) -> None:

@@ -189,4 +189,4 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch: pytest.Monkey
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("triton", torch.device("cpu"), 4, 2, 16)
-    assert get_attention_backend("auto", torch.device("cpu"), 4, 2, 16).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu"), 4, 2, 16).name in ("cpu", "torch")

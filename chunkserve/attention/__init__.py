@@ -20,14 +20,24 @@ def triton_usable(device: torch.device) -> bool:
 
 
 def get_attention_backend(
-    name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+    name: str,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
 ) -> AttentionBackend:
     """Return the backend called ``name``; optional kernels are imported lazily here.
-    ``auto``: triton on CUDA when Triton is installed, else the torch reference."""
+    ``auto``: triton on CUDA when Triton is installed; on a CPU the C kernel's backend when
+    it builds here and takes the dtype, block size and head size, else the torch reference."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+        if device.type == "cuda":
+            name = "triton" if triton_usable(device) else "torch"
+        else:
+            name = "cpu" if _cpu_kernel(device, dtype, block_size, head_dim) else "torch"
     if name == "triton":
         if not triton_usable(device):
             raise ValueError(
@@ -37,9 +47,32 @@ def get_attention_backend(
         from chunkserve.attention.triton_paged import TritonAttentionBackend
 
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name == "cpu":
+        kernel = _cpu_kernel(device, dtype, block_size, head_dim)
+        if kernel is None:
+            from chunkserve.attention import cpu_kernels
+
+            why = cpu_kernels.load_error() or (
+                f"it takes {sorted(str(d) for d in cpu_kernels.DTYPES)}, block_size <= "
+                f"{cpu_kernels.MAX_BLOCK_SIZE} and head_dim <= {cpu_kernels.MAX_HEAD_DIM} on "
+                f"a CPU; got {dtype}, {block_size}, {head_dim} on {device}"
+            )
+            raise ValueError(f"attention_backend: 'cpu' is not usable here: {why}")
+        from chunkserve.attention.cpu_paged import CpuAttentionBackend
+
+        return CpuAttentionBackend(num_heads, num_kv_heads, head_dim, kernel, dtype)
     from chunkserve.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+
+
+def _cpu_kernel(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
+    """The C kernel when it serves this configuration, else None."""
+    from chunkserve.attention import cpu_kernels
+
+    if device.type != "cpu" or not cpu_kernels.supports(dtype, block_size, head_dim):
+        return None
+    return cpu_kernels.load()
 
 
 __all__ = ["AttentionBackend", "BatchLayout", "get_attention_backend", "triton_usable"]

@@ -93,12 +93,22 @@ class TorchAttentionBackend(AttentionBackend):
         return buf[: num_blocks * per_block].view(num_blocks, *like.shape[1:])
 
     def prepare(self, layout: BatchLayout) -> _TorchMetadata:
+        meta = self._new_metadata()
+        if self._head_idx.device != layout.input_ids.device:
+            self._head_idx = self._head_idx.to(layout.input_ids.device)
+            self._kv_head_idx = self._kv_head_idx.to(layout.input_ids.device)
+        short = self._prepare_prefills(layout, meta)
+        self._prepare_runs(layout, short, meta)
+        return meta
+
+    def _new_metadata(self) -> _TorchMetadata:
+        return _TorchMetadata()
+
+    def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
+        """Prefill chunks attended one by one go to ``meta.prefills``; returns the others:
+        short chunks that continue a cached sequence (attended like decodes)."""
         device = layout.input_ids.device
         bs = layout.block_size
-        meta = _TorchMetadata()
-        if self._head_idx.device != device:
-            self._head_idx = self._head_idx.to(device)
-            self._kv_head_idx = self._kv_head_idx.to(device)
         short: list[int] = []
         for i in range(layout.num_prefill_seqs):
             start_row, end_row = layout.query_start_host[i], layout.query_start_host[i + 1]
@@ -115,19 +125,30 @@ class TorchAttentionBackend(AttentionBackend):
                 layout.block_tables_host[i][:num_blocks], device=device, dtype=torch.int64
             )
             meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, block_ids))
+        return short
 
+    def _prepare_runs(self, layout: BatchLayout, short: list[int], meta: _TorchMetadata) -> None:
+        """The short chunks ``short`` and the decodes: padded gathers, grouped by length."""
+        self._prepare_short(layout, short, meta)
+        self._prepare_decodes(layout, meta)
+
+    def _prepare_short(self, layout: BatchLayout, short: list[int], meta: _TorchMetadata) -> None:
+        device = layout.input_ids.device
         if short:
             lengths = [layout.seq_lens_k_host[i] for i in short]
-            for group in split_decode_groups(lengths, bs):
+            for group in split_decode_groups(lengths, layout.block_size):
                 seqs = [short[g] for g in group]
                 meta.short_groups.append(self._short_group(layout, seqs, device))
+
+    def _prepare_decodes(self, layout: BatchLayout, meta: _TorchMetadata) -> None:
+        device = layout.input_ids.device
+        bs = layout.block_size
         p = layout.num_prefill_seqs
         if layout.num_decode_tokens:
             lengths = layout.seq_lens_k_host[p:]
             row0 = layout.num_prefill_tokens
             for group in split_decode_groups(lengths, bs):
                 meta.decode_groups.append(self._decode_group(layout, group, row0, device))
-        return meta
 
     def _short_group(
         self, layout: BatchLayout, seqs: list[int], device: torch.device
@@ -192,11 +213,25 @@ class TorchAttentionBackend(AttentionBackend):
         layout: BatchLayout,
         metadata: _TorchMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         self.write_kv(k, v, k_cache, v_cache, layout)
 
-        out = torch.empty_like(q)  # [T_padded, num_heads, head_dim]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T_padded, H, hd]
         out[layout.num_tokens :] = 0  # padding rows (see ModelRunner.build_layout)
+        self._forward_prefills(q, k, v, k_cache, v_cache, out, metadata)
+        self._forward_runs(q, k_cache, v_cache, out, metadata)
+        return out
+
+    def _forward_prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        metadata: _TorchMetadata,
+    ) -> None:
+        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         for chunk in metadata.prefills:
             rows = slice(chunk.row_start, chunk.row_end)
             if chunk.block_ids is None:  # starts at position 0: its own fresh K/V
@@ -209,6 +244,15 @@ class TorchAttentionBackend(AttentionBackend):
                 q[rows], kc, vc, chunk.ctx_len - (chunk.row_end - chunk.row_start)
             )
 
+    def _forward_runs(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        metadata: _TorchMetadata,
+    ) -> None:
+        """Short chunks and decodes (``_prepare_runs``), into their rows of ``out``."""
         for short in metadata.short_groups:
             o = self._short(q.index_select(0, short.q_index), k_cache, v_cache, short)
             out.index_copy_(0, short.out_rows, o[short.valid])
@@ -221,7 +265,6 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 qg = q.index_select(0, group.rows)
                 out.index_copy_(0, group.rows, self._decode(qg, k_cache, v_cache, group))
-        return out
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
