@@ -4,12 +4,13 @@
  * The torch backend gathers every sequence's blocks into a padded buffer and runs two
  * batched matmuls over it: K and V cross memory twice (the gather writes them, the matmuls
  * read them back), the padding is read too, and a batched matmul of a few query rows is far
- * from the copy rate.  Here each (sequence, KV head, key range) is one work item that reads
- * its keys and values once, in place, with an online softmax over blocks (one rescale per
- * block), accumulating in fp32.  A sequence's G = H / Hkv query heads share the pass over
- * their KV head.  When there are too few items to keep every thread busy (a long prompt's
- * first token, a small batch), each sequence's blocks are split into ranges whose partial
- * results are merged at the end (as flash-decoding does).
+ * from the copy rate.  Here each (sequence, key range) is one work item that reads its keys
+ * and values once, in place, block after block (the next one prefetched), with an online
+ * softmax (one rescale per block), accumulating in fp32.  The query rows that share a KV head
+ * (the G = H / Hkv heads of each of the sequence's rows) take each key and value row from one
+ * load; bf16 is widened in registers.  When there are too few sequences to keep every thread
+ * busy (a long prompt's first token, a small batch), each sequence's blocks are split into
+ * ranges whose partial results are merged at the end (as flash-decoding does).
  *
  * Row j (0-based) of a sequence with r query rows and ctx keys sees keys [0, ctx - r + 1 + j).
  * Layouts: q, out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int64
@@ -87,10 +88,10 @@ static inline void block_update(const float *restrict q, const float *restrict k
     }
 }
 
-/* The block update again for D a multiple of 16, in 16-lane vectors (one AVX-512 register,
- * or two AVX2 ones): the n <= 16 scores of a block land in the lanes of one vector through a
- * tree of shuffles (4 levels) instead of a horizontal sum per key, and the accumulator stays
- * in registers across the block's keys. */
+/* The vector path, for D a multiple of 16 (64 or 128) and blocks of at most 16 tokens: in
+ * 16-lane vectors (one AVX-512 register, or two AVX2 ones); the n <= 16 scores of a block
+ * land in the lanes of one vector through a tree of shuffles (4 levels) instead of a
+ * horizontal sum per key, and the accumulators stay in registers across the block's keys. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -126,6 +127,42 @@ static inline v16f reduce16(v16f v[16]) {
     return FOLD(z[0], z[1], l4a, l4b); /* lane t: token t */
 }
 
+/* a where m (all bits set), else b */
+static inline v16f select16(v16i m, v16f a, v16f b) {
+    v16i ai, bi, r;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    r = (ai & m) | (bi & ~m);
+    v16f out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp of 16 lanes at once (scalar expf calls were a tenth of the kernel's time): x = k ln2 + r
+ * with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (relative error under 2e-7),
+ * 2^k put in the exponent bits. Lanes below -87 (and -inf) give 0. */
+static inline v16f exp16(v16f x) {
+    const v16f zero = {0};
+    const v16i under = x < -87.f;
+    x = select16(under, zero - 87.f, x);
+    const v16f t = x * 1.44269504088896341f;
+    const v16i k = __builtin_convertvector(t + select16(t < 0.f, zero - 0.5f, zero + 0.5f), v16i);
+    const v16f kf = __builtin_convertvector(k, v16f);
+    const v16f r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
+    v16f p = zero + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const v16i bits = (k + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return select16(under, zero, p * scale);
+}
+
 static inline float hmax16(v16f v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
@@ -138,42 +175,84 @@ static inline float hsum16(v16f v) {
     return s;
 }
 
-/* D = 16 * NV. Requires block_size <= 16. */
-#define BLOCK_UPDATE_VEC(NV)                                                                  \
-    static void block_update_v##NV(const float *restrict q, const float *restrict k,          \
-                                   const float *restrict v, int64_t kstride, int64_t n,       \
-                                   stat_t *st, float *restrict acc) {                         \
-        v16f qv[NV], av[NV], parts[16];                                                       \
-        for (int c = 0; c < NV; c++) qv[c] = loadu(q + 16 * c);                               \
-        for (int64_t t = 0; t < 16; t++) {                                                    \
-            if (t < n) {                                                                      \
-                const float *kt = k + t * kstride;                                            \
-                v16f sum = qv[0] * loadu(kt);                                                 \
-                for (int c = 1; c < NV; c++) sum += qv[c] * loadu(kt + 16 * c);               \
-                parts[t] = sum;                                                               \
-            } else {                                                                          \
-                parts[t] = (v16f){0};                                                         \
-            }                                                                                 \
-        }                                                                                     \
-        v16f s = reduce16(parts);                                                             \
-        for (int64_t t = n; t < 16; t++) s[t] = -INFINITY;                                    \
-        const float bmax = hmax16(s);                                                         \
-        const float mx = bmax > st->m ? bmax : st->m;                                         \
-        const float corr = expf(st->m - mx);                                                  \
-        float pe[16];                                                                         \
-        for (int t = 0; t < 16; t++) pe[t] = expf(s[t] - mx);                                 \
-        v16f p = loadu(pe);                                                                   \
-        st->l = st->l * corr + hsum16(p);                                                     \
-        st->m = mx;                                                                           \
-        for (int c = 0; c < NV; c++) av[c] = loadu(acc + 16 * c) * corr;                      \
-        for (int64_t t = 0; t < n; t++) {                                                     \
-            const float *vt = v + t * kstride;                                                \
-            for (int c = 0; c < NV; c++) av[c] += p[t] * loadu(vt + 16 * c);                  \
-        }                                                                                     \
-        for (int c = 0; c < NV; c++) storeu(acc + 16 * c, av[c]);                             \
+static inline v16f load_bf16(const uint16_t *p) { /* 16 bf16 -> fp32 in registers */
+    typedef uint16_t v16h __attribute__((vector_size(32)));
+    typedef uint32_t v16u __attribute__((vector_size(64)));
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Up to MR query rows that share a KV head, over one block of keys (D = 16 * NV, block_size
+ * <= 16), K and V read as they lie in the pool (fp32, or bf16 widened in registers): each
+ * key row is loaded once for all the rows, its dot products reduced 16 keys at a time, one
+ * online-softmax rescale per row and block. n[i]: keys of the block row i sees. */
+#define MR 4
+#define BLOCK_ROWS(NAME, ET, LOAD, NV)                                                         \
+    static void NAME(const float **q, int nr, const ET *restrict k, const ET *restrict v,      \
+                     int64_t stride, const int64_t *n, stat_t **st, float **acc) {              \
+        const v16f lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};              \
+        v16f qv[MR][NV], parts[MR][16], p[MR];                                                 \
+        float corr[MR];                                                                        \
+        int64_t nmax = 0;                                                                      \
+        for (int i = 0; i < nr; i++) {                                                         \
+            for (int c = 0; c < NV; c++) qv[i][c] = loadu(q[i] + 16 * c);                      \
+            if (n[i] > nmax) nmax = n[i];                                                      \
+        }                                                                                      \
+        for (int64_t t = 0; t < 16; t++) {                                                     \
+            if (t < nmax) {                                                                    \
+                v16f kr[NV];                                                                   \
+                for (int c = 0; c < NV; c++) kr[c] = LOAD(k + t * stride + 16 * c);            \
+                for (int i = 0; i < nr; i++) {                                                 \
+                    v16f sum = qv[i][0] * kr[0];                                               \
+                    for (int c = 1; c < NV; c++) sum += qv[i][c] * kr[c];                      \
+                    parts[i][t] = sum;                                                         \
+                }                                                                              \
+            } else {                                                                           \
+                for (int i = 0; i < nr; i++) parts[i][t] = (v16f){0};                          \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < nr; i++) {                                                         \
+            v16f sc = reduce16(parts[i]);                                                      \
+            sc = select16(lane >= (float)n[i], (v16f){0} - INFINITY, sc);                      \
+            const float bmax = hmax16(sc);                                                     \
+            const float mx = bmax > st[i]->m ? bmax : st[i]->m;                                \
+            corr[i] = expf(st[i]->m - mx);                                                     \
+            p[i] = exp16(sc - mx); /* 0 where masked */                                        \
+            st[i]->l = st[i]->l * corr[i] + hsum16(p[i]);                                      \
+            st[i]->m = mx;                                                                     \
+        }                                                                                      \
+        v16f av[MR][NV];                                                                       \
+        for (int i = 0; i < nr; i++)                                                           \
+            for (int c = 0; c < NV; c++) av[i][c] = loadu(acc[i] + 16 * c) * corr[i];         \
+        for (int64_t t = 0; t < nmax; t++) {                                                   \
+            v16f vr[NV];                                                                       \
+            for (int c = 0; c < NV; c++) vr[c] = LOAD(v + t * stride + 16 * c);                \
+            for (int i = 0; i < nr; i++)                                                       \
+                for (int c = 0; c < NV; c++) av[i][c] += p[i][t] * vr[c];                      \
+        }                                                                                      \
+        for (int i = 0; i < nr; i++)                                                           \
+            for (int c = 0; c < NV; c++) storeu(acc[i] + 16 * c, av[i][c]);                    \
     }
-BLOCK_UPDATE_VEC(4)
-BLOCK_UPDATE_VEC(8)
+BLOCK_ROWS(rows_f32_v4, float, loadu, 4)
+BLOCK_ROWS(rows_f32_v8, float, loadu, 8)
+BLOCK_ROWS(rows_bf16_v4, uint16_t, load_bf16, 4)
+BLOCK_ROWS(rows_bf16_v8, uint16_t, load_bf16, 8)
+
+static void run_rows(const float **q, int nr, const char *k, const char *v, int dtype,
+                     int64_t D, int64_t stride, const int64_t *n, stat_t **st, float **acc) {
+    if (dtype == 0 && D == 64)
+        rows_f32_v4(q, nr, (const float *)k, (const float *)v, stride, n, st, acc);
+    else if (dtype == 0)
+        rows_f32_v8(q, nr, (const float *)k, (const float *)v, stride, n, st, acc);
+    else if (D == 64)
+        rows_bf16_v4(q, nr, (const uint16_t *)k, (const uint16_t *)v, stride, n, st, acc);
+    else
+        rows_bf16_v8(q, nr, (const uint16_t *)k, (const uint16_t *)v, stride, n, st, acc);
+}
 
 static inline void prefetch_block(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
@@ -188,6 +267,7 @@ static void run_item(const void *q, const void *kc, const void *vc, int dtype,
                      int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
                      float scale, float *restrict qf, stat_t *st, float *restrict acc) {
     const int64_t G = H / Hkv, rows = r * H, esize = dtype ? 2 : 4;
+    const int vector = (D == 64 || D == 128) && bs <= 16; /* else the scalar loops */
     float kbuf[MAX_BLOCK * MAX_DIM], vbuf[MAX_BLOCK * MAX_DIM];
     /* row i = j * H + h: query row j, head h (KV head h / G) */
     rows_to_f32(qf, (const char *)q + q0 * H * D * esize, dtype, rows, D, D);
@@ -210,6 +290,32 @@ static void run_item(const void *q, const void *kc, const void *vc, int dtype,
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             const char *kb = (const char *)kc + (table[b] * block_stride + kvh * D) * esize;
             const char *vb = (const char *)vc + (table[b] * block_stride + kvh * D) * esize;
+            if (vector) { /* the KV head's rows (j, g), in groups of up to MR */
+                const int group = D == 64 ? MR : 2; /* 16 (or 32) query vectors at most */
+                const float *qp[MR];
+                int64_t n[MR];
+                stat_t *ist[MR];
+                float *iacc[MR];
+                int nr = 0;
+                for (int64_t j = 0; j < r; j++) {
+                    int64_t nj = ctx - r + 1 + j - first; /* keys of this block row j sees */
+                    if (nj <= 0) continue;
+                    if (nj > bs) nj = bs;
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t i = j * H + kvh * G + g;
+                        qp[nr] = qf + i * D;
+                        n[nr] = nj;
+                        ist[nr] = st + i;
+                        iacc[nr] = acc + i * D;
+                        if (++nr == group) {
+                            run_rows(qp, nr, kb, vb, dtype, D, row_stride, n, ist, iacc);
+                            nr = 0;
+                        }
+                    }
+                }
+                if (nr) run_rows(qp, nr, kb, vb, dtype, D, row_stride, n, ist, iacc);
+                continue;
+            }
             const float *k, *v;
             int64_t kstride;
             if (dtype == 0) {
@@ -229,12 +335,7 @@ static void run_item(const void *q, const void *kc, const void *vc, int dtype,
                 if (n > bs) n = bs;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t i = j * H + kvh * G + g;
-                    if (D == 64 && bs <= 16)
-                        block_update_v4(qf + i * D, k, v, kstride, n, st + i, acc + i * D);
-                    else if (D == 128 && bs <= 16)
-                        block_update_v8(qf + i * D, k, v, kstride, n, st + i, acc + i * D);
-                    else
-                        block_update(qf + i * D, k, v, kstride, n, D, st + i, acc + i * D);
+                    block_update(qf + i * D, k, v, kstride, n, D, st + i, acc + i * D);
                 }
             }
         }
