@@ -16,7 +16,7 @@
  * Layouts: q, out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int64
  * [num_seqs, table_stride]; q_start int64 [num_seqs + 1]; ctx_lens int64 [num_seqs].
  * dtype 0: float32 q/caches/out; 1: bfloat16.  Returns 0, or a code for arguments the
- * kernel does not take (the caller falls back to torch).
+ * kernel does not take (the caller only sends what it takes: a code is a bug there).
  * Compiled at first use by chunkserve/attention/cpu_kernels.py.
  */
 #include <math.h>
