@@ -1,12 +1,12 @@
-"""Offline throughput: chunkserve (defaults, a static chunked budget, unchunked) against HF
-transformers `generate`.
+"""Offline throughput: chunkserve (``LLM()``'s defaults, a server's adaptive default, a static
+chunked budget, unchunked) against HF transformers `generate`.
 
 64 prompts of real prose with lengths drawn uniformly from 20..1,500 tokens, 128 output tokens
 each (EOS ignored so every engine produces the same count). Each engine runs in its own
 subprocess, so peak RSS is its own. Prints a table and writes
 ``benchmarks/results/offline_throughput.{json,md}``.
 
-    python benchmarks/offline_throughput.py                 # all four, ~15 min on 2 cores
+    python benchmarks/offline_throughput.py                 # all five, ~20 min on 2 cores
     python benchmarks/offline_throughput.py --modes chunked --num-prompts 16
 
 Prefill and decode tok/s split each step's time between its prefill and decode tokens in
@@ -42,15 +42,20 @@ def peak_rss_mib() -> float:
 
 
 def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
-    """``mode``: defaults (no budget flag: the adaptive budget), torch-attention (the
-    defaults on the torch attention backend instead of the CPU kernel: the before of
-    issue 23), chunked (static budget ``--budget``) or unchunked."""
-    from chunkserve import SamplingParams
+    """``mode``: defaults (``LLM()`` as an offline user gets it: no budget flag, so the
+    offline budget), adaptive (``Engine()``: a server's default, the adaptive budget that
+    protects the gaps between tokens), torch-attention (the defaults on the torch attention
+    backend instead of the CPU kernel), chunked (static budget ``--budget``) or unchunked."""
+    from chunkserve import LLM, SamplingParams
     from chunkserve.engine import Engine
 
     if mode in ("defaults", "torch-attention"):
         backend = "torch" if mode == "torch-attention" else "auto"
-        engine = Engine(num_threads=args.threads, dtype=args.dtype, attention_backend=backend)
+        llm = LLM(num_threads=args.threads, dtype=args.dtype, attention_backend=backend)
+        engine = llm.engine
+        budget = None
+    elif mode == "adaptive":
+        engine = Engine(num_threads=args.threads, dtype=args.dtype)
         budget = None
     else:
         chunked = mode == "chunked"
@@ -270,7 +275,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--modes", default="defaults,chunked,unchunked,hf")
+    p.add_argument("--modes", default="defaults,adaptive,chunked,unchunked,hf")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-len", type=int, default=20)
     p.add_argument("--max-len", type=int, default=1500)

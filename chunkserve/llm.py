@@ -13,13 +13,33 @@ from chunkserve.request import SamplingParams
 Prompt = str | list[int]
 
 
+# The offline token budget when none is named. ``generate`` returns when the whole batch is
+# done: nobody reads a token before, so steps are sized for throughput (whole-matrix
+# efficiency from about 512 rows on a CPU) instead of for the gaps between tokens, as a
+# server's adaptive default sizes them. vLLM's LLM class likewise defaults to a larger
+# budget than its API server. Measured (64 prompts of 20-1,500 tokens, 128 out, fp32, 2
+# threads, 2-core EPYC): 349 total tok/s against 318 for the server's adaptive default.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def offline_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with the offline budget, unless a budget, a latency target or a slowdown
+    was named (or chunking is off: its budget is the whole prompt's)."""
+    named = (config.max_num_batched_tokens, config.itl_slo_ms, config.max_decode_slowdown)
+    if not config.enable_chunked_prefill or any(x is not None for x in named):
+        return config
+    return config.replace(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
+
+
 class LLM:
     """Batch generation on the engine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct;
     ``LLM(model="x.gguf")`` or ``LLM(model="hf_dir")`` any Llama-family model. Keyword
-    arguments are ``EngineConfig`` fields."""
+    arguments are ``EngineConfig`` fields; with no budget named, steps carry up to
+    ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` tokens (a static budget: throughput, not the gaps
+    between tokens nobody sees until the batch ends)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.engine = Engine(offline_config(EngineConfig.from_kwargs(model=model, **kwargs)))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -50,14 +50,10 @@ from chunkserve.distributed.launch import (
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.draft import DraftModel
 from chunkserve.kv_cache import NULL_BLOCK
+from chunkserve.memory import release_free_heap
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
-from chunkserve.platform import (
-    configure_cpu_runtime,
-    release_free_heap,
-    resolve_device,
-    resolve_dtype,
-)
+from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.request import Request, SamplingParams
 from chunkserve.runner import ModelRunner, RunnerOutput, StepArrays, allocate_kv_caches
 from chunkserve.sampler import Sampler

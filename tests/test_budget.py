@@ -737,3 +737,27 @@ def test_chunking_overhead_prices_the_prefix_each_chunk_rereads() -> None:
     for _ in range(50):
         whole._observe_chunking(StepShape((), ((0, 3000),), 1))
     assert whole.chunking_overhead == pytest.approx(1.0)
+
+
+def test_offline_llm_defaults_to_a_throughput_budget() -> None:
+    """``LLM`` (offline: ``generate`` returns when the batch is done) with no budget named
+    runs a static budget of ``OFFLINE_MAX_NUM_BATCHED_TOKENS``; a named budget, target or
+    slowdown, or chunking off, is kept as given; ``Engine`` (the server's core) stays
+    adaptive."""
+    from chunkserve.config import EngineConfig
+    from chunkserve.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS, offline_config
+
+    def policy(**kw):
+        return offline_config(EngineConfig.from_kwargs(**kw)).budget_policy(4096)
+
+    assert policy() == BudgetPolicy("static", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+    assert policy(max_num_batched_tokens=96) == BudgetPolicy("static", 96)
+    assert policy(max_decode_slowdown=3.0).kind == "adaptive"
+    assert policy(itl_slo_ms=200).kind == "itl-target"
+    assert policy(enable_chunked_prefill=False) == EngineConfig().replace(
+        enable_chunked_prefill=False
+    ).budget_policy(4096)
+    assert EngineConfig().budget_policy(4096).kind == "adaptive"
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, load_format="dummy")
+    assert llm.engine.core.budget_policy == BudgetPolicy("static", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+    assert llm.engine.core.controller is None

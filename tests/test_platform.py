@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from chunkserve.platform import release_free_heap
+from chunkserve.memory import release_free_heap
 
 
 def _glibc():
