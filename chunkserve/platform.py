@@ -56,7 +56,8 @@ def configure_cpu_runtime() -> None:
     Every step has a different token count and context length, so the default caches (1,024
     oneDNN primitives, 1,024 ideep entries) fill with one-off shapes: measured on the offline
     benchmark, peak RSS 2.36 GiB, against 1.69 GiB at 64 and 16 entries with the same speed.
-    Users' own settings win."""
+    (MKL's memory manager is turned off in ``chunkserve/__init__``: MKL reads that setting
+    when torch is imported.) Users' own settings win."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
     _keep_large_allocations_mapped()

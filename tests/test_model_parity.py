@@ -40,7 +40,7 @@ def all_row_logits(engine: Engine, token_ids: list[int], chunk: int) -> torch.Te
                     engine.core.worker.runner.attn,
                     meta,
                 )
-                rows.append(engine.core.worker.model.compute_logits(hidden))
+                rows.append(engine.core.worker.model.compute_logits(hidden[:n]))  # no padding
             req.num_computed_tokens += n
     finally:
         engine.core.kv.free(req)
@@ -64,10 +64,13 @@ def test_logits_match_hf(engine: Engine, hf_model, chunk: int) -> None:
     assert_no_blocks_in_use(engine)
 
 
-def test_long_prompt_logits_match_hf(engine: Engine, hf_model) -> None:
-    text = " ".join(NATURAL_PROMPTS) * 6
-    ids = engine.tokenizer.encode(text)[:400]
-    ours = all_row_logits(engine, ids, 96)
+@pytest.mark.parametrize("n,chunk", [(400, 96), (700, 700)])
+def test_long_prompt_logits_match_hf(engine: Engine, hf_model, n: int, chunk: int) -> None:
+    """Chunked, and one step of more rows than the CPU's MLP slices."""
+    text = " ".join(NATURAL_PROMPTS) * 16
+    ids = engine.tokenizer.encode(text)[:n]
+    assert len(ids) == n
+    ours = all_row_logits(engine, ids, chunk)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].float()
     assert relative_error(ours, ref) < 1e-4
@@ -113,3 +116,15 @@ def test_bf16_close_to_fp32(engine: Engine) -> None:
     a = all_row_logits(bf16, ids, 8)
     b = all_row_logits(engine, ids, 8)
     assert relative_error(a, b) < 5e-2
+
+
+def test_mlp_in_row_slices_equals_the_whole(engine: Engine) -> None:
+    """A step of more than ``MLP_SLICE_ROWS`` rows runs its MLP in slices on a CPU (its
+    temporaries stay small): the same rows as one matmul over all of them."""
+    from chunkserve.model import llama
+
+    layer = engine.core.worker.model.layers[3]
+    x = torch.randn(2 * llama.MLP_SLICE_ROWS + 77, layer.gate_up_proj.shape[1])
+    sliced = layer.mlp(x)
+    torch.testing.assert_close(sliced, layer._mlp(x), rtol=1e-5, atol=1e-5)
+    assert layer.mlp(x[:5]).shape == (5, x.shape[1])
