@@ -28,7 +28,8 @@ def cpu_description() -> str:
 
 def git_commit() -> str | None:
     """The commit of the working directory's checkout (with ``+dirty`` for uncommitted
-    changes), which every benchmark result records; None outside a git checkout."""
+    changes outside ``benchmarks/results``: results an earlier run wrote are not code), which
+    every benchmark result records; None outside a git checkout."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
@@ -36,7 +37,15 @@ def git_commit() -> str | None:
         if head.returncode != 0:
             return None
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!benchmarks/results",
+            ],
             capture_output=True,
             text=True,
             timeout=10,
