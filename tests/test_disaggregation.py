@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from chunkserve.kv_cache import KVCacheManager
 from chunkserve.request import KVTransferParams, Request, RequestStatus, SamplingParams
 from chunkserve.scheduler import Scheduler
 from tests.conftest import NATURAL_PROMPTS
-from tests.test_server import MODEL, Server, free_port
+from tests.test_server import MODEL, ChunkserveProcess, Server
 
 LAYOUT = (2, 2, 4, 3, 8)  # num_layers, K/V, block_size, num_kv_heads, head_dim
 
@@ -260,31 +258,9 @@ def test_arrived_blocks_are_copied_in_slices_that_fit_the_step_budget(monkeypatc
 
 
 # ---- served: one prefill and one decode instance behind the router --------------------------
-class Router:
+class Router(ChunkserveProcess):
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "chunkserve", "router", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()
-            try:
-                if httpx.get(self.base + "/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("router did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        super().__init__("router", *args, health="/v1/models", timeout_s=60)
 
 
 class Deployment:

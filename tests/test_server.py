@@ -29,17 +29,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+class ChunkserveProcess:
+    """``python -m chunkserve <command> --port P ...`` on a free loopback port, ready once
+    ``health`` answers 200; ``stop`` ends it by its PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(
+        self,
+        command: str,
+        *args: str,
+        health: str,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "chunkserve",
+        cmd = [sys.executable, "-m", "chunkserve", command, "--port", str(self.port), *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{command} exited:\n" + self.proc.stdout.read())
+            try:
+                if httpx.get(self.base + health, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"{command} did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class Server(ChunkserveProcess):
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+        super().__init__(
             "serve",
-            "--port",
-            str(self.port),
             "--dtype",
             "float32",
             "--max-model-len",
@@ -51,30 +85,10 @@ class Server:
             "--log-level",
             "warning",
             *extra,
-        ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            health="/health",
+            timeout_s=120,
+            env=env,
         )
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.proc.stdout.read())
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not become healthy")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from chunkserve.disagg.connector import Inbox, KVConnector, KVHandle, Outbox, TransferError
+from chunkserve.distributed.group import make_process_group
 
 logger = logging.getLogger("chunkserve.disagg")
 
@@ -37,13 +38,7 @@ _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def _make_group(store: dist.Store, key: str, rank: int, device: torch.device):
-    prefixed = dist.PrefixStore(key, store)
-    timeout = datetime.timedelta(seconds=PAIR_TIMEOUT_S)
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    return make_process_group(dist.PrefixStore(key, store), rank, 2, device, PAIR_TIMEOUT_S)
 
 
 class TorchInbox(Inbox):

@@ -59,6 +59,19 @@ class CollectiveError(RuntimeError):
     unusable and so is the engine."""
 
 
+def make_process_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
+    """A process group built directly over ``store`` (no global ``init_process_group``
+    state, so groups come and go in one process): NCCL for CUDA tensors, else gloo."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
 class TPGroup:
     """One rank's end of a tensor-parallel group of ``size`` ranks."""
 
@@ -95,15 +108,8 @@ class TPGroup:
         """Make both process groups over ``store`` (every rank calls this). ``shm_alive``
         (every rank on one CPU host): sum through shared memory, calling it while waiting
         (it raises when another rank is known to be gone)."""
-        timeout = datetime.timedelta(seconds=timeout_s)
         meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", store), rank, size, META_TIMEOUT)
-        dev_store = dist.PrefixStore("device", store)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            dev = dist.ProcessGroupNCCL(dev_store, rank, size, opts)
-        else:
-            dev = dist.ProcessGroupGloo(dev_store, rank, size, timeout)
+        dev = make_process_group(dist.PrefixStore("device", store), rank, size, device, timeout_s)
         group = cls(rank, size, dev, meta)
         use_shm = shm_alive is not None and device.type == "cpu"
         use_shm = use_shm and group.min_int(int(shm_supported(size, SHM_CAPACITY))) == 1
