@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import shlex
@@ -334,6 +335,15 @@ def run_config(
     name: str, requests: list[BenchRequest], args: argparse.Namespace, out_dir: Path
 ) -> dict[str, Any]:
     topology = TOPOLOGIES[name]
+    if args.log_level != "warning":  # each instance's log gets its step lines
+        topology = dataclasses.replace(
+            topology,
+            instances={
+                n: [args.log_level if c == "warning" else c for c in cmd]
+                + ["--decode-log-interval", str(args.decode_log_interval)]
+                for n, cmd in topology.instances.items()
+            },
+        )
     print(f"== {name}: {topology.label}", flush=True)
     with deploy(name, topology, out_dir) as dep:
         urls = dep.instance_urls()
@@ -658,6 +668,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-duration", type=float, default=900.0, help="seconds per configuration's run"
     )
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per instance")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        help="the servers' (info: every prefill or mixed step's line, decode steps in groups)",
+    )
+    p.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=20,
+        help="with --log-level info: decode steps per line (1: every step)",
+    )
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in TOPOLOGIES]

@@ -193,6 +193,12 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         help="--kv-connector torch: the address this decode instance listens on",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=20,
+        help="decode-only steps summed into one info line (1: a line per step)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -239,6 +245,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disaggregation_mode=args.disaggregation_mode,
         kv_connector=args.kv_connector,
         kv_transfer_host=args.kv_transfer_host,
+        log_stats_interval=args.decode_log_interval,
     )
     kwargs["max_num_batched_tokens"] = budget
     return EngineConfig(**kwargs)
