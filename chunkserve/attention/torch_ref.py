@@ -310,7 +310,12 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # [Hkv, G, L, hd], pre-scaled (exact in bf16 when the scale is a power of two).
         qg = (q * self.scale).view(num_rows, hkv, g, hd).permute(1, 2, 0, 3).contiguous()
-        kt = k.permute(1, 2, 0).contiguous()  # [Hkv, hd, ctx]
+        # Keys head-major and read transposed by the matmul ([Hkv, hd, ctx] as a view):
+        # moving whole 64-value rows is ~10x cheaper than the element-wise transpose a
+        # contiguous [Hkv, hd, ctx] needs. Measured at 1 thread (bf16, one layer): a 16-row
+        # chunk after 3,000 cached keys 0.80 -> 0.39 ms for the copy and the scores, 64 rows
+        # 1.71 -> 1.46 ms (the deep short chunks the adaptive budget makes of a long prompt).
+        kt = k.permute(1, 0, 2).contiguous().transpose(1, 2)  # [Hkv, hd, ctx]
         vt = v.permute(1, 0, 2).contiguous()  # [Hkv, ctx, hd]
         out = torch.empty_like(qg)
         for r0 in range(0, num_rows, PREFILL_BLOCK_ROWS):
