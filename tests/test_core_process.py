@@ -113,6 +113,12 @@ def test_bad_configuration_is_a_value_error_from_the_core() -> None:
         MultiprocessEngine(EngineConfig.from_kwargs(**{**CONFIG, "kv_cache_memory": 1 << 20}))
 
 
+# The watchdog while the cores take their first step: two cold processes on a loaded 2-core CI
+# machine took over 2 s for it (CI of 00634af). Tests tighten it to HUNG_S once steps come.
+STARTUP_S = 60.0
+HUNG_S = 2.0
+
+
 def wait_dead(engine, timeout: float = 15.0) -> CoreDeadError:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -125,11 +131,12 @@ def wait_dead(engine, timeout: float = 15.0) -> CoreDeadError:
 
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_core_is_an_error_not_a_hang(how: str) -> None:
-    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), watchdog_s=2.0)
+    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), watchdog_s=STARTUP_S)
     try:
         engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True))
         while not engine.step():
             pass
+        engine.watchdog_s = HUNG_S  # tight only once the core steps (a cold first step is slow)
         pid = engine.core_infos[0].pid
         os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
@@ -185,7 +192,7 @@ def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
 
 def test_one_hung_core_trips_the_watchdog_while_the_other_reports() -> None:
     engine = MultiprocessEngine(
-        EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2, watchdog_s=2.0
+        EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2, watchdog_s=STARTUP_S
     )
     try:
         params = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -194,6 +201,7 @@ def test_one_hung_core_trips_the_watchdog_while_the_other_reports() -> None:
         started: set[str] = set()
         while len(started) < 2:
             started |= {o.request_id for o in engine.step()}
+        engine.watchdog_s = HUNG_S
         os.kill(engine.core_infos[0].pid, signal.SIGSTOP)
         exc = wait_dead(engine)
         assert "engine core 0" in str(exc) and "watchdog" in str(exc)
