@@ -225,6 +225,31 @@ def test_report_per_rate_judges_the_defaults(tmp_path: Path) -> None:
     assert (tmp_path / "latency_vs_budget_1rps.png").stat().st_size > 1000
 
 
+def test_defaults_faster_than_the_best_budget_is_no_miss(tmp_path: Path) -> None:
+    """"Throughput within 5% of the best static budget" bounds a loss: more is met."""
+    runs = [
+        _fake_run("off", None, 2000.0, 80.0, 300.0),
+        _fake_run("defaults", None, 150.0, 80.0, 310.0),
+        _fake_run("budget-32", 32, 140.0, 72.0, 320.0),
+    ]
+    meta = {
+        "date": "today",
+        "machine": "test",
+        "command": "x",
+        "threads": 1,
+        "workload": vars(WorkloadSpec(dataset="stall")),
+        "num_requests": 3,
+        "goodput_slo": [],
+    }
+    write_report(tmp_path, meta, runs)
+    report = (tmp_path / "report.md").read_text()
+    assert "72.0 -> 80.0 tok/s: 1.111x (target within 5% or higher: met)" in report
+    runs[1]["output_throughput"] = 68.0
+    write_report(tmp_path, meta, runs)
+    report = (tmp_path / "report.md").read_text()
+    assert "72.0 -> 68.0 tok/s: 0.944x (target within 5% or higher: NOT met)" in report
+
+
 def test_mix_report_compares_every_percentile(tmp_path: Path) -> None:
     off = _fake_run("off", None, 900.0, 60.0, 300.0)
     defaults = _fake_run("defaults", None, 200.0, 59.5, 350.0)

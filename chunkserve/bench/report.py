@@ -6,7 +6,7 @@ rate (a table, the targets, the plots). The targets are those of a stall-free de
 - the ``defaults`` server against chunking off: max ITL >= 5x lower, p99 ITL lower, p99.9
   ITL >= 3x lower, output throughput >= 0.95x, median TTFT of short prompts <= 1.1x;
 - the ``defaults`` server against the best static budget of the same rate: p99 ITL within
-  1.15x, output throughput within 5%;
+  1.15x, output throughput within 5% (or higher: more is no miss);
 - on the ``mix`` workload: defaults no worse than chunking off on every latency percentile
   reported, at equal throughput (within 5%).
 """
@@ -204,8 +204,8 @@ def _targets(runs: list[dict[str, Any]]) -> list[str]:
             f"- p99 ITL {best['p99_itl_ms']:.0f} -> {defaults['p99_itl_ms']:.0f} ms: "
             f"{p99:.2f}x (target <= 1.15x: {mark(p99 <= 1.15)}).",
             f"- output throughput {best['output_throughput']:.1f} -> "
-            f"{defaults['output_throughput']:.1f} tok/s: {tput:.3f}x (target within 5%: "
-            f"{mark(abs(tput - 1) <= 0.05)}).",
+            f"{defaults['output_throughput']:.1f} tok/s: {tput:.3f}x (target within 5% or "
+            f"higher: {mark(tput >= 0.95)}).",
             "",
         ]
     if off is not None and best is not None:
