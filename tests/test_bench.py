@@ -226,7 +226,7 @@ def test_report_per_rate_judges_the_defaults(tmp_path: Path) -> None:
 
 
 def test_defaults_faster_than_the_best_budget_is_no_miss(tmp_path: Path) -> None:
-    """"Throughput within 5% of the best static budget" bounds a loss: more is met."""
+    """ "Throughput within 5% of the best static budget" bounds a loss: more is met."""
     runs = [
         _fake_run("off", None, 2000.0, 80.0, 300.0),
         _fake_run("defaults", None, 150.0, 80.0, 310.0),
