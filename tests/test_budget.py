@@ -9,7 +9,7 @@ import pytest
 
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import summarize
-from chunkserve.budget import BudgetController
+from chunkserve.budget import IDLE_STEP_FACTOR, BudgetController
 from chunkserve.config import BudgetPolicy, SchedulerConfig
 from chunkserve.costmodel import (
     DEFAULT_PRIOR,
@@ -349,6 +349,31 @@ def test_short_prompt_during_a_long_chunked_prefill_gets_its_first_token_within_
         assert long.num_computed_tokens > before  # the long one still moved
         for _ in range(3):
             step_with(controller, sched, clock, TRUE)
+
+
+def test_with_nothing_decoding_a_prompt_arriving_waits_one_bounded_step() -> None:
+    """No stream to protect: a long prompt alone moves in steps of about IDLE_STEP_FACTOR
+    times a step's fixed cost (many blocks each), not in one long step, so a short prompt
+    arriving meanwhile has its first token within two such steps."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=0)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    bound = IDLE_STEP_FACTOR * TRUE.predict(StepShape(prefill_samples=1))
+    for _ in range(3):
+        _, out, measured = step_with(controller, sched, clock, TRUE)
+        assert out.prefills and not out.decodes
+        assert out.num_prefill_tokens >= 4 * BLOCK
+        assert measured <= 1.02 * bound
+    sched.add_request(
+        Request("s", [7] * 30, SamplingParams(max_tokens=4), max_tokens=4, arrival_time=clock.t)
+    )
+    arrived = clock.t
+    for _ in range(2):
+        _, out, measured = step_with(controller, sched, clock, TRUE)
+        assert measured <= 1.02 * bound
+    assert sched.requests["s"].num_output_tokens >= 1
+    assert clock.t - arrived <= 2.04 * bound
+    assert sched.requests["long"].is_prefilling  # 8,000 tokens: many steps, none of them long
 
 
 def test_the_step_that_prefills_a_short_prompt_carries_no_long_chunk() -> None:
