@@ -160,6 +160,20 @@ def _fake_run(name: str, budget, p99: float, tput: float, ttft: float, rate=None
     }
 
 
+def _meta(dataset: str = "stall", **extra) -> dict:
+    """A sweep's metadata as ``write_report`` reads it (``extra`` adds or replaces keys)."""
+    return {
+        "date": "today",
+        "machine": "test",
+        "command": "x",
+        "threads": 1,
+        "workload": vars(WorkloadSpec(dataset=dataset)),
+        "num_requests": 3,
+        "goodput_slo": [],
+        **extra,
+    }
+
+
 def test_report_and_best_budget(tmp_path: Path) -> None:
     runs = [
         _fake_run("off", None, 2000.0, 80.0, 300.0),
@@ -202,16 +216,7 @@ def test_report_per_rate_judges_the_defaults(tmp_path: Path) -> None:
             _fake_run("budget-64", 64, 140.0 * scale, 78.0, 320.0, rate),
         ]
     runs[4]["output_throughput"] = 70.0  # 1.0 req/s: the defaults lose 12.5%
-    meta = {
-        "date": "today",
-        "machine": "test",
-        "command": "x",
-        "threads": 1,
-        "commit": "abc1234",
-        "workload": vars(WorkloadSpec(dataset="stall")),
-        "num_requests": 3,
-        "goodput_slo": [],
-    }
+    meta = _meta(commit="abc1234")
     write_report(tmp_path, meta, runs)
     report = (tmp_path / "report.md").read_text()
     assert "## 0.5 req/s" in report and "## 1 req/s" in report and "commit abc1234" in report
@@ -232,15 +237,7 @@ def test_defaults_faster_than_the_best_budget_is_no_miss(tmp_path: Path) -> None
         _fake_run("defaults", None, 150.0, 80.0, 310.0),
         _fake_run("budget-32", 32, 140.0, 72.0, 320.0),
     ]
-    meta = {
-        "date": "today",
-        "machine": "test",
-        "command": "x",
-        "threads": 1,
-        "workload": vars(WorkloadSpec(dataset="stall")),
-        "num_requests": 3,
-        "goodput_slo": [],
-    }
+    meta = _meta()
     write_report(tmp_path, meta, runs)
     report = (tmp_path / "report.md").read_text()
     assert "72.0 -> 80.0 tok/s: 1.111x (target within 5% or higher: met)" in report
@@ -258,9 +255,7 @@ def test_mix_report_compares_every_percentile(tmp_path: Path) -> None:
             k: {"median_ttft_ms": ttft * f, "p99_ttft_ms": 3 * ttft * f}
             for k, f in (("short", 0.5), ("medium", 1.0), ("long", 4.0))
         }
-    meta = {"date": "today", "machine": "test", "command": "x", "threads": 1}
-    meta |= {"workload": vars(WorkloadSpec(dataset="mix")), "num_requests": 3}
-    write_report(tmp_path, {**meta, "goodput_slo": []}, [off, defaults])
+    write_report(tmp_path, _meta("mix"), [off, defaults])
     report = (tmp_path / "report.md").read_text()
     assert "| ITL p99 | 900 | 200 | 0.22 |" in report
     assert "| TTFT medium p50 | 300 | 350 | 1.17 |" in report
@@ -273,9 +268,7 @@ def test_fairness_report_marks_its_targets(tmp_path: Path) -> None:
     on = _fake_run("limits-on", None, 1400.0, 53.0, 0.0)
     off["by_kind"] = {"short": {"median_ttft_ms": 30000.0, "p99_ttft_ms": 50000.0}}
     on["by_kind"] = {"short": {"median_ttft_ms": 1000.0, "p99_ttft_ms": 2000.0}}
-    meta = {"date": "today", "machine": "test", "command": "x", "threads": 1}
-    meta |= {"workload": vars(WorkloadSpec(dataset="fairness")), "num_requests": 3}
-    write_report(tmp_path, {**meta, "goodput_slo": []}, [off, on])
+    write_report(tmp_path, _meta("fairness"), [off, on])
     report = (tmp_path / "report.md").read_text()
     assert "30.0x better; target >= 3x: met" in report
     assert "total throughput 0.883x (target >= 0.9x: NOT met)" in report
