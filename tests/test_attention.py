@@ -84,10 +84,20 @@ def test_backend_matches_dense(
 
 
 def _check_random_batch(
-    rng, block_size, dtype, device, seed, backend="torch", heads=(H, HKV, HD), batch=None
+    rng,
+    block_size,
+    dtype,
+    device,
+    seed,
+    backend="torch",
+    heads=(H, HKV, HD),
+    batch=None,
+    all_to_kernel=False,
 ) -> None:
     """One batch (``random_batch``'s, or ``batch``: (prefills, decodes)) through the backend
-    against the dense reference, the pool poisoned with NaN outside what was written."""
+    against the dense reference, the pool poisoned with NaN outside what was written.
+    ``all_to_kernel``: the cpu backend sends every chunk with a cached prefix to its kernel,
+    however long."""
     H, HKV, HD = heads  # the module's names, for these heads
     prefills, decodes = batch or random_batch(rng, block_size)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in prefills + decodes) + 40
@@ -101,6 +111,8 @@ def _check_random_batch(
     ((k_cache, v_cache),) = allocate_kv_caches(1, num_blocks, block_size, HKV, HD, dtype, device)
     attn = get_attention_backend(backend, device, H, HKV, HD, dtype, block_size)
     assert attn.name == backend
+    if all_to_kernel:
+        attn.kernel_max_rows = None
     # Poison the pool: any read of a slot that was neither written nor zeroed turns into NaN.
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
@@ -208,6 +220,61 @@ def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> N
     ]
     for batch in cases:
         _check_random_batch(rng, 16, dtype, torch.device("cpu"), seed, "cpu", heads, batch)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_tile_path_for_long_chunks(heads, block_size: int, dtype) -> None:
+    """Chunks of many rows take the kernel's tile path (16 rows to a vector; in bf16 the
+    AVX512-BF16 pairs where the CPU has them): rows past a tile's end, a last block cut
+    short, more tiles than one pass holds (over 256 rows of a KV head), ranges split over
+    the threads, and two chunks beside decodes, against the dense reference, the pool
+    poisoned with NaN outside what was written."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    cases = [
+        ([(37, 100)], []),  # starts mid-block, the last block cut short
+        ([(rng.randint(1, 900), 300)], [(rng.randint(1, 200), 1) for _ in range(3)]),
+        ([(5, 9), (700, 64)], [(50, 1)]),
+    ]
+    for batch in cases:
+        _check_random_batch(
+            rng, block_size, dtype, torch.device("cpu"), seed, "cpu", heads, batch, True
+        )
+
+
+@needs_cpu_kernel
+def test_cpu_backend_sends_continuing_chunks_to_the_kernel() -> None:
+    """fp32: every chunk that continues a cached sequence is the kernel's, however long; a
+    prompt's first chunk stays on torch's fused path. bf16: up to the measured crossover."""
+    from chunkserve.attention import cpu_paged
+
+    cpu = torch.device("cpu")
+    fp32 = get_attention_backend("cpu", cpu, 9, 3, 64, torch.float32, 16)
+    assert fp32.kernel_max_rows is None
+    bf16 = get_attention_backend("cpu", cpu, 9, 3, 64, torch.bfloat16, 16)
+    want = cpu_paged.BF16_TILES_MAX_ROWS if cpu_kernels.load().bf16_tiles else 32
+    assert bf16.kernel_max_rows == want
+    for attn, longest in ((fp32, 500), (bf16, want)):
+        kv = KVCacheManager(200, 16)
+        out = SchedulerOutput()
+        for i, (cached, new) in enumerate([(0, 40), (100, longest), (2000, longest + 1)]):
+            r = Request(f"r{i}", list(range(1, cached + new + 1)), SamplingParams(), max_tokens=1)
+            r.num_computed_tokens = cached
+            assert kv.allocate_slots(r, new)
+            out.prefills.append(ScheduledChunk(r, cached, new))
+        runner = ModelRunner(None, attn, None, [], 16, cpu)
+        layout, _ = runner.build_layout(out)
+        meta = attn.prepare(layout)
+        torch_rows = sorted(p.row_end - p.row_start for p in meta.prefills)
+        kernel_rows = meta.kernel_batch.q_len.tolist()
+        if attn is fp32:
+            assert (torch_rows, kernel_rows) == ([40], [longest, longest + 1])
+        else:
+            assert (torch_rows, kernel_rows) == (sorted([40, longest + 1]), [longest])
 
 
 @needs_cpu_kernel

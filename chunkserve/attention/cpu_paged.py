@@ -1,16 +1,16 @@
-"""The CPU backend: the torch backend with its decodes and short chunks (drafts being
-verified, the last rows of a prompt, a disaggregated prompt's one-token first step) sent
-to the C kernel of ``cpu_kernels``, which reads each sequence's own blocks once, in place.
+"""The CPU backend: the torch backend with every run of query rows that continues a cached
+sequence (decodes, drafts being verified, the chunks of a long prompt after its first) sent to
+the C kernel of ``cpu_kernels``, which reads each sequence's own blocks once, in place.
 
-Long prefill chunks stay on the torch path (PyTorch's fused SDPA or the blocked matmuls):
-they are bound by compute, where a matmul library beats a hand loop. So do short chunks of
-more than ``KERNEL_MAX_ROWS`` rows: the kernel's cost grows with the rows it scores (each a
-pass of vector dot products over the keys), the matmuls' much less. Measured at 2 threads on
-the 2-core EPYC, 30 layers of the embedded model's shapes, torch -> kernel: fp32 one decode
-at 4,000 keys 24.9 -> 6.3 ms, 4 rows there 43 -> 18 ms, 17 rows 128 -> 73 ms, four 17-row
-chunks at 1,000 keys 112 -> 72 ms, 64 decodes at 300 keys 130 -> 67 ms; bf16 the same
-25 -> 9.4, 41 -> 22, 91 -> 81, but four 17-row chunks 64 -> 82 ms and 32 runs of 4 rows at
-300 keys 55 -> 59 ms (bf16 converts each key block to fp32 first), 64 decodes 60 -> 53 ms.
+A prompt's first chunk (position 0) stays on the torch path (PyTorch's fused SDPA in fp32,
+the blocked matmuls in bf16): it attends to its own fresh keys, with no cache to read. The
+kernel takes many rows on its tile path (16 rows to a vector, scores built like a matrix
+product), measured at 2 threads on the 2-core EPYC, 30 layers of the embedded model's shapes,
+a chunk beside 8 decodes of 300 keys, torch -> kernel: bf16 16 rows after 1,000 keys 31.7 ->
+17.1 ms, 64 rows after 3,000 171 -> 89 ms, 512 rows after 3,000 960 -> 891 ms; fp32 16 rows
+after 1,000 98 -> 21 ms, 128 rows there 166 -> 141 ms, 512 rows after 3,000 1,314 -> 1,236
+ms. The row loop alone (before the tile path) had lost to the matmuls past 4 rows in bf16
+and 17 in fp32.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ import torch
 
 from chunkserve.attention.base import BatchLayout
 from chunkserve.attention.cpu_kernels import PagedAttentionKernel
-from chunkserve.attention.torch_ref import (
-    SHORT_CHUNK_ROWS,
-    TorchAttentionBackend,
-    _TorchMetadata,
-)
+from chunkserve.attention.torch_ref import TorchAttentionBackend, _TorchMetadata
 
-# Short chunks of at most this many rows go to the kernel (more: the torch path's gathers
-# and matmuls), by dtype; decodes always do.
-KERNEL_MAX_ROWS = {torch.float32: SHORT_CHUNK_ROWS, torch.bfloat16: 4}
+# Chunks continuing a cached sequence of at most this many rows go to the kernel (None: any),
+# by dtype; longer ones to the torch path. bf16: torch's matmuls run at about twice the fp32
+# rate; the kernel's bf16 tiles (AVX512-BF16) beat them up to 128 rows, its fp32 tiles (bf16
+# widened, on other CPUs) up to 32.
+KERNEL_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
+BF16_TILES_MAX_ROWS = 128
 
 
 @dataclass
@@ -60,16 +59,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
-        self.kernel_max_rows = KERNEL_MAX_ROWS.get(dtype, 1)
+        self.kernel_max_rows = KERNEL_MAX_ROWS[dtype]
+        if dtype == torch.bfloat16 and kernel.bf16_tiles:
+            self.kernel_max_rows = BF16_TILES_MAX_ROWS
 
     def _new_metadata(self) -> _CpuMetadata:
         return _CpuMetadata()
 
-    def _prepare_runs(self, layout: BatchLayout, short: list[int], meta: _TorchMetadata) -> None:
+    def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
+        """First chunks (position 0), and longer chunks than the kernel takes in this dtype,
+        to ``meta.prefills``; returns the others (the kernel's)."""
+        cached: list[int] = []
+        for i in range(layout.num_prefill_seqs):
+            rows = layout.query_start_host[i + 1] - layout.query_start_host[i]
+            most = self.kernel_max_rows
+            if layout.context_start_host[i] > 0 and (most is None or rows <= most):
+                cached.append(i)
+            else:
+                meta.prefills.append(self._prefill_chunk(layout, i))
+        return cached
+
+    def _prepare_runs(self, layout: BatchLayout, cached: list[int], meta: _TorchMetadata) -> None:
         qs, lens, bs = layout.query_start_host, layout.seq_lens_k_host, layout.block_size
-        few = [i for i in short if qs[i + 1] - qs[i] <= self.kernel_max_rows]
-        self._prepare_short(layout, [i for i in short if i not in few], meta)
-        seqs = few + list(range(layout.num_prefill_seqs, layout.num_seqs))
+        seqs = cached + list(range(layout.num_prefill_seqs, layout.num_seqs))
         if not seqs:
             return
         width = -(-max(lens[i] for i in seqs) // bs)
@@ -90,7 +102,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
         metadata: _TorchMetadata,
     ) -> None:
-        super()._forward_runs(q, k_cache, v_cache, out, metadata)  # longer short chunks
         batch = metadata.kernel_batch
         if batch is None:
             return

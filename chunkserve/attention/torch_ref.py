@@ -107,25 +107,29 @@ class TorchAttentionBackend(AttentionBackend):
     def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
         """Prefill chunks attended one by one go to ``meta.prefills``; returns the others:
         short chunks that continue a cached sequence (attended like decodes)."""
-        device = layout.input_ids.device
-        bs = layout.block_size
         short: list[int] = []
         for i in range(layout.num_prefill_seqs):
-            start_row, end_row = layout.query_start_host[i], layout.query_start_host[i + 1]
-            ctx_len = layout.seq_lens_k_host[i]
-            pos0 = layout.context_start_host[i]
-            if pos0 > 0 and end_row - start_row <= SHORT_CHUNK_ROWS:
+            rows = layout.query_start_host[i + 1] - layout.query_start_host[i]
+            if layout.context_start_host[i] > 0 and rows <= SHORT_CHUNK_ROWS:
                 short.append(i)
-                continue
-            if pos0 == 0:
-                meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, None))
-                continue
-            num_blocks = -(-ctx_len // bs)
-            block_ids = torch.tensor(
-                layout.block_tables_host[i][:num_blocks], device=device, dtype=torch.int64
-            )
-            meta.prefills.append(_PrefillChunk(start_row, end_row, ctx_len, block_ids))
+            else:
+                meta.prefills.append(self._prefill_chunk(layout, i))
         return short
+
+    @staticmethod
+    def _prefill_chunk(layout: BatchLayout, i: int) -> _PrefillChunk:
+        """Prefill sequence ``i`` of the layout, attended on its own."""
+        start_row, end_row = layout.query_start_host[i], layout.query_start_host[i + 1]
+        ctx_len = layout.seq_lens_k_host[i]
+        if layout.context_start_host[i] == 0:
+            return _PrefillChunk(start_row, end_row, ctx_len, None)
+        num_blocks = -(-ctx_len // layout.block_size)
+        block_ids = torch.tensor(
+            layout.block_tables_host[i][:num_blocks],
+            device=layout.input_ids.device,
+            dtype=torch.int64,
+        )
+        return _PrefillChunk(start_row, end_row, ctx_len, block_ids)
 
     def _prepare_runs(self, layout: BatchLayout, short: list[int], meta: _TorchMetadata) -> None:
         """The short chunks ``short`` and the decodes: padded gathers, grouped by length."""

@@ -258,11 +258,253 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* The tile path, for runs of many rows (a prefill chunk): the rows that share a KV head
+ * are taken 16 at a time, one per lane, so a block's scores for them are 16 vectors (one per
+ * key) built by broadcasting each key value against a column of the transposed queries: no
+ * horizontal sums, and the softmax (max, exp, sums, rescale) runs lane-wise for 16 rows at
+ * once. Products per score and per output value are those of a matrix product (the
+ * arithmetic floor); the row loop above spends about as much again on its reductions.
+ * fp32: the block's keys and values are widened to fp32 once for all the KV head's tiles.
+ * bf16 on a CPU with AVX512-BF16: pairs of bf16 products summed in fp32 by one instruction
+ * (vdpbf16ps), twice the products per instruction, keys read in place; the probabilities
+ * are rounded to bf16 for the values' product, as torch's bf16 matmuls round them. */
+#define TL 16 /* rows per tile: the lanes of one vector */
+#define DC 8  /* output columns accumulated per pass over the block's values */
+#define TILE_MIN_ROWS 8
+#define TILE_GROUP 16 /* tiles per pass over the blocks: 256 KB of queries and sums at D = 128 */
+
+static inline v16f max16v(v16f a, v16f b) { return select16(a > b, a, b); }
+
+/* The online-softmax step of a tile over one block of n keys: s[t] the (scaled) scores of
+ * key first + t, masked past the block's end and where the lane's row sees fewer keys (lim),
+ * turned into their exponentials; m and l updated. Returns the factor the accumulators are
+ * rescaled by. */
+static inline v16f tile_softmax(v16f *s, int64_t n, int64_t first, v16f lim, v16f *m,
+                                v16f *l) {
+    const v16f zero = {0}, ninf = zero - INFINITY;
+    v16f bmax = ninf;
+    for (int t = 0; t < TL; t++) {
+        s[t] = t < n ? select16(zero + (float)(first + t) < lim, s[t], ninf) : ninf;
+        bmax = max16v(bmax, s[t]);
+    }
+    const v16f mnew = max16v(*m, bmax);
+    const v16f base = select16(mnew == ninf, zero, mnew); /* rows that saw no key yet */
+    const v16f corr = exp16(*m - base);                    /* 0 while m is -inf */
+    v16f sum = zero;
+    for (int t = 0; t < TL; t++) {
+        s[t] = exp16(s[t] - base); /* 0 where masked */
+        sum += s[t];
+    }
+    *l = *l * corr + sum;
+    *m = mnew;
+    return corr;
+}
+
+/* fp32: qt [D][16] a tile's queries (scaled), kf and vf [16][D] the block's keys and
+ * values (rows past the block's end zero); acct [D][16] the tile's accumulators. */
+static void tile_block(const float *restrict qt, const float *restrict kf,
+                       const float *restrict vf, int64_t D, int64_t n, int64_t first, v16f lim,
+                       v16f *m, v16f *l, float *restrict acct) {
+    v16f s[TL];
+    for (int t = 0; t < TL; t++) s[t] = (v16f){0};
+    for (int64_t d = 0; d < D; d++) {
+        const v16f qd = loadu(qt + TL * d);
+        for (int t = 0; t < TL; t++) s[t] += qd * kf[t * D + d];
+    }
+    const v16f corr = tile_softmax(s, n, first, lim, m, l);
+    for (int64_t d0 = 0; d0 < D; d0 += DC) {
+        v16f a[DC];
+        for (int c = 0; c < DC; c++) a[c] = loadu(acct + TL * (d0 + c)) * corr;
+        for (int t = 0; t < TL; t++)
+            for (int c = 0; c < DC; c++) a[c] += s[t] * vf[t * D + d0 + c];
+        for (int c = 0; c < DC; c++) storeu(acct + TL * (d0 + c), a[c]);
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BF16_TILES 1
+
+static inline __m512 to_m512(v16f x) {
+    __m512 y;
+    memcpy(&y, &x, sizeof y);
+    return y;
+}
+
+static inline v16f from_m512(__m512 x) {
+    v16f y;
+    memcpy(&y, &x, sizeof y);
+    return y;
+}
+
+/* bf16: qt2 [D/2][16] a tile's queries, lane-wise pairs (q[d], q[d+1]) as 32 bits; k[t] the
+ * block's key rows in place (a zero row past the block's end); vp [8][D] the block's values
+ * paired over keys (v[2u][d], v[2u+1][d]), zero past its end. */
+static void tile_block_bf16(const uint32_t *restrict qt2, const uint16_t *const *k,
+                            const uint32_t *restrict vp, int64_t D, float scale, int64_t n,
+                            int64_t first, v16f lim, v16f *m, v16f *l, float *restrict acct) {
+    __m512 acc_s[TL];
+    for (int t = 0; t < TL; t++) acc_s[t] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < D / 2; d2++) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(qt2 + TL * d2);
+        for (int t = 0; t < TL; t++) {
+            int32_t pair;
+            memcpy(&pair, k[t] + 2 * d2, sizeof pair);
+            acc_s[t] = _mm512_dpbf16_ps(acc_s[t], qd, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    v16f s[TL];
+    for (int t = 0; t < TL; t++) s[t] = from_m512(acc_s[t]) * scale;
+    const v16f corr = tile_softmax(s, n, first, lim, m, l);
+    /* p2[u], lane i: (p[2u][i], p[2u+1][i]) as bf16 */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    __m512bh p2[TL / 2];
+    for (int u = 0; u < TL / 2; u++) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(to_m512(s[2 * u + 1]), to_m512(s[2 * u]));
+        p2[u] = (__m512bh)_mm512_permutexvar_epi16(inter, (__m512i)both);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += DC) {
+        __m512 a[DC];
+        for (int c = 0; c < DC; c++) a[c] = to_m512(loadu(acct + TL * (d0 + c)) * corr);
+        for (int u = 0; u < TL / 2; u++)
+            for (int c = 0; c < DC; c++)
+                a[c] = _mm512_dpbf16_ps(
+                    a[c], p2[u], (__m512bh)_mm512_set1_epi32((int32_t)vp[u * D + d0 + c]));
+        for (int c = 0; c < DC; c++) storeu(acct + TL * (d0 + c), from_m512(a[c]));
+    }
+}
+
+/* vp [8][D]: the n value rows (row stride `stride`) paired over keys, zero past n. */
+static void pair_values(uint32_t *restrict vp, const uint16_t *v, int64_t n, int64_t D,
+                        int64_t stride) {
+    for (int64_t u = 0; u < TL / 2; u++) {
+        const uint16_t *a = 2 * u < n ? v + 2 * u * stride : NULL;
+        const uint16_t *b = 2 * u + 1 < n ? v + (2 * u + 1) * stride : NULL;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(a + d)))
+                                 : _mm512_setzero_si512();
+            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(b + d)))
+                                 : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + u * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+#endif
+
+/* A work item on the tile path (block_size <= 16, D a multiple of 16): qf (fp32, scaled),
+ * st, acc as run_item sets them up, read into tiles and written back for the merge; q the
+ * raw query rows of the sequence (the bf16 path's). Returns 4 if its scratch cannot be
+ * allocated. */
+static int run_item_tiled(const void *q, const void *kc, const void *vc, int dtype,
+                          const int64_t *table, int64_t r, int64_t ctx, int64_t H,
+                          int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
+                          float scale, const float *restrict qf, stat_t *st,
+                          float *restrict acc) {
+    const int64_t G = H / Hkv, R = r * G, nt = (R + TL - 1) / TL, tiles = Hkv * nt;
+    const int64_t esize = dtype ? 2 : 4, row_stride = Hkv * D, block_stride = bs * Hkv * D;
+    const int64_t block_bytes = block_stride * esize;
+#ifdef BF16_TILES
+    const int pairs = dtype == 1;
+#else
+    const int pairs = 0;
+    (void)q;
+    (void)scale;
+#endif
+    /* queries [tiles][D][16] (fp32, or bf16 pairs in the first half), accumulators
+     * [tiles][D][16], the block's fp32 keys and values [16][D] (or its paired values) */
+    float *qt = (float *)calloc((size_t)(2 * tiles * D * TL + 2 * TL * D), sizeof(float));
+    /* m, l, lim of each tile (vectors: 64-byte aligned) */
+    v16f *state = (v16f *)aligned_alloc(sizeof(v16f), sizeof(v16f) * 3 * tiles);
+    if (!qt || !state) {
+        free(qt);
+        free(state);
+        return 4;
+    }
+    float *acct = qt + tiles * D * TL, *kf = acct + tiles * D * TL, *vf = kf + TL * D;
+    v16f *m = state, *l = state + tiles, *lim = state + 2 * tiles;
+    float top[tiles]; /* the most keys a row of the tile sees */
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+        for (int64_t x = 0; x < nt * TL; x++) { /* lane x % TL of tile x / TL: row (j, g) */
+            const int64_t tile = kvh * nt + x / TL, lane = x % TL, j = x / G;
+            if (lane == 0) {
+                m[tile] = (v16f){0} - INFINITY;
+                l[tile] = (v16f){0};
+                lim[tile] = (v16f){0};
+                top[tile] = 0.f;
+            }
+            if (x >= R) continue; /* padding lanes see no key */
+            const int64_t i = j * H + kvh * G + x % G;
+            if (pairs) {
+                const uint32_t *row = (const uint32_t *)q + i * D / 2;
+                uint32_t *q2 = (uint32_t *)qt + tile * D * TL;
+                for (int64_t d2 = 0; d2 < D / 2; d2++) q2[d2 * TL + lane] = row[d2];
+            } else {
+                for (int64_t d = 0; d < D; d++) qt[(tile * D + d) * TL + lane] = qf[i * D + d];
+            }
+            lim[tile][lane] = (float)(ctx - r + 1 + j);
+            top[tile] = lim[tile][lane];
+        }
+    /* A KV head's tiles in groups whose queries and accumulators stay in the core's cache
+     * (a long chunk's all would not), each group over the item's blocks. */
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+        for (int64_t t0 = kvh * nt; t0 < (kvh + 1) * nt; t0 += TILE_GROUP) {
+            const int64_t t1 = t0 + TILE_GROUP < (kvh + 1) * nt ? t0 + TILE_GROUP : (kvh + 1) * nt;
+            for (int64_t b = blk0; b < blk1; b++) {
+                const int64_t first = b * bs;
+                if (b + 1 < blk1) {
+                    prefetch_block((const char *)kc + table[b + 1] * block_bytes, block_bytes);
+                    prefetch_block((const char *)vc + table[b + 1] * block_bytes, block_bytes);
+                }
+                if (top[t1 - 1] <= (float)first) break; /* no row of the group sees it */
+                int64_t n = ctx - first;
+                if (n > bs) n = bs;
+                const int64_t at = (table[b] * block_stride + kvh * D) * esize;
+#ifdef BF16_TILES
+                if (pairs) {
+                    static const uint16_t zeros[MAX_DIM];
+                    const uint16_t *krows[TL];
+                    const uint16_t *k0 = (const uint16_t *)((const char *)kc + at);
+                    for (int64_t t = 0; t < TL; t++) krows[t] = t < n ? k0 + t * row_stride : zeros;
+                    uint32_t *vp = (uint32_t *)kf;
+                    pair_values(vp, (const uint16_t *)((const char *)vc + at), n, D, row_stride);
+                    for (int64_t tile = t0; tile < t1; tile++)
+                        if (top[tile] > (float)first)
+                            tile_block_bf16((const uint32_t *)qt + tile * D * TL, krows, vp, D,
+                                            scale, n, first, lim[tile], m + tile, l + tile,
+                                            acct + tile * D * TL);
+                    continue;
+                }
+#endif
+                rows_to_f32(kf, (const char *)kc + at, dtype, n, D, row_stride);
+                rows_to_f32(vf, (const char *)vc + at, dtype, n, D, row_stride);
+                memset(kf + n * D, 0, sizeof(float) * (TL - n) * D);
+                memset(vf + n * D, 0, sizeof(float) * (TL - n) * D);
+                for (int64_t tile = t0; tile < t1; tile++)
+                    if (top[tile] > (float)first)
+                        tile_block(qt + tile * D * TL, kf, vf, D, n, first, lim[tile],
+                                   m + tile, l + tile, acct + tile * D * TL);
+            }
+        }
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+        for (int64_t x = 0; x < R; x++) {
+            const int64_t tile = kvh * nt + x / TL, lane = x % TL;
+            const int64_t i = (x / G) * H + kvh * G + x % G;
+            st[i].m = m[tile][lane];
+            st[i].l = l[tile][lane];
+            for (int64_t d = 0; d < D; d++) acc[i * D + d] = acct[(tile * D + d) * TL + lane];
+        }
+    free(qt);
+    free(state);
+    return 0;
+}
+
 /* One work item: a sequence's r query rows (all H heads) over blocks [blk0, blk1). Its
  * scratch: qf [r * H, D] (scaled queries), st [r * H], acc [r * H, D]. The block's keys and
  * values for all KV heads lie together (bs * Hkv * D), read in order, the next block
  * prefetched while this one is worked on. */
-static void run_item(const void *q, const void *kc, const void *vc, int dtype,
+static int run_item(const void *q, const void *kc, const void *vc, int dtype,
                      const int64_t *table, int64_t r, int64_t q0, int64_t ctx, int64_t H,
                      int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
                      float scale, float *restrict qf, stat_t *st, float *restrict acc) {
@@ -277,6 +519,9 @@ static void run_item(const void *q, const void *kc, const void *vc, int dtype,
         st[i].l = 0.f;
     }
     memset(acc, 0, sizeof(float) * rows * D);
+    if (vector && r * G >= TILE_MIN_ROWS)
+        return run_item_tiled((const char *)q + q0 * H * D * esize, kc, vc, dtype, table, r,
+                              ctx, H, Hkv, D, bs, blk0, blk1, scale, qf, st, acc);
     const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
     const int64_t block_bytes = block_stride * esize;
     for (int64_t b = blk0; b < blk1; b++) {
@@ -340,6 +585,7 @@ static void run_item(const void *q, const void *kc, const void *vc, int dtype,
             }
         }
     }
+    return 0;
 }
 
 int paged_attention(const void *q, const void *kc, const void *vc, void *out, int dtype,
@@ -349,82 +595,119 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
                     int64_t num_threads) {
     if (bs > MAX_BLOCK || D > MAX_DIM || Hkv <= 0 || H % Hkv || (dtype != 0 && dtype != 1))
         return 1;
-    int64_t max_rows = 0, max_blocks = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t nb = (ctx_lens[s] + bs - 1) / bs;
-        if (q_len[s] < 1 || q_len[s] > ctx_lens[s]) return 2;
-        if (q_len[s] * H > max_rows) max_rows = q_len[s] * H;
-        if (nb > max_blocks) max_blocks = nb;
-    }
     if (num_seqs == 0) return 0;
-    /* Split each sequence's blocks into ranges of at least 8 blocks when there are too few
-     * sequences to balance over the threads. */
-    int64_t splits = 1;
-    if (num_seqs < 4 * num_threads) {
-        splits = (4 * num_threads + num_seqs - 1) / num_seqs;
-        const int64_t most = (max_blocks + 7) / 8;
-        if (splits > most) splits = most;
-        if (splits < 1) splits = 1;
+    /* Work items: a sequence's blocks split into ranges (of 8 blocks at least) by its share
+     * of the work (rows x blocks), about 4 items per thread in all, so a long prompt's chunk
+     * beside a few decodes, or a lone long decode, keeps every thread busy. Item it's
+     * scratch starts at row base[it] (rows: query rows x heads). */
+    int64_t work = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (q_len[s] < 1 || q_len[s] > ctx_lens[s]) return 2;
+        work += q_len[s] * ((ctx_lens[s] + bs - 1) / bs);
     }
-    const int64_t items = num_seqs * splits;
-    stat_t *st = (stat_t *)malloc(sizeof(stat_t) * items * max_rows);
-    float *acc = (float *)malloc(sizeof(float) * items * max_rows * D);
-    float *qf = (float *)malloc(sizeof(float) * items * max_rows * D);
-    if (!st || !acc || !qf) {
-        free(st);
-        free(acc);
-        free(qf);
+    int64_t *split = (int64_t *)malloc(sizeof(int64_t) * (3 * num_seqs + 2));
+    if (!split) return 4;
+    int64_t *first = split + num_seqs;  /* [num_seqs + 1]: each sequence's first item */
+    int64_t *rows0 = first + num_seqs + 1; /* [num_seqs + 1]: its first row of all rows */
+    const int64_t share = (work + 4 * num_threads - 1) / (4 * num_threads);
+    first[0] = rows0[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t nb = (ctx_lens[s] + bs - 1) / bs, most = (nb + 7) / 8;
+        const int64_t n = (q_len[s] * nb + share - 1) / share;
+        split[s] = n < 1 ? 1 : (n > most ? most : n);
+        first[s + 1] = first[s] + split[s];
+        rows0[s + 1] = rows0[s] + q_len[s] * H;
+    }
+    const int64_t items = first[num_seqs], total = rows0[num_seqs];
+    /* item it's scratch: rows [base[it], base[it] + q_len * H) of st, acc, qf */
+    int64_t *item_seq = (int64_t *)malloc(sizeof(int64_t) * (2 * items + 1));
+    if (!item_seq) {
+        free(split);
         return 4;
     }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t s = it / splits, part = it % splits;
-        const int64_t nb = (ctx_lens[s] + bs - 1) / bs;
-        const int64_t per = (nb + splits - 1) / splits;
-        const int64_t b0 = part * per, b1 = b0 + per < nb ? b0 + per : nb;
-        stat_t *ist = st + it * max_rows;
-        if (b0 >= b1) {
-            for (int64_t i = 0; i < q_len[s] * H; i++) {
-                ist[i].m = -INFINITY;
-                ist[i].l = 0.f;
-            }
-            continue;
+    int64_t *base = item_seq + items;
+    base[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t it = first[s]; it < first[s + 1]; it++) {
+            item_seq[it] = s;
+            base[it + 1] = base[it] + q_len[s] * H;
         }
-        run_item(q, kc, vc, dtype, tables + s * table_stride, q_len[s], q_start[s],
-                 ctx_lens[s], H, Hkv, D, bs, b0, b1, scale, qf + it * max_rows * D, ist,
-                 acc + it * max_rows * D);
+    stat_t *st = (stat_t *)malloc(sizeof(stat_t) * base[items]);
+    float *acc = (float *)malloc(sizeof(float) * base[items] * D);
+    float *qf = (float *)malloc(sizeof(float) * base[items] * D);
+    int failed = !st || !acc || !qf;
+    if (!failed) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t s = item_seq[it], part = it - first[s], splits = split[s];
+            const int64_t nb = (ctx_lens[s] + bs - 1) / bs;
+            const int64_t per = (nb + splits - 1) / splits;
+            const int64_t b0 = part * per, b1 = b0 + per < nb ? b0 + per : nb;
+            stat_t *ist = st + base[it];
+            if (b0 >= b1) {
+                for (int64_t i = 0; i < q_len[s] * H; i++) {
+                    ist[i].m = -INFINITY;
+                    ist[i].l = 0.f;
+                }
+                continue;
+            }
+            if (run_item(q, kc, vc, dtype, tables + s * table_stride, q_len[s], q_start[s],
+                         ctx_lens[s], H, Hkv, D, bs, b0, b1, scale, qf + base[it] * D, ist,
+                         acc + base[it] * D)) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
     }
-    /* Merge each sequence's ranges and write its rows. */
-#pragma omp parallel for num_threads(num_threads)
-    for (int64_t s = 0; s < num_seqs; s++) {
-        for (int64_t i = 0; i < q_len[s] * H; i++) {
-            float m = -INFINITY, l = 0.f, o[MAX_DIM];
-            for (int64_t p = 0; p < splits; p++) {
-                const stat_t *x = st + (s * splits + p) * max_rows + i;
-                if (x->l > 0.f && x->m > m) m = x->m;
-            }
-            for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-            for (int64_t p = 0; p < splits; p++) {
-                const int64_t at = (s * splits + p) * max_rows + i;
-                if (st[at].l == 0.f) continue;
-                const float w = expf(st[at].m - m);
-                l += st[at].l * w;
-                const float *a = acc + at * D;
-                for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
-            }
-            const float inv = 1.f / l;
-            const int64_t row = q_start[s] * H + i; /* rows of a sequence are contiguous */
-            if (dtype == 0) {
-                float *dst = (float *)out + row * D;
-                for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
-            } else {
-                uint16_t *dst = (uint16_t *)out + row * D;
-                for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);
+    if (!failed) {
+        /* Merge each sequence's ranges and write its rows, 64 rows per task (a long chunk's
+         * rows spread over the threads too). */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t g = 0; g < (total + 63) / 64; g++) {
+            int64_t s = 0;
+            for (int64_t row = 64 * g; row < 64 * g + 64 && row < total; row++) {
+                while (rows0[s + 1] <= row) s++;
+                const int64_t i = row - rows0[s], rows = q_len[s] * H;
+                const int64_t at0 = base[first[s]] + i; /* the row in the first range */
+                float m = -INFINITY, l = 0.f, o[MAX_DIM];
+                for (int64_t p = 0; p < split[s]; p++) {
+                    const stat_t *x = st + at0 + p * rows;
+                    if (x->l > 0.f && x->m > m) m = x->m;
+                }
+                for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+                for (int64_t p = 0; p < split[s]; p++) {
+                    const int64_t at = at0 + p * rows;
+                    if (st[at].l == 0.f) continue;
+                    const float w = expf(st[at].m - m);
+                    l += st[at].l * w;
+                    const float *a = acc + at * D;
+                    for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
+                }
+                const float inv = 1.f / l;
+                const int64_t dst_row = q_start[s] * H + i; /* a sequence's rows: contiguous */
+                if (dtype == 0) {
+                    float *dst = (float *)out + dst_row * D;
+                    for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+                } else {
+                    uint16_t *dst = (uint16_t *)out + dst_row * D;
+                    for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);
+                }
             }
         }
     }
     free(st);
     free(acc);
     free(qf);
+    free(item_seq);
+    free(split);
+    return failed ? 4 : 0;
+}
+
+/* 1 if this build has the bf16 tile path (AVX512-BF16), else 0. */
+int paged_attention_bf16_tiles(void) {
+#ifdef BF16_TILES
+    return 1;
+#else
     return 0;
+#endif
 }
