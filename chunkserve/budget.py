@@ -5,9 +5,10 @@ Two targets (``config.BudgetPolicy``):
 - ``adaptive`` (the default): a step that carries prefill may take ``decode_slowdown``
   times the recent mean time of the decodes alone (an average over steps: the steps with
   prefill take about the same time, and a heavy one's decodes leave less room instead of
-  growing it, since the tail is where a stall shows). Relative to the machine's own decode
-  step, so no number of milliseconds or tokens is chosen for the hardware: 512 tokens is
-  ~10 ms on an H100 and ~1 s on one fp32 CPU thread.
+  growing it, since the tail is where a stall shows), planned below that by the spread of
+  measured mixed steps (``SPREAD_QUANTILE``: a bound, not a mean). Relative to the
+  machine's own decode step, so no number of milliseconds or tokens is chosen for the
+  hardware: 512 tokens is ~10 ms on an H100 and ~1 s on one fp32 CPU thread.
   A fixed slowdown alone falls behind under load: it gives prefill a fixed share of the
   machine's time, ``(s - 1) / s``, and prompts arriving faster than that share computes
   them queue without end. So the prefill load is measured too: the work of the prompts
@@ -26,9 +27,10 @@ Two targets (``config.BudgetPolicy``):
   below it by how much measured steps have exceeded their predictions.
 
 In the adaptive policy, the prompts whose rest fits the target whole (planned at position
-0, beside the decodes) get room for all of it plus one block, and no more, decodes or not:
-the scheduler serves the shortest prompts first, so a short prompt arriving while a long one
-is chunked is prefilled in the next step or two, and the long one still moves.
+0, beside the decodes) get room for all of it and no more, decodes or not (plus one block
+for a long prompt in progress that got nothing in the last step): the scheduler serves the
+shortest prompts first, so a short prompt arriving while a long one is chunked is prefilled
+in the next step or two, and the long one still moves at least every other step.
 
 Each step the running decodes are fixed (never dropped); the controller asks the cost model
 how many prefill tokens fit beside them and hands the scheduler that budget. Whenever
@@ -82,6 +84,14 @@ LOAD_MARGIN = 1.1
 # second-long steps (measured: 0.9 let single gaps reach 13x the decode step on the stall
 # workload, where a static 64-token budget kept them under 4.5x at the same throughput).
 MAX_PREFILL_SHARE = 2.0 / 3.0
+# The adaptive target is a bound on the steps that carry prefill, not their mean: they are
+# planned below it by this quantile of their recent measured / predicted over the fast
+# scale (the spread of their noise and of the model's misfit across shapes, about 1.1-1.2
+# on the 2-core EPYC), at most SPREAD_MAX.
+SPREAD_QUANTILE = 0.9
+SPREAD_MAX = 1.5
+# Beside decodes, the prefill room grows at most this much from one step to the next.
+ROOM_GROWTH = 2
 # With nothing decoding, a step may take this many times its fixed cost (weights, LM head).
 IDLE_STEP_FACTOR = 25.0
 # Without a profile, the load terms wait until the model has seen this many steps.
@@ -135,6 +145,10 @@ class BudgetController:
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # Fast corrections of the model's predictions, by step kind (see the module doc).
         self.scale = {"decode": 1.0, "mixed": 1.0}
+        self._last_room = 0  # prefill tokens of the last step planned beside decodes
+        self.load_bound = False  # the last target was the load's, over the slowdown's
+        # Mixed steps' measured / predicted over the mixed scale then (see SPREAD_QUANTILE).
+        self._spread: deque[float] = deque(maxlen=RATIO_WINDOW)
         # Exponential average of the cost features of recent steps' decodes alone: their
         # mean time, priced by the model as it is now (features are linear in the weights).
         self._mean_alone: list[float] | None = None
@@ -190,9 +204,20 @@ class BudgetController:
         # Every step that carries prefill takes about the same time, the slowdown (or what
         # the load needs) times the recent mean decode step: a heavy step's decodes leave
         # less room, instead of growing the step (the tail is what a stall shows in).
+        # The load needs more than the slowdown bound gives (rooms are then rounded up).
+        self.load_bound = 1.0 / (1.0 - share) > slowdown
         target = max(alone, mean_alone * max(slowdown, 1.0 / (1.0 - share)))
         # measured(mixed) <= target in measured terms, planned in the model's terms.
-        return target * self.scale["decode"] / self.scale["mixed"]
+        return target * self.scale["decode"] / (self.scale["mixed"] * self.mixed_spread)
+
+    @property
+    def mixed_spread(self) -> float:
+        """How far above the fast scale's prediction a mixed step may come out: the
+        ``SPREAD_QUANTILE`` of recent ones (1 until 20 ran), within [1, SPREAD_MAX]."""
+        if len(self._spread) < 20:
+            return 1.0
+        ratios = sorted(self._spread)
+        return min(SPREAD_MAX, max(1.0, ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))]))
 
     def prefill_load(self, scheduler) -> float:
         """Share of the machine's time the arriving prompts need: their prefill work alone
@@ -229,26 +254,45 @@ class BudgetController:
 
     def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
         """Adaptive budget: room for the prompts whose rest fits the target whole (shortest
-        first, planned at position 0 beside the decodes), plus one block over the target
-        for the others (the scheduler moves a prompt in progress that got nothing last step
-        before the short ones); 0 if none fits. The scheduler serves the shortest prompts
-        first, so a short prompt arriving while a long one is chunked is prefilled in the
-        next step or two: the room planned at the long one's depth, where tokens cost more,
-        may not cover it."""
-        pending = itertools.chain(
-            (r for r in scheduler.running if r.is_prefilling),
-            scheduler.waiting[:MAX_SCANNED_PROMPTS],
-        )
-        lengths = sorted(r.num_uncomputed_tokens for r in pending)
-        if not lengths:
+        first, planned at position 0 beside the decodes); if none does and the shortest is a
+        prompt not yet started beside one in progress, the whole blocks of it that fit at
+        its start (its rest, shorter, fits in the next step); 0 if neither. The scheduler
+        serves the shortest prompts first, so a short prompt arriving while a long one is
+        chunked is prefilled in the next step or two: the room planned at the long one's
+        depth, where tokens cost more, may not cover it. A prompt in progress that is left
+        out gives up the step only if it advanced in the last one (it then moves one block
+        first: the scheduler's guarantee that it advances at least every other step), so the
+        room has a block for it only when it did not."""
+        prefilling = [r for r in scheduler.running if r.is_prefilling]
+        pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
+        if not pending:
             return 0
+        lengths = sorted(r.num_uncomputed_tokens for r in pending)
         fits = self.model.max_prefill_tokens(decode_lens, 0, target_s, sum(lengths), len(lengths))
         room = 0
         for n in lengths:
             if room + n > fits:
                 break
             room += n
-        return room + self.min_prefill_tokens if room else 0
+        if not room:
+            # None fits whole. A prompt not started, shorter than those in progress (planned
+            # at their depth, where its tokens would be overpriced): what fits at its start.
+            shortest = min(pending, key=lambda r: r.num_uncomputed_tokens)
+            if not prefilling or shortest in prefilling:
+                return 0
+            block = self.min_prefill_tokens
+            start = shortest.num_computed_tokens
+            most = shortest.num_uncomputed_tokens
+            room = self.model.max_prefill_tokens(decode_lens, start, target_s, most)
+            room = room // block * block
+            if not room:
+                return 0  # not a block: over the target, as usual
+        largest = max((n for n in lengths if n <= room), default=room)
+        owed = any(
+            r.num_uncomputed_tokens > largest and not scheduler.prefilled_last_step(r)
+            for r in prefilling
+        )
+        return room + self.min_prefill_tokens * owed
 
     def decide(self, scheduler) -> BudgetDecision:
         """The budget for the scheduler's next step."""
@@ -278,24 +322,39 @@ class BudgetController:
         room = self.model.max_prefill_tokens(
             decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
         )
+        block = self.min_prefill_tokens
+        short = 0
         if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
             short = self._room_for_short(scheduler, decode_lens, target)
-            if short:
-                # Prompts that fit whole go now, beside one block of the long prompt: the
-                # step that makes their first token is no longer than it must be (a long
-                # chunk on top would add to their TTFT and to everyone's gap). With nothing
-                # decoding too (a prefill instance's steps): the long chunk waits one step.
-                room = short
-        over = room < self.min_prefill_tokens
-        block = self.min_prefill_tokens
-        if self.policy.kind == "adaptive":
-            # Whole blocks: chunks end on block boundaries, so a room of 31 would move 16.
-            room = min(self.max_prefill_tokens, -(-room // block) * block)
-        room = max(room, block)
-        # Draft tokens are the decodes' and go first, out of the room (verify rows cost
-        # about what prefill rows do); one block of prefill still moves.
-        draft_room = min(drafts, room - block)
-        room = max(block, room - draft_room)
+        if short:
+            # Prompts that fit whole go now, alone (or beside the one block a long prompt is
+            # owed): the step that makes their first token is no longer than it must be (a
+            # long chunk on top would add to their TTFT and to everyone's gap), with nothing
+            # decoding too (a prefill instance's steps). Exactly their tokens: a rounded-up
+            # room would hand the rest to a long prompt. Draft tokens (the decodes', going
+            # first) come on top, at most as many: out of the room they would cut the short
+            # prompts, and without them speculation would pause while prompts arrive.
+            room, over, draft_room = short, False, min(drafts, short)
+        else:
+            over = room < block
+            if self.policy.kind == "adaptive":
+                if decode_lens:
+                    # The model is trusted near the shapes it just measured: beside decodes
+                    # the room at most doubles from the last step's (after a change of
+                    # speed, a refit still lagging priced 3x the tokens at 1.6x the bound).
+                    # Draft tokens come out of the room below: not counted here.
+                    room = min(room, max(ROOM_GROWTH * self._last_room, 2 * block) + drafts)
+                # Whole blocks (a chunk ends on a block boundary anyway), rounded down where
+                # the slowdown is the bound (rounded up, a long prompt's deep chunks came out
+                # 1.14x over it on the 2-core EPYC: the tail of every gap), up where the load
+                # needs more (rounded down, the share it needs is not met).
+                blocks = -(-room // block) if self.load_bound else room // block
+                room = min(self.max_prefill_tokens, blocks * block)
+            room = max(room, block)
+            # Draft tokens are the decodes' and go first, out of the room (verify rows cost
+            # about what prefill rows do); one block of prefill still moves.
+            draft_room = min(drafts, room - block)
+            room = max(block, room - draft_room)
         predicted = self.model.predict(
             StepShape(tuple(decode_lens), ((prefill_start, room + draft_room),), prefill_samples=1)
         )
@@ -313,6 +372,7 @@ class BudgetController:
                     room,
                     self.num_over_target,
                 )
+        self._last_room = room if decode_lens else 0
         self.last = BudgetDecision(
             len(decode_lens) + draft_room + room,
             len(decode_lens),
@@ -358,6 +418,8 @@ class BudgetController:
             kind = out.kind
             if kind in self.scale:
                 r = min(max(measured_s / predicted, SCALE_CLIP[0]), SCALE_CLIP[1])
+                if kind == "mixed":
+                    self._spread.append(r / self.scale[kind])
                 self.scale[kind] += SCALE_ALPHA * (r - self.scale[kind])
         if out.prefills:
             self._observe_chunking(shape)

@@ -414,6 +414,11 @@ class Scheduler:
             self._give_leftover_to_long(out)
         self._prefilled_last_step = {c.request.request_id for c in out.prefills}
 
+    def prefilled_last_step(self, request: Request) -> bool:
+        """Whether the request's prompt advanced in the last step (under shortest-first, a
+        prompt in progress that did not moves one block first in the next)."""
+        return request.request_id in self._prefilled_last_step
+
     def _shortest_key(self, request: Request, now: float) -> tuple:
         """Prefill order under ``prefill_order="shortest"``: the policy's priority first,
         then the tokens left to compute, shrunk by the time a waiting request has waited

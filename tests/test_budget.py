@@ -377,23 +377,29 @@ def test_with_nothing_decoding_a_prompt_arriving_waits_one_bounded_step() -> Non
 
 
 def test_the_step_that_prefills_a_short_prompt_carries_no_long_chunk() -> None:
-    """Few decodes leave room for long chunks; a short prompt arriving goes in the next
-    step beside one block of the long prompt, so its first token (and everyone's gap) does
-    not wait for a long chunk too."""
+    """Few decodes leave room for long chunks; a short prompt arriving goes alone in the
+    next step, so its first token (and everyone's gap) does not wait for a long chunk too. A
+    second one right after shares its step with the one block the long prompt is then owed
+    (it advances at least every other step)."""
     clock = Clock(100.0)
     sched = decoding_scheduler(clock, num_decodes=2)
     controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(4.0))
     for _ in range(10):
         _, out, long_step = step_with(controller, sched, clock, TRUE)
     assert out.prefills[0].num_tokens >= 4 * BLOCK  # long chunks between short arrivals
-    sched.add_request(
-        Request("s", [7] * 20, SamplingParams(max_tokens=4), max_tokens=4, arrival_time=clock.t)
-    )
-    _, out, measured = step_with(controller, sched, clock, TRUE)
-    chunks = {c.request.request_id: c.num_tokens for c in out.prefills}
-    assert chunks == {"s": 20, "long": BLOCK}, chunks
-    assert measured < long_step
-    assert sched.requests["s"].num_output_tokens == 1
+    for name, want in (("s", {"s": 20}), ("t", {"t": 20, "long": BLOCK})):
+        sched.add_request(
+            Request(
+                name, [7] * 20, SamplingParams(max_tokens=4), max_tokens=4, arrival_time=clock.t
+            )
+        )
+        _, out, measured = step_with(controller, sched, clock, TRUE)
+        chunks = {c.request.request_id: c.num_tokens for c in out.prefills}
+        assert chunks == want, chunks
+        assert measured < long_step
+        assert sched.requests[name].num_output_tokens == 1
+    _, out, _ = step_with(controller, sched, clock, TRUE)
+    assert out.prefills[0].num_tokens >= 4 * BLOCK  # and back to long chunks
 
 
 def test_fit_recovers_a_linear_model_and_reports_heldout_error() -> None:

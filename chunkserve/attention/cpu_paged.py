@@ -1,16 +1,17 @@
-"""The CPU backend: the torch backend with every run of query rows that continues a cached
+"""The CPU backend: the torch backend with the runs of query rows that continue a cached
 sequence (decodes, drafts being verified, the chunks of a long prompt after its first) sent to
 the C kernel of ``cpu_kernels``, which reads each sequence's own blocks once, in place.
 
 A prompt's first chunk (position 0) stays on the torch path (PyTorch's fused SDPA in fp32,
 the blocked matmuls in bf16): it attends to its own fresh keys, with no cache to read. The
-kernel takes many rows on its tile path (16 rows to a vector, scores built like a matrix
-product), measured at 2 threads on the 2-core EPYC, 30 layers of the embedded model's shapes,
-a chunk beside 8 decodes of 300 keys, torch -> kernel: bf16 16 rows after 1,000 keys 31.7 ->
-17.1 ms, 64 rows after 3,000 171 -> 89 ms, 512 rows after 3,000 960 -> 891 ms; fp32 16 rows
-after 1,000 98 -> 21 ms, 128 rows there 166 -> 141 ms, 512 rows after 3,000 1,314 -> 1,236
-ms. The row loop alone (before the tile path) had lost to the matmuls past 4 rows in bf16
-and 17 in fp32.
+kernel takes chunks of many rows on its tile path (16 rows to a vector, scores built like a
+matrix product; bf16 pairs summed by AVX512-BF16 instructions where the CPU has them).
+Measured at 2 threads on the 2-core EPYC (avx512_bf16), 30 layers of the embedded model's
+shapes, one chunk beside 8 decodes of 300 keys, torch -> kernel: bf16 16 rows after 3,000
+keys 56 -> 21 ms, 64 rows there 84 -> 69 ms, 128 rows after 1,000 67 -> 55 ms, but 512 rows
+after 256 186 -> 374 ms (hence the bf16 limit); fp32 16 rows after 3,000 159 -> 33 ms, 128
+rows there 366 -> 211 ms, 512 rows 1,053 -> 1,012 ms. The row loop alone (before the tile
+path) had lost to the matmuls past 4 rows in bf16 and 17 in fp32.
 """
 
 from __future__ import annotations

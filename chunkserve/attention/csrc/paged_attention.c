@@ -1,5 +1,6 @@
-/* Paged attention for short query runs on the CPU: decodes, drafts being verified, and
- * the short tail of a prompt, read straight from the paged KV cache.
+/* Paged attention on the CPU for query rows that continue a cached sequence: decodes,
+ * drafts being verified, and the chunks of a long prompt, read straight from the paged KV
+ * cache.
  *
  * The torch backend gathers every sequence's blocks into a padded buffer and runs two
  * batched matmuls over it: K and V cross memory twice (the gather writes them, the matmuls
@@ -8,9 +9,12 @@
  * and values once, in place, block after block (the next one prefetched), with an online
  * softmax (one rescale per block), accumulating in fp32.  The query rows that share a KV head
  * (the G = H / Hkv heads of each of the sequence's rows) take each key and value row from one
- * load; bf16 is widened in registers.  When there are too few sequences to keep every thread
- * busy (a long prompt's first token, a small batch), each sequence's blocks are split into
- * ranges whose partial results are merged at the end (as flash-decoding does).
+ * load; bf16 is widened in registers.  So that every thread stays busy (a long prompt's
+ * first token, a small batch, a chunk beside a few decodes), a sequence's blocks are split
+ * into ranges by its share of the work, whose partial results are merged at the end (as
+ * flash-decoding does).  Runs of
+ * many rows (a chunk) take the tile path instead (see tile_block): 16 rows per vector, as a
+ * matrix product would.
  *
  * Row j (0-based) of a sequence with r query rows and ctx keys sees keys [0, ctx - r + 1 + j).
  * Layouts: q, out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int64
