@@ -183,6 +183,7 @@ class BudgetController:
         """The predicted time the next step may take with these decodes."""
         if self.policy.kind == "itl-target":
             return self.plan_target_s()
+        self.load_bound = False
         if not decode_lens:
             # No stream to protect: a long step, but bounded (new arrivals wait for it).
             return IDLE_STEP_FACTOR * self.model.predict(StepShape(prefill_samples=1))
