@@ -364,7 +364,7 @@ class Scheduler:
                 left = out.token_budget - out.num_batched_tokens
                 if left <= 0:
                     break
-                if request.request_id not in self._prefilled_last_step:
+                if not self.prefilled_last_step(request):
                     self._grow_prefill(request, min(left, cfg.block_size), out, chunks)
 
         # 3. The rest of the budget: prefills in progress and waiting requests, in policy

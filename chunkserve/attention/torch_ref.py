@@ -104,13 +104,16 @@ class TorchAttentionBackend(AttentionBackend):
     def _new_metadata(self) -> _TorchMetadata:
         return _TorchMetadata()
 
-    def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
+    def _prepare_prefills(
+        self, layout: BatchLayout, meta: _TorchMetadata, most: int | None = SHORT_CHUNK_ROWS
+    ) -> list[int]:
         """Prefill chunks attended one by one go to ``meta.prefills``; returns the others:
-        short chunks that continue a cached sequence (attended like decodes)."""
+        chunks of at most ``most`` rows (None: any) that continue a cached sequence
+        (attended like decodes, by ``_prepare_runs``)."""
         short: list[int] = []
         for i in range(layout.num_prefill_seqs):
             rows = layout.query_start_host[i + 1] - layout.query_start_host[i]
-            if layout.context_start_host[i] > 0 and rows <= SHORT_CHUNK_ROWS:
+            if layout.context_start_host[i] > 0 and (most is None or rows <= most):
                 short.append(i)
             else:
                 meta.prefills.append(self._prefill_chunk(layout, i))
