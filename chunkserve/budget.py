@@ -20,14 +20,23 @@ Two targets (``config.BudgetPolicy``):
   slowdown gives, steps take ``1 / (1 - share)`` times the mean decode step instead (at
   most ``MAX_PREFILL_SHARE``): in steady load the prefill is spread evenly over the steps,
   as the best static budget for that load would spread it, and the queue stays bounded.
-  With nothing decoding there is no stream to protect: a step may take
-  ``IDLE_STEP_FACTOR`` times the step's fixed cost (its overhead stays small, and a prompt
-  arriving meanwhile waits at most that long), up to the token cap.
+  With nothing decoding no stream is there to protect, but one may arrive: a step may take
+  ``IDLE_STEP_FACTOR`` times the step's fixed cost (its overhead stays small) when prompts
+  come rarely, and at most ``IDLE_ARRIVAL_CHANCE`` of the mean time between the prompts
+  that arrived over the load window (not counting those it works for), so about that share
+  of arrivals finds such a step running and waits for it: on the stall workload a third of
+  the short prompts arrived while a document was prefilled, and waited ~200 ms for its
+  steps of 25x the fixed cost. That step is never shorter than a step beside one decode
+  would be (the slowdown times the mean decode step), nor than the prefill load needs: an
+  idle step pays the fixed cost for prefill alone, so at a load share ``s`` it takes at
+  least the fixed cost times ``1 / (1 - s)`` (the fixed cost's share of the step is the
+  time left over), and a load the machine cannot meet gets the longest steps.
 - ``itl-target`` (``--itl-slo-ms``): the predicted step stays under a fixed time, planned
   below it by how much measured steps have exceeded their predictions.
 
 In the adaptive policy, the prompts whose rest fits the target whole (planned at position
-0, beside the decodes) get room for all of it and no more, decodes or not (plus one block
+0, beside the decodes; a waiting prompt ``WHOLE_PROMPT_SLACK`` over it: split, its first token
+would wait a step more) get room for all of it and no more, decodes or not (plus one block
 for a long prompt in progress that got nothing in the last step): the scheduler serves the
 shortest prompts first, so a short prompt arriving while a long one is chunked is prefilled
 in the next step or two, and the long one still moves at least every other step.
@@ -90,10 +99,20 @@ MAX_PREFILL_SHARE = 2.0 / 3.0
 # on the 2-core EPYC), at most SPREAD_MAX.
 SPREAD_QUANTILE = 0.9
 SPREAD_MAX = 1.5
+# A waiting prompt whose whole prefill fits this many times the target is not split (a
+# short one arriving while a document is chunked): split, its first token waits one step
+# more (beside decodes the streams wait as long in all, the prefill spread over two steps;
+# with nothing decoding, a second fixed cost on top). On the 2-core EPYC, 20-60-token
+# prompts beside a decode or two were split 16 + 23 and 32 + 18 under the 2x bound: two
+# steps of ~50 ms where one of ~75 ms does. A prompt in progress gets no slack (one step
+# is nothing to its TTFT).
+WHOLE_PROMPT_SLACK = 1.5
 # Beside decodes, the prefill room grows at most this much from one step to the next.
 ROOM_GROWTH = 2
-# With nothing decoding, a step may take this many times its fixed cost (weights, LM head).
+# With nothing decoding, a step may take this many times its fixed cost (weights, LM head),
+# and at most this share of the mean time between arrivals (see the module doc).
 IDLE_STEP_FACTOR = 25.0
+IDLE_ARRIVAL_CHANCE = 0.02
 # Without a profile, the load terms wait until the model has seen this many steps.
 UNPROFILED_WARMUP_STEPS = 20
 # Weight of the newest step in the average time of the decodes alone.
@@ -184,11 +203,11 @@ class BudgetController:
         if self.policy.kind == "itl-target":
             return self.plan_target_s()
         self.load_bound = False
-        if not decode_lens:
-            # No stream to protect: a long step, but bounded (new arrivals wait for it).
-            return IDLE_STEP_FACTOR * self.model.predict(StepShape(prefill_samples=1))
         slowdown = self.policy.decode_slowdown
         assert slowdown is not None
+        self._track_arrivals(scheduler)
+        if not decode_lens:
+            return self._idle_target_s(scheduler, slowdown)
         decodes = StepShape(tuple(decode_lens)).features()
         mean = self._mean_alone
         if mean is None:
@@ -198,10 +217,7 @@ class BudgetController:
                 mean[i] += MEAN_ALPHA * (x - mean[i])
         alone = dot(self.model.weights, decodes)
         mean_alone = dot(self.model.weights, mean)
-        share = 0.0
-        if self.model.num_updates >= self.warmup_steps:  # the model prices work by now
-            load = max(self.prefill_load(scheduler), self.backlog_work_s(scheduler) / LOAD_WINDOW_S)
-            share = min(MAX_PREFILL_SHARE, LOAD_MARGIN * self.chunking_overhead * load)
+        share = min(MAX_PREFILL_SHARE, self.load_share(scheduler))
         # Every step that carries prefill takes about the same time, the slowdown (or what
         # the load needs) times the recent mean decode step: a heavy step's decodes leave
         # less room, instead of growing the step (the tail is what a stall shows in).
@@ -210,6 +226,43 @@ class BudgetController:
         target = max(alone, mean_alone * max(slowdown, 1.0 / (1.0 - share)))
         # measured(mixed) <= target in measured terms, planned in the model's terms.
         return target * self.scale["decode"] / (self.scale["mixed"] * self.mixed_spread)
+
+    def _idle_target_s(self, scheduler, slowdown: float) -> float:
+        """A step with nothing decoding (see the module doc): long when prompts come
+        rarely, a small share of the time between arrivals when they come often, never
+        shorter than a step beside one decode nor than the prefill load needs."""
+        fixed = self.model.predict(StepShape(prefill_samples=1))
+        longest = IDLE_STEP_FACTOR * fixed
+        share = self.load_share(scheduler)
+        if share >= 1.0:
+            return longest  # the machine cannot keep up: the fewest fixed costs
+        rate = self.arrival_rate(scheduler)
+        if rate <= 0.0:
+            return longest
+        alone = dot(self.model.weights, self._mean_alone) if self._mean_alone else fixed
+        shortest = max(slowdown * alone, fixed / (1.0 - share))
+        return min(longest, max(shortest, IDLE_ARRIVAL_CHANCE / rate))
+
+    def load_share(self, scheduler) -> float:
+        """Share of the machine's time the prefill load needs, chunked, with a margin
+        (0 while an unprofiled model is still warming up)."""
+        if self.model.num_updates < self.warmup_steps:
+            return 0.0  # the model does not price work yet
+        load = max(self.prefill_load(scheduler), self.backlog_work_s(scheduler) / LOAD_WINDOW_S)
+        return LOAD_MARGIN * self.chunking_overhead * load
+
+    def arrival_rate(self, scheduler) -> float:
+        """Prompts per second that arrived over the load window, not counting those still
+        waiting or being prefilled (a step works for them; the rate is of the others that
+        may arrive during it)."""
+        since = scheduler.clock() - LOAD_WINDOW_S
+        pending = sum(
+            r.arrival_time >= since
+            for r in itertools.chain(
+                (r for r in scheduler.running if r.is_prefilling), scheduler.waiting
+            )
+        )
+        return max(0, len(self._arrived) - pending) / LOAD_WINDOW_S
 
     @property
     def mixed_spread(self) -> float:
@@ -225,6 +278,13 @@ class BudgetController:
         (``CostModel.prefill_work_s``, with the model's current weights) arrived over the
         last ``LOAD_WINDOW_S``, per second. The window keeps the sum of the prompts' cost
         features, so the load is re-priced every step as the model learns."""
+        self._track_arrivals(scheduler)
+        if not self._arrived:
+            return 0.0
+        return max(0.0, dot(self.model.weights, self._arrived_sum)) / LOAD_WINDOW_S
+
+    def _track_arrivals(self, scheduler) -> None:
+        """Bring the load window up to the scheduler's arrivals and its clock."""
         now = scheduler.clock()
         new = scheduler.num_added - self._num_seen
         self._num_seen = scheduler.num_added
@@ -239,8 +299,6 @@ class BudgetController:
             self._arrived_sum = [a - b for a, b in zip(self._arrived_sum, row)]
         if not self._arrived:
             self._arrived_sum = [0.0] * NUM_FEATURES  # no float residue
-            return 0.0
-        return max(0.0, dot(self.model.weights, self._arrived_sum)) / LOAD_WINDOW_S
 
     def backlog_work_s(self, scheduler) -> float:
         """Predicted prefill work of the prompts waiting or in progress (the first
@@ -254,8 +312,9 @@ class BudgetController:
         )
 
     def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
-        """Adaptive budget: room for the prompts whose rest fits the target whole (shortest
-        first, planned at position 0 beside the decodes); if none does and the shortest is a
+        """Adaptive budget: room for the prompts whose rest fits the target whole (waiting
+        ones with ``WHOLE_PROMPT_SLACK``; shortest first, planned at position 0 beside the
+        decodes); if none does and the shortest is a
         prompt not yet started beside one in progress, the whole blocks of it that fit at
         its start (its rest, shorter, fits in the next step); 0 if neither. The scheduler
         serves the shortest prompts first, so a short prompt arriving while a long one is
@@ -268,11 +327,17 @@ class BudgetController:
         pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
         if not pending:
             return 0
-        lengths = sorted(r.num_uncomputed_tokens for r in pending)
-        fits = self.model.max_prefill_tokens(decode_lens, 0, target_s, sum(lengths), len(lengths))
-        room = 0
-        for n in lengths:
-            if room + n > fits:
+        rests = sorted((r.num_uncomputed_tokens, r in prefilling) for r in pending)
+        lengths = [n for n, _ in rests]
+
+        def fits(target: float) -> int:
+            return self.model.max_prefill_tokens(decode_lens, 0, target, sum(lengths), len(lengths))
+
+        fits_waiting, fits_started = fits(WHOLE_PROMPT_SLACK * target_s), fits(target_s)
+        room, started = 0, False
+        for n, in_progress in rests:
+            started |= in_progress
+            if room + n > (fits_started if started else fits_waiting):
                 break
             room += n
         if not room:

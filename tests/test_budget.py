@@ -3,6 +3,7 @@ the cost model fit, and the simulator (the real scheduler against a cost model).
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -374,6 +375,71 @@ def test_with_nothing_decoding_a_prompt_arriving_waits_one_bounded_step() -> Non
     assert sched.requests["s"].num_output_tokens >= 1
     assert clock.t - arrived <= 2.04 * bound
     assert sched.requests["long"].is_prefilling  # 8,000 tokens: many steps, none of them long
+
+
+@pytest.mark.parametrize(
+    ("gap_s", "prompt_len", "want"),
+    [
+        (1.0, 30, "floor"),  # one a second: about a step beside one decode
+        (10.0, 30, "share"),  # one every 10 s: 2% of that
+        (1.0, 3000, "longest"),  # a load the machine cannot meet: the fewest fixed costs
+    ],
+)
+def test_with_nothing_decoding_steps_shrink_as_prompts_arrive_more_often(
+    gap_s: float, prompt_len: int, want: str
+) -> None:
+    """Nothing decodes, but prompts arrived over the load window (done now): a document
+    alone moves in steps a prompt arriving meanwhile can wait out, IDLE_ARRIVAL_CHANCE of
+    the time between arrivals, never less than a step beside one decode; unless the
+    arrivals' prefill is more than the machine can compute, then in the longest steps."""
+    from chunkserve.budget import IDLE_ARRIVAL_CHANCE, LOAD_WINDOW_S
+
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=0)
+    rng = random.Random(5)
+    t = clock.t - LOAD_WINDOW_S + gap_s / 2
+    for i in itertools.count():
+        if t >= clock.t:
+            break
+        p = [rng.randrange(100, 40000) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=4)
+        sched.add_request(Request(f"p{i}", p, params, max_tokens=4, arrival_time=t))
+        sched.abort_request(f"p{i}")
+        t += gap_s
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    fixed = TRUE.predict(StepShape(prefill_samples=1))
+    bound = {
+        "floor": 2.0 * fixed,  # the slowdown times a step's fixed cost (no decode seen yet)
+        "share": IDLE_ARRIVAL_CHANCE * gap_s,
+        "longest": IDLE_STEP_FACTOR * fixed,
+    }[want]
+    for _ in range(4):
+        _, out, measured = step_with(controller, sched, clock, TRUE)
+        assert out.prefills and not out.decodes
+        assert 0.6 * bound <= measured <= 1.02 * bound, (measured, bound)
+    assert sched.requests["long"].is_prefilling
+
+
+def test_a_short_prompt_a_little_over_the_target_is_not_split() -> None:
+    """A waiting prompt whose whole prefill beside the decodes is over the target, but
+    within WHOLE_PROMPT_SLACK of it, goes whole in one step: split in two, its first token
+    would wait a step more. A prompt in progress gets no such slack."""
+    from chunkserve.budget import WHOLE_PROMPT_SLACK
+
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=2)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    for _ in range(10):
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        assert measured <= 1.02 * decision.target_s  # the long prompt's chunks keep the bound
+    n = 45
+    sched.add_request(
+        Request("s", [7] * n, SamplingParams(max_tokens=4), max_tokens=4, arrival_time=clock.t)
+    )
+    decision, out, measured = step_with(controller, sched, clock, TRUE)
+    assert {c.request.request_id: c.num_tokens for c in out.prefills} == {"s": n}
+    assert decision.target_s < measured <= WHOLE_PROMPT_SLACK * decision.target_s
+    assert sched.requests["s"].num_output_tokens == 1
 
 
 def test_the_step_that_prefills_a_short_prompt_carries_no_long_chunk() -> None:
