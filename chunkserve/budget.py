@@ -26,11 +26,11 @@ Two targets (``config.BudgetPolicy``):
   that arrived over the load window (not counting those it works for), so about that share
   of arrivals finds such a step running and waits for it: on the stall workload a third of
   the short prompts arrived while a document was prefilled, and waited ~200 ms for its
-  steps of 25x the fixed cost. That step is never shorter than a step beside one decode
-  would be (the slowdown times the mean decode step), nor than the prefill load needs: an
-  idle step pays the fixed cost for prefill alone, so at a load share ``s`` it takes at
-  least the fixed cost times ``1 / (1 - s)`` (the fixed cost's share of the step is the
-  time left over), and a load the machine cannot meet gets the longest steps.
+  steps of 25x the fixed cost. That step is never shorter than a step with prefill beside
+  decodes may be (the slowdown times the recent mean decode step), nor than the prefill
+  load needs: an idle step pays the fixed cost for prefill alone, so at a load share ``s``
+  it takes at least the fixed cost times ``1 / (1 - s)`` (the prefill's share of the step
+  is then at least ``s``), and a load the machine cannot meet gets the longest steps.
 - ``itl-target`` (``--itl-slo-ms``): the predicted step stays under a fixed time, planned
   below it by how much measured steps have exceeded their predictions.
 
@@ -230,7 +230,8 @@ class BudgetController:
     def _idle_target_s(self, scheduler, slowdown: float) -> float:
         """A step with nothing decoding (see the module doc): long when prompts come
         rarely, a small share of the time between arrivals when they come often, never
-        shorter than a step beside one decode nor than the prefill load needs."""
+        shorter than a step with prefill beside the recent decodes may be, nor than the
+        prefill load needs."""
         fixed = self.model.predict(StepShape(prefill_samples=1))
         longest = IDLE_STEP_FACTOR * fixed
         share = self.load_share(scheduler)
@@ -314,15 +315,15 @@ class BudgetController:
     def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
         """Adaptive budget: room for the prompts whose rest fits the target whole (waiting
         ones with ``WHOLE_PROMPT_SLACK``; shortest first, planned at position 0 beside the
-        decodes); if none does and the shortest is a
-        prompt not yet started beside one in progress, the whole blocks of it that fit at
-        its start (its rest, shorter, fits in the next step); 0 if neither. The scheduler
-        serves the shortest prompts first, so a short prompt arriving while a long one is
-        chunked is prefilled in the next step or two: the room planned at the long one's
-        depth, where tokens cost more, may not cover it. A prompt in progress that is left
-        out gives up the step only if it advanced in the last one (it then moves one block
-        first: the scheduler's guarantee that it advances at least every other step), so the
-        room has a block for it only when it did not."""
+        decodes); if none does and the shortest is a prompt not yet started beside one in
+        progress, the whole blocks of it that fit at its start (its rest, shorter, fits in
+        the next step); 0 if neither. The scheduler serves the shortest prompts first, so a
+        short prompt arriving while a long one is chunked is prefilled in the next step or
+        two: the room planned at the long one's depth, where tokens cost more, may not cover
+        it. A prompt in progress that is left out gives up the step only if it advanced in
+        the last one (it then moves one block first: the scheduler's guarantee that it
+        advances at least every other step), so the room has a block for it only when it
+        did not."""
         prefilling = [r for r in scheduler.running if r.is_prefilling]
         pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
         if not pending:
