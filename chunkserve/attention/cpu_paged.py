@@ -67,14 +67,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _new_metadata(self) -> _CpuMetadata:
         return _CpuMetadata()
 
-    def _prepare_prefills(
-        self, layout: BatchLayout, meta: _TorchMetadata, most: int | None = None
-    ) -> list[int]:
-        """The torch path's split with the kernel's limit: first chunks (position 0) and
-        longer chunks than the kernel takes in this dtype to ``meta.prefills``; returns the
-        kernel's."""
-        return super()._prepare_prefills(layout, meta, self.kernel_max_rows)
-
     def _prepare_runs(self, layout: BatchLayout, cached: list[int], meta: _TorchMetadata) -> None:
         qs, lens, bs = layout.query_start_host, layout.seq_lens_k_host, layout.block_size
         seqs = cached + list(range(layout.num_prefill_seqs, layout.num_seqs))

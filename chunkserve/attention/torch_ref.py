@@ -73,6 +73,9 @@ class _TorchMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # Chunks continuing a cached sequence up to this many rows are attended like decodes
+    # (None: any); the CPU backend sets its kernel's limit for its dtype.
+    kernel_max_rows: int | None = SHORT_CHUNK_ROWS
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -104,12 +107,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _new_metadata(self) -> _TorchMetadata:
         return _TorchMetadata()
 
-    def _prepare_prefills(
-        self, layout: BatchLayout, meta: _TorchMetadata, most: int | None = SHORT_CHUNK_ROWS
-    ) -> list[int]:
+    def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
         """Prefill chunks attended one by one go to ``meta.prefills``; returns the others:
-        chunks of at most ``most`` rows (None: any) that continue a cached sequence
-        (attended like decodes, by ``_prepare_runs``)."""
+        chunks of at most ``kernel_max_rows`` rows (None: any) that continue a cached
+        sequence (attended like decodes, by ``_prepare_runs``)."""
+        most = self.kernel_max_rows
         short: list[int] = []
         for i in range(layout.num_prefill_seqs):
             rows = layout.query_start_host[i + 1] - layout.query_start_host[i]
