@@ -41,6 +41,20 @@ for a long prompt in progress that got nothing in the last step): the scheduler 
 shortest prompts first, so a short prompt arriving while a long one is chunked is prefilled
 in the next step or two, and the long one still moves at least every other step.
 
+Bounding every step at the slowdown has a price on a machine where a step costs the sum of
+its parts (a CPU): beside decodes, prefill gets ``(s - 1) / s`` of the machine, so a prompt
+too long for one step waits about ``s / (s - 1)`` times its whole-prompt prefill (more when
+prompts queue). Whole-prompt prefill (chunking off) stalls every stream once per prompt, for
+the whole prompt. So in the adaptive policy a waiting prompt that no ordinary step fits
+whole, but one *long step* (``longest_step_s``: ``IDLE_STEP_FACTOR`` times the step's fixed
+cost) does, is prefilled whole in one, with the waiting prompts after it that fit too (first
+token as soon as whole-prompt prefill would give it; one bounded stall per stream), while
+the long-step credit lasts: every token gap (a decode in a step) earns ``LONG_GAP_SHARE`` of a
+credit, a long step costs one per decode it stalls, and at most ``LONG_STEPS_BANKED`` long
+steps' worth at the current batch is kept. So long steps are at most that share of all gaps
+(a p99 ITL stays with the ordinary steps), none longer than the longest step; prompts too long
+for one long step are chunked under the slowdown (the stall workload's documents).
+
 Each step the running decodes are fixed (never dropped); the controller asks the cost model
 how many prefill tokens fit beside them and hands the scheduler that budget. Whenever
 prefill is waiting, a step carries at least ``min_prefill_tokens`` (one KV block) of it, even
@@ -113,6 +127,10 @@ ROOM_GROWTH = 2
 # and at most this share of the mean time between arrivals (see the module doc).
 IDLE_STEP_FACTOR = 25.0
 IDLE_ARRIVAL_CHANCE = 0.02
+# Long steps (see the module doc): the share of token gaps they may take, and how many long
+# steps' worth of credit (at the current batch) is kept.
+LONG_GAP_SHARE = 0.005
+LONG_STEPS_BANKED = 2.0
 # Without a profile, the load terms wait until the model has seen this many steps.
 UNPROFILED_WARMUP_STEPS = 20
 # Weight of the newest step in the average time of the decodes alone.
@@ -133,6 +151,9 @@ class BudgetDecision:
     # Most draft tokens (speculative decoding) the decodes may carry; None: any the budget
     # leaves (nothing waits to be prefilled).
     draft_budget: int | None = None
+    # A long step beside decodes (planned to ``longest_step_s``, not the slowdown; see
+    # LONG_GAP_SHARE).
+    long: bool = False
 
 
 class BudgetController:
@@ -157,6 +178,10 @@ class BudgetController:
         self.warmup_steps = warmup_steps
         self.log_every = log_every
         self.num_over_target = 0
+        self.num_long_steps = 0
+        # Long-step credit, in token gaps (see LONG_GAP_SHARE); starts with what one decode
+        # banks.
+        self.long_credit = LONG_STEPS_BANKED
         self.last: BudgetDecision | None = None
         # measured / predicted of recent steps: the ITL plan aims below the target by their
         # high quantile, so measured steps (with their noise) stay within it.
@@ -233,7 +258,7 @@ class BudgetController:
         shorter than a step with prefill beside the recent decodes may be, nor than the
         prefill load needs."""
         fixed = self.model.predict(StepShape(prefill_samples=1))
-        longest = IDLE_STEP_FACTOR * fixed
+        longest = self.longest_step_s()
         share = self.load_share(scheduler)
         if share >= 1.0:
             return longest  # the machine cannot keep up: the fewest fixed costs
@@ -328,17 +353,18 @@ class BudgetController:
         pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
         if not pending:
             return 0
-        rests = sorted((r.num_uncomputed_tokens, r in prefilling) for r in pending)
-        lengths = [n for n, _ in rests]
-
-        def fits(target: float) -> int:
-            return self.model.max_prefill_tokens(decode_lens, 0, target, sum(lengths), len(lengths))
-
-        fits_waiting, fits_started = fits(WHOLE_PROMPT_SLACK * target_s), fits(target_s)
+        in_progress = {id(r) for r in prefilling}
+        rests = sorted(pending, key=lambda r: r.num_uncomputed_tokens)
+        lengths = [r.num_uncomputed_tokens for r in rests]
+        # Each prompt priced at its own start (a rest in progress re-reads its prefix), the
+        # step's fixed cost and the decodes once: the features are sums over chunks.
+        step_s = self.model.predict(StepShape(tuple(decode_lens), prefill_samples=1))
         room, started = 0, False
-        for n, in_progress in rests:
-            started |= in_progress
-            if room + n > (fits_started if started else fits_waiting):
+        for r in rests:
+            started |= id(r) in in_progress
+            n = r.num_uncomputed_tokens
+            step_s += self.model.prefill_work_s(n, r.num_computed_tokens)
+            if step_s > (target_s if started else WHOLE_PROMPT_SLACK * target_s):
                 break
             room += n
         if not room:
@@ -385,14 +411,21 @@ class BudgetController:
         prefill_start, others = starts[0], sum(starts[1:])
         num_chunks = min(MAX_PLANNED_CHUNKS, len(starts) + bool(scheduler.waiting))
         target = self.step_target_s(scheduler, decode_lens)
+        short = 0
+        if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
+            short = self._room_for_short(scheduler, decode_lens, target)
+        # No prompt fits the step whole: a long step for the waiting prompts that fit one
+        # whole, if the credit allows one.
+        long = False
+        if not short and self._takes_long_step(decode_lens, target):
+            short = self._room_for_waiting(scheduler, decode_lens, self.longest_step_s())
+            if short:
+                long, target = True, self.longest_step_s()
         # Planned conservatively: as if all tokens were one chunk at the deepest start.
         room = self.model.max_prefill_tokens(
             decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
         )
         block = self.min_prefill_tokens
-        short = 0
-        if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
-            short = self._room_for_short(scheduler, decode_lens, target)
         if short:
             # Prompts that fit whole go now, alone (or beside the one block a long prompt is
             # owed): the step that makes their first token is no longer than it must be (a
@@ -439,7 +472,11 @@ class BudgetController:
                     room,
                     self.num_over_target,
                 )
-        self._last_room = room if decode_lens else 0
+        if long:  # the next ordinary step grows from the last ordinary one's room
+            self.num_long_steps += 1
+            self.long_credit -= len(decode_lens)  # one long gap per decode
+        else:
+            self._last_room = room if decode_lens else 0
         self.last = BudgetDecision(
             len(decode_lens) + draft_room + room,
             len(decode_lens),
@@ -448,8 +485,44 @@ class BudgetController:
             target,
             over,
             draft_room,
+            long,
         )
         return self.last
+
+    def longest_step_s(self) -> float:
+        """The longest step the adaptive budget plans: ``IDLE_STEP_FACTOR`` times the step's
+        fixed cost (an idle step when prompts come rarely; a long step beside decodes)."""
+        return IDLE_STEP_FACTOR * self.model.predict(StepShape(prefill_samples=1))
+
+    def _room_for_waiting(self, scheduler, decode_lens: list[int], target_s: float) -> int:
+        """Room for the waiting prompts that the scheduler serves before any prompt in
+        progress and whose whole prefill fits ``target_s`` together beside the decodes (0 if
+        the first does not), plus the block a prompt in progress is owed (see
+        ``_room_for_short``)."""
+        step_s = self.model.predict(StepShape(tuple(decode_lens), prefill_samples=1))
+        room = 0
+        for r in scheduler.prefill_queue(MAX_SCANNED_PROMPTS):
+            if r.status == RequestStatus.RUNNING:
+                break  # in progress: it would take the rest of the room, at its depth
+            n = r.num_uncomputed_tokens
+            step_s += self.model.prefill_work_s(n, r.num_computed_tokens)
+            if step_s > target_s or room + n > self.max_prefill_tokens:
+                break
+            room += n
+        if not room:
+            return 0
+        owed = any(
+            r.is_prefilling and not scheduler.prefilled_last_step(r) for r in scheduler.running
+        )
+        return room + self.min_prefill_tokens * owed
+
+    def _takes_long_step(self, decode_lens: list[int], target_s: float) -> bool:
+        """Whether a step beside these decodes, whose prompts none fits whole, is a long one
+        (see LONG_GAP_SHARE): the adaptive policy, the credit covers one long gap per
+        decode, and the longest step is longer than the target."""
+        if self.policy.kind != "adaptive" or not decode_lens:
+            return False
+        return self.long_credit >= len(decode_lens) and self.longest_step_s() > target_s
 
     @staticmethod
     def _pending_drafts(scheduler, num_decodes: int) -> int:
@@ -490,6 +563,9 @@ class BudgetController:
                 self.scale[kind] += SCALE_ALPHA * (r - self.scale[kind])
         if out.prefills:
             self._observe_chunking(shape)
+        if out.decodes:  # every gap earns a share of a long one
+            n = len(out.decodes)
+            self.long_credit = min(LONG_STEPS_BANKED * n, self.long_credit + LONG_GAP_SHARE * n)
         self.model.observe(shape, measured_s)
 
     def _observe_chunking(self, shape: StepShape) -> None:

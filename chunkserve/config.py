@@ -330,8 +330,9 @@ class BudgetPolicy:
         if self.kind == "adaptive":
             return (
                 f"adaptive: steps with prefill <= {self.decode_slowdown:g}x their decodes "
-                f"alone, more if the prefill load needs it, cap {self.max_num_batched_tokens} "
-                f"tokens"
+                f"alone, more if the prefill load needs it; waiting prompts that fit one long "
+                f"step whole get it in a bounded share of token gaps; cap "
+                f"{self.max_num_batched_tokens} tokens"
             )
         return (
             f"itl-target: {1e3 * (self.itl_slo_s or 0):g} ms, cap "

@@ -164,6 +164,13 @@ class Metrics:
             labels,
             registry=reg,
         )
+        self.long_steps = Counter(
+            "chunkserve:budget_long_steps",
+            "Long steps beside decodes (the adaptive budget's, for waiting prompts that fit "
+            "one whole; a bounded share of the token gaps).",
+            labels,
+            registry=reg,
+        )
         self.prompt_tokens = Counter(
             "chunkserve:prompt_tokens",
             "Prompt tokens computed (prefill, recomputation included).",
@@ -340,6 +347,7 @@ class Metrics:
             self.step_gap,
             self.step_target,
             self.over_target,
+            self.long_steps,
             self.prompt_tokens,
             self.generation_tokens,
             self.preemptions,
@@ -411,6 +419,8 @@ class Metrics:
             self.step_target.labels(**lab).observe(s.target_time)
         if s.over_target:
             self.over_target.labels(**lab).inc()
+        if s.long_step:
+            self.long_steps.labels(**lab).inc()
 
     def on_finish(self, out: RequestOutput) -> None:
         lab = self._labels

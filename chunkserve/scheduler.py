@@ -372,12 +372,7 @@ class Scheduler:
         # at most long_prefill_token_threshold tokens here (the leftover goes back to it at
         # the end). A long waiting prompt over the long limit is skipped so shorter ones
         # start.
-        waiting = self.waiting[:MAX_WAITING_SCAN]
-        if shortest:
-            now = self.clock()
-            candidates = sorted(prefilling + waiting, key=lambda r: self._shortest_key(r, now))
-        else:
-            candidates = prefilling + waiting
+        candidates = self.prefill_queue()
         partial = len(prefilling)
         long_partial = sum(1 for r in prefilling if self._is_long(r))
         headroom = self._admission_headroom()
@@ -413,6 +408,18 @@ class Scheduler:
         if self._caps_long:
             self._give_leftover_to_long(out)
         self._prefilled_last_step = {c.request.request_id for c in out.prefills}
+
+    def prefill_queue(self, limit: int = MAX_WAITING_SCAN) -> list[Request]:
+        """The prompts in progress and the first ``limit`` waiting, in the order the next
+        step hands out its prefill budget (the block a prompt in progress is owed aside)."""
+        prefilling = [
+            r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
+        ]
+        queue = prefilling + self.waiting[:limit]
+        if self.config.prefill_order == "shortest":
+            now = self.clock()
+            queue.sort(key=lambda r: self._shortest_key(r, now))
+        return queue
 
     def prefilled_last_step(self, request: Request) -> bool:
         """Whether the request's prompt advanced in the last step (under shortest-first, a

@@ -44,6 +44,9 @@ class StepStats:
     # and whether prefill ran beyond it (one block when the decodes left no room).
     target_time: float | None = None
     over_target: bool = False
+    # A long step beside decodes (the adaptive budget's, for waiting prompts that fit it
+    # whole; at most ``budget.LONG_GAP_SHARE`` of the token gaps).
+    long_step: bool = False
     core: int = 0  # which engine core (data parallel) ran the step
     # Speculative decoding: draft tokens the decodes carried (part of num_decode_tokens),
     # and how many verification accepted.
@@ -109,7 +112,7 @@ class StepLogger:
         logger.info(
             "%s batch. #new-seq: %d, #prefill-seq: %d, #new-token: %d, #cached-token: %d, "
             "#decode-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d, "
-            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s%s%s%s",
+            "#preempted: %d, budget: %d, step: %.1f ms (schedule %.2f ms)%s%s%s%s%s",
             "Mixed" if s.kind == "mixed" else "Prefill",
             s.num_new_seqs,
             s.num_prefill_seqs,
@@ -126,6 +129,7 @@ class StepLogger:
             "" if s.predicted_time is None else f", predicted {1e3 * s.predicted_time:.1f} ms",
             "" if s.target_time is None else f", target {1e3 * s.target_time:.1f} ms",
             " (over target: one block)" if s.over_target else "",
+            " (long step)" if s.long_step else "",
             _spec(s.num_draft_tokens, s.num_accepted_tokens),
         )
 

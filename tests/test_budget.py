@@ -10,7 +10,12 @@ import pytest
 
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import summarize
-from chunkserve.budget import IDLE_STEP_FACTOR, BudgetController
+from chunkserve.budget import (
+    IDLE_STEP_FACTOR,
+    LONG_GAP_SHARE,
+    LONG_STEPS_BANKED,
+    BudgetController,
+)
 from chunkserve.config import BudgetPolicy, SchedulerConfig
 from chunkserve.costmodel import (
     DEFAULT_PRIOR,
@@ -241,7 +246,7 @@ def test_adaptive_budget_follows_a_changing_step_cost() -> None:
     while 640-token prompts arrive every 30 steps beside 16 decodes: a few steps after each
     change, steps with prefill again take about ``slowdown`` x their decodes alone (on the
     machine as it is), where the profile's plan would be 1.6x over the bound on the slow
-    machine and far under it after."""
+    machine and far under it after (long steps aside)."""
     slowdown = 2.0
     slow = CostModel([w * (2.0 if i in (1, 4, 6) else 1.0) for i, w in enumerate(TRUE.weights)])
     clock = Clock(100.0)
@@ -256,8 +261,9 @@ def test_adaptive_budget_follows_a_changing_step_cost() -> None:
             if k % 30 == 0:
                 p = [rng.randrange(100, 40000) for _ in range(640)]
                 sched.add_request(Request(f"p{phase}-{k}", p, params, max_tokens=2))
-            _, out, measured = step_with(controller, sched, clock, hardware)
-            if out.prefills and out.decodes and k >= 8:
+            decision, out, measured = step_with(controller, sched, clock, hardware)
+            # A long step (while the credit allows) is planned to the longest step.
+            if out.prefills and out.decodes and k >= 8 and not decision.long:
                 alone = hardware.predict(StepShape(tuple(c.end for c in out.decodes)))
                 ratios.append(measured / alone)
                 # Over the bound by at most the block the room is rounded up to (and the
@@ -273,7 +279,7 @@ def test_adaptive_budget_follows_a_changing_step_cost() -> None:
 def test_adaptive_budget_without_a_profile_converges_in_a_few_dozen_steps() -> None:
     """From the pessimistic default prior (prefill tokens 4.4x too expensive) the adaptive
     budget reaches the room the slowdown bound allows within a few dozen steps, and its
-    steps never exceed the bound by much while it learns."""
+    steps never exceed the bound by much while it learns (long steps aside)."""
     clock = Clock(100.0)
     sched = decoding_scheduler(clock, num_decodes=16)
     controller = BudgetController(
@@ -281,7 +287,9 @@ def test_adaptive_budget_without_a_profile_converges_in_a_few_dozen_steps() -> N
     )
     ratios, rooms = [], []
     for _ in range(60):
-        _, out, measured = step_with(controller, sched, clock, TRUE)
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        if decision.long:  # planned to the longest step, not the bound
+            continue
         decodes = tuple(c.end for c in out.decodes)
         alone = TRUE.predict(StepShape(decodes))
         ratios.append(measured / alone)
@@ -440,6 +448,104 @@ def test_a_short_prompt_a_little_over_the_target_is_not_split() -> None:
     assert {c.request.request_id: c.num_tokens for c in out.prefills} == {"s": n}
     assert decision.target_s < measured <= WHOLE_PROMPT_SLACK * decision.target_s
     assert sched.requests["s"].num_output_tokens == 1
+
+
+def test_a_long_step_prefills_a_medium_prompt_whole_and_spends_the_credit() -> None:
+    """A prompt too long for a step under the slowdown bound, beside 5 decodes, with credit
+    for one long gap per decode: one step of up to the longest step prefills it whole (its
+    first token in one step, as whole-prompt prefill would give it, not a dozen), and the
+    credit is spent: the next prompt is chunked under the bound until the decodes' gaps earn
+    it back. A short prompt that fits the bound takes no long step."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=4, prompt_len=16)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    step_with(controller, sched, clock, TRUE)  # the 16-token prompt: no long step
+    assert controller.num_long_steps == 0 and len(sched.running_decodes()) == 5
+    controller.long_credit = 5.0
+    longest = controller.longest_step_s()
+    bound = 2.0 * TRUE.predict(StepShape((202,) * 5))
+    assert longest > 3 * bound
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request("m", [7] * 400, params, max_tokens=4, arrival_time=clock.t))
+    decision, out, measured = step_with(controller, sched, clock, TRUE)
+    assert decision.long and decision.target_s == longest
+    assert {c.request.request_id: c.num_tokens for c in out.prefills}["m"] == 400
+    assert bound < measured <= 1.02 * longest
+    assert sched.requests["m"].num_output_tokens == 1
+    assert controller.long_credit == pytest.approx(5 * LONG_GAP_SHARE)  # earned by its gaps
+    sched.add_request(Request("m2", [8] * 400, params, max_tokens=4, arrival_time=clock.t))
+    for _ in range(3):
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        assert not decision.long and out.prefills
+        assert measured <= 1.1 * bound + TRUE.prefill_work_s(BLOCK, out.prefills[0].start)
+    sched.add_request(Request("s", [9] * 20, params, max_tokens=4, arrival_time=clock.t))
+    controller.long_credit = 10.0
+    decision, out, measured = step_with(controller, sched, clock, TRUE)
+    assert not decision.long and sched.requests["s"].num_output_tokens == 1
+    assert controller.num_long_steps == 1
+
+
+def test_long_steps_stall_a_bounded_share_of_the_gaps() -> None:
+    """Prompts of 200-600 tokens (too long for a step under the bound, short enough for one
+    long step) arriving every 2 s beside 1-6 decodes: long steps take at most
+    LONG_GAP_SHARE of all token gaps (plus the credit banked at the start), each within the
+    longest step; they do happen, and the prompts that get one have their first token after
+    one step."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=1, prompt_len=16)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    rng = random.Random(5)
+    params, short = SamplingParams(max_tokens=8), SamplingParams(max_tokens=100)
+    gaps = long_gaps = 0
+    next_prompt, n = clock.t, 0
+    while clock.t < 100.0 + 900.0:
+        if clock.t >= next_prompt:
+            p = [rng.randrange(100, 40000) for _ in range(rng.randrange(200, 600))]
+            sched.add_request(Request(f"m{n}", p, params, max_tokens=8, arrival_time=clock.t))
+            next_prompt += 2.0
+            n += 1
+        while len(sched.running_decodes()) < 1 + n % 6:
+            p = [rng.randrange(100, 40000) for _ in range(30)]
+            r = Request(f"s{clock.t}", p, short, max_tokens=100, arrival_time=clock.t)
+            sched.add_request(r)
+            step_with(controller, sched, clock, TRUE)
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        gaps += len(out.decodes)
+        if decision.long:
+            long_gaps += len(out.decodes)
+            assert measured <= 1.05 * controller.longest_step_s()
+            for c in out.prefills:
+                if c.request.request_id.startswith("m"):
+                    assert c.start == 0 and c.end == c.request.num_prompt_tokens
+    assert controller.num_long_steps >= 10
+    assert long_gaps <= LONG_GAP_SHARE * gaps + LONG_STEPS_BANKED
+
+
+def test_long_steps_are_the_adaptive_budgets_only() -> None:
+    """An ITL target is a hard bound: no long step over it, whatever the credit."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=4, prompt_len=6000)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), itl(0.08))
+    controller.long_credit = 100.0
+    for _ in range(5):
+        decision, _, measured = step_with(controller, sched, clock, TRUE)
+        assert not decision.long and measured <= 0.08 * 1.02
+    assert controller.num_long_steps == 0
+
+
+def test_a_rest_in_progress_is_priced_at_its_depth() -> None:
+    """The step that finishes a document prices its rest where it starts (each token reads
+    the whole prefix before it), not as a prompt at position 0: planned at position 0, a
+    deep rest that "fits" came out up to 2x over its target."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=2, prompt_len=12000)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    controller.long_credit = 0.0  # all of it under the bound
+    while "long" in sched.requests and sched.requests["long"].is_prefilling:
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        assert measured <= 1.1 * decision.target_s + TRUE.prefill_work_s(
+            BLOCK, out.prefills[0].start
+        )
 
 
 def test_the_step_that_prefills_a_short_prompt_carries_no_long_chunk() -> None:
