@@ -49,9 +49,10 @@ the whole prompt. So in the adaptive policy a waiting prompt that no ordinary st
 whole, but one *long step* (``longest_step_s``: ``IDLE_STEP_FACTOR`` times the step's fixed
 cost) does, is prefilled whole in one, with the waiting prompts after it that fit too (first
 token as soon as whole-prompt prefill would give it; one bounded stall per stream), while
-the long-step credit lasts: every token gap (a decode in a step) earns ``LONG_GAP_SHARE`` of a
-credit, a long step costs one per decode it stalls, and at most ``LONG_STEPS_BANKED`` long
-steps' worth at the current batch is kept. So long steps are at most that share of all gaps
+the long-step credit lasts: every token gap (a decode in a step) earns the policy's
+``long_step_share`` of a credit (``--long-step-share``, default 0.005), a long step costs
+one per decode it stalls, and at most ``LONG_STEPS_BANKED`` long steps' worth at the current
+batch is kept. So long steps are at most that share of all gaps
 (a p99 ITL stays with the ordinary steps), none longer than the longest step; prompts too long
 for one long step are chunked under the slowdown (the stall workload's documents).
 
@@ -127,9 +128,8 @@ ROOM_GROWTH = 2
 # and at most this share of the mean time between arrivals (see the module doc).
 IDLE_STEP_FACTOR = 25.0
 IDLE_ARRIVAL_CHANCE = 0.02
-# Long steps (see the module doc): the share of token gaps they may take, and how many long
-# steps' worth of credit (at the current batch) is kept.
-LONG_GAP_SHARE = 0.005
+# Long steps (see the module doc): how many long steps' worth of credit (at the current
+# batch) is kept; the share of gaps they may take is the policy's ``long_step_share``.
 LONG_STEPS_BANKED = 2.0
 # Without a profile, the load terms wait until the model has seen this many steps.
 UNPROFILED_WARMUP_STEPS = 20
@@ -152,7 +152,7 @@ class BudgetDecision:
     # leaves (nothing waits to be prefilled).
     draft_budget: int | None = None
     # A long step beside decodes (planned to ``longest_step_s``, not the slowdown; see
-    # LONG_GAP_SHARE).
+    # ``long_step_share``).
     long: bool = False
 
 
@@ -179,7 +179,7 @@ class BudgetController:
         self.log_every = log_every
         self.num_over_target = 0
         self.num_long_steps = 0
-        # Long-step credit, in token gaps (see LONG_GAP_SHARE); starts with what one decode
+        # Long-step credit, in token gaps (see the module doc); starts with what one decode
         # banks.
         self.long_credit = LONG_STEPS_BANKED
         self.last: BudgetDecision | None = None
@@ -518,9 +518,9 @@ class BudgetController:
 
     def _takes_long_step(self, decode_lens: list[int], target_s: float) -> bool:
         """Whether a step beside these decodes, whose prompts none fits whole, is a long one
-        (see LONG_GAP_SHARE): the adaptive policy, the credit covers one long gap per
+        (see ``long_step_share``): the adaptive policy, the credit covers one long gap per
         decode, and the longest step is longer than the target."""
-        if self.policy.kind != "adaptive" or not decode_lens:
+        if self.policy.kind != "adaptive" or not decode_lens or not self.policy.long_step_share:
             return False
         return self.long_credit >= len(decode_lens) and self.longest_step_s() > target_s
 
@@ -565,7 +565,8 @@ class BudgetController:
             self._observe_chunking(shape)
         if out.decodes:  # every gap earns a share of a long one
             n = len(out.decodes)
-            self.long_credit = min(LONG_STEPS_BANKED * n, self.long_credit + LONG_GAP_SHARE * n)
+            share = self.policy.long_step_share
+            self.long_credit = min(LONG_STEPS_BANKED * n, self.long_credit + share * n)
         self.model.observe(shape, measured_s)
 
     def _observe_chunking(self, shape: StepShape) -> None:

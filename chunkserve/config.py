@@ -35,6 +35,11 @@ DEFAULT_BUDGET_CAP = 8192
 # share of time the measured prefill load needs, and at most this many times as long as its
 # decodes alone would (the streams slow down at most this much, whatever the hardware).
 DEFAULT_DECODE_SLOWDOWN = 2.0
+# Adaptive budget: the share of token gaps long steps may take (``budget`` module doc), and
+# the most a user may give them (past a few percent a p99 ITL is theirs, not the ordinary
+# steps').
+DEFAULT_LONG_STEP_SHARE = 0.005
+MAX_LONG_STEP_SHARE = 0.05
 BUDGET_POLICIES = ("static", "adaptive", "itl-target")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -300,6 +305,9 @@ class BudgetPolicy:
     max_num_batched_tokens: int  # static: the budget; online: the cap
     decode_slowdown: float | None = None
     itl_slo_s: float | None = None
+    # Adaptive: the share of token gaps long steps may take (waiting prompts prefilled whole
+    # in one step of up to the longest step; ``budget.BudgetController``); 0: none.
+    long_step_share: float = 0.0
 
     def __post_init__(self) -> None:
         _require(
@@ -318,6 +326,13 @@ class BudgetPolicy:
             _require(
                 self.itl_slo_s is not None and self.itl_slo_s > 0, "itl_slo_ms", "must be > 0 ms"
             )
+        _require(
+            0.0 <= self.long_step_share <= MAX_LONG_STEP_SHARE
+            and (self.kind == "adaptive" or self.long_step_share == 0.0),
+            "long_step_share",
+            f"must be in [0, {MAX_LONG_STEP_SHARE}] (adaptive budget only), got "
+            f"{self.long_step_share!r}",
+        )
 
     @property
     def is_online(self) -> bool:
@@ -330,8 +345,8 @@ class BudgetPolicy:
         if self.kind == "adaptive":
             return (
                 f"adaptive: steps with prefill <= {self.decode_slowdown:g}x their decodes "
-                f"alone, more if the prefill load needs it; waiting prompts that fit one long "
-                f"step whole get it in a bounded share of token gaps; cap "
+                f"alone, more if the prefill load needs it; long steps for waiting prompts "
+                f"that fit one whole in {100 * self.long_step_share:g}% of token gaps; cap "
                 f"{self.max_num_batched_tokens} tokens"
             )
         return (
@@ -414,6 +429,12 @@ class EngineConfig:
     as the online step-time cost model predicts it, or more when the measured prefill load
     needs a bigger share of the machine. Named with ``max_num_batched_tokens``, that is the
     cap of the adaptive budget."""
+    long_step_share: float | None = None
+    """Adaptive budget (default 0.005): the share of token gaps (a decode in a step) that
+    long steps may take. A long step prefills waiting prompts whole, each of which no step
+    under ``max_decode_slowdown`` fits whole, in one step of up to 25x the step's fixed cost
+    (their first token as whole-prompt prefill would give it, one bounded stall of the
+    streams). 0: never (every step with prefill stays under the slowdown)."""
     itl_slo_ms: float | None = None
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
     model so the step stays under it (decodes are never dropped; prefill still gets one KV
@@ -504,6 +525,21 @@ class EngineConfig:
             "belongs to the adaptive budget; itl_slo_ms sets another target (give one)",
         )
         _require(
+            self.long_step_share is None
+            or (
+                isinstance(self.long_step_share, (int, float))
+                and 0.0 <= self.long_step_share <= MAX_LONG_STEP_SHARE
+            ),
+            "long_step_share",
+            f"must be in [0, {MAX_LONG_STEP_SHARE}], got {self.long_step_share!r}",
+        )
+        _require(
+            self.long_step_share is None
+            or (self.itl_slo_ms is None and self.enable_chunked_prefill),
+            "long_step_share",
+            "belongs to the adaptive budget (not with itl_slo_ms or chunking off)",
+        )
+        _require(
             self.max_decode_slowdown is None or self.enable_chunked_prefill,
             "max_decode_slowdown",
             "needs chunked prefill (with chunking off every prompt is prefilled whole)",
@@ -592,11 +628,19 @@ class EngineConfig:
         cap = self.max_num_batched_tokens or min(DEFAULT_BUDGET_CAP, max_model_len)
         if self.itl_slo_ms is not None:
             return BudgetPolicy("itl-target", cap, itl_slo_s=self.itl_slo_ms / 1e3)
-        if self.max_decode_slowdown is not None or (
-            self.max_num_batched_tokens is None and self.enable_chunked_prefill
+        if (
+            self.max_decode_slowdown is not None
+            or self.long_step_share is not None
+            or (self.max_num_batched_tokens is None and self.enable_chunked_prefill)
         ):
             slowdown = self.max_decode_slowdown or DEFAULT_DECODE_SLOWDOWN
-            return BudgetPolicy("adaptive", cap, decode_slowdown=slowdown)
+            share = self.long_step_share
+            return BudgetPolicy(
+                "adaptive",
+                cap,
+                decode_slowdown=slowdown,
+                long_step_share=DEFAULT_LONG_STEP_SHARE if share is None else share,
+            )
         return BudgetPolicy("static", self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -103,6 +103,14 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
     )
 
     g.add_argument(
+        "--long-step-share",
+        type=float,
+        default=None,
+        help="adaptive budget (default 0.005): the share of token gaps that long steps may "
+        "take, each prefilling waiting prompts whole that no step under the slowdown fits, "
+        "in one step of up to 25x the step's fixed cost; 0: never",
+    )
+    g.add_argument(
         "--itl-slo-ms",
         type=float,
         default=None,
@@ -230,6 +238,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         itl_slo_ms=args.itl_slo_ms,
         max_decode_slowdown=args.max_decode_slowdown,
+        long_step_share=args.long_step_share,
         cost_profile=args.cost_profile,
         seed=getattr(args, "seed", 0),
         num_threads=args.num_threads,

@@ -25,7 +25,12 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 def offline_config(config: EngineConfig) -> EngineConfig:
     """``config`` with the offline budget, unless a budget, a latency target or a slowdown
     was named (or chunking is off: its budget is the whole prompt's)."""
-    named = (config.max_num_batched_tokens, config.itl_slo_ms, config.max_decode_slowdown)
+    named = (
+        config.max_num_batched_tokens,
+        config.itl_slo_ms,
+        config.max_decode_slowdown,
+        config.long_step_share,
+    )
     if not config.enable_chunked_prefill or any(x is not None for x in named):
         return config
     return config.replace(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)

@@ -150,6 +150,7 @@ class Metrics:
                 "max_num_batched_tokens": str(policy.max_num_batched_tokens),
                 "max_decode_slowdown": str(policy.decode_slowdown or ""),
                 "itl_slo_ms": str(1e3 * policy.itl_slo_s) if policy.itl_slo_s else "",
+                "long_step_share": str(policy.long_step_share) if policy.long_step_share else "",
             }
         )
         self.step_target = hist(

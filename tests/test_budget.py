@@ -10,13 +10,8 @@ import pytest
 
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import summarize
-from chunkserve.budget import (
-    IDLE_STEP_FACTOR,
-    LONG_GAP_SHARE,
-    LONG_STEPS_BANKED,
-    BudgetController,
-)
-from chunkserve.config import BudgetPolicy, SchedulerConfig
+from chunkserve.budget import IDLE_STEP_FACTOR, LONG_STEPS_BANKED, BudgetController
+from chunkserve.config import DEFAULT_LONG_STEP_SHARE, BudgetPolicy, SchedulerConfig
 from chunkserve.costmodel import (
     DEFAULT_PRIOR,
     FEATURES,
@@ -45,8 +40,10 @@ def itl(slo: float, cap: int = 8192) -> BudgetPolicy:
     return BudgetPolicy("itl-target", cap, itl_slo_s=slo)
 
 
-def adaptive(slowdown: float = 2.0, cap: int = 8192) -> BudgetPolicy:
-    return BudgetPolicy("adaptive", cap, decode_slowdown=slowdown)
+def adaptive(
+    slowdown: float = 2.0, cap: int = 8192, long_step_share: float = DEFAULT_LONG_STEP_SHARE
+) -> BudgetPolicy:
+    return BudgetPolicy("adaptive", cap, decode_slowdown=slowdown, long_step_share=long_step_share)
 
 
 def true_time(out) -> float:
@@ -472,7 +469,9 @@ def test_a_long_step_prefills_a_medium_prompt_whole_and_spends_the_credit() -> N
     assert {c.request.request_id: c.num_tokens for c in out.prefills}["m"] == 400
     assert bound < measured <= 1.02 * longest
     assert sched.requests["m"].num_output_tokens == 1
-    assert controller.long_credit == pytest.approx(5 * LONG_GAP_SHARE)  # earned by its gaps
+    assert controller.long_credit == pytest.approx(
+        5 * DEFAULT_LONG_STEP_SHARE
+    )  # earned by its gaps
     sched.add_request(Request("m2", [8] * 400, params, max_tokens=4, arrival_time=clock.t))
     for _ in range(3):
         decision, out, measured = step_with(controller, sched, clock, TRUE)
@@ -488,9 +487,9 @@ def test_a_long_step_prefills_a_medium_prompt_whole_and_spends_the_credit() -> N
 def test_long_steps_stall_a_bounded_share_of_the_gaps() -> None:
     """Prompts of 200-600 tokens (too long for a step under the bound, short enough for one
     long step) arriving every 2 s beside 1-6 decodes: long steps take at most
-    LONG_GAP_SHARE of all token gaps (plus the credit banked at the start), each within the
-    longest step; they do happen, and the prompts that get one have their first token after
-    one step."""
+    DEFAULT_LONG_STEP_SHARE of all token gaps (plus the credit banked at the start), each
+    within the longest step; they do happen, and the prompts that get one have their first
+    token after one step."""
     clock = Clock(100.0)
     sched = decoding_scheduler(clock, num_decodes=1, prompt_len=16)
     controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
@@ -518,18 +517,23 @@ def test_long_steps_stall_a_bounded_share_of_the_gaps() -> None:
                 if c.request.request_id.startswith("m"):
                     assert c.start == 0 and c.end == c.request.num_prompt_tokens
     assert controller.num_long_steps >= 10
-    assert long_gaps <= LONG_GAP_SHARE * gaps + LONG_STEPS_BANKED
+    assert long_gaps <= DEFAULT_LONG_STEP_SHARE * gaps + LONG_STEPS_BANKED
 
 
-def test_long_steps_are_the_adaptive_budgets_only() -> None:
-    """An ITL target is a hard bound: no long step over it, whatever the credit."""
+@pytest.mark.parametrize("policy", [itl(0.08), adaptive(2.0, long_step_share=0.0)])
+def test_no_long_steps_under_an_itl_target_or_a_zero_share(policy: BudgetPolicy) -> None:
+    """An ITL target is a hard bound, and ``long_step_share=0`` turns long steps off: a
+    prompt that one long step would take whole is chunked under the bound, whatever the
+    credit."""
     clock = Clock(100.0)
-    sched = decoding_scheduler(clock, num_decodes=4, prompt_len=6000)
-    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), itl(0.08))
+    sched = decoding_scheduler(clock, num_decodes=4, prompt_len=400)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), policy)
     controller.long_credit = 100.0
+    bound = 0.08 if policy.kind == "itl-target" else 2.0 * TRUE.predict(StepShape((201,) * 4))
     for _ in range(5):
-        decision, _, measured = step_with(controller, sched, clock, TRUE)
-        assert not decision.long and measured <= 0.08 * 1.02
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        assert not decision.long and out.num_prefill_tokens < 400
+        assert measured <= 1.05 * bound
     assert controller.num_long_steps == 0
 
 
@@ -878,7 +882,12 @@ def test_defaults_run_the_adaptive_budget_and_say_so(caplog) -> None:
         engine.step()
     samples = _metric_samples(metrics)
     info = next(k for k in samples if k[0] == "chunkserve:budget_policy_info")
-    assert dict(info[1])["policy"] == "adaptive" and dict(info[1])["max_decode_slowdown"] == "2.0"
+    labels = dict(info[1])
+    assert labels["policy"] == "adaptive" and labels["max_decode_slowdown"] == "2.0"
+    assert labels["long_step_share"] == "0.005"
+    assert "long steps for waiting prompts that fit one whole in 0.5% of token gaps" in (
+        caplog.text
+    )
     count = samples[("chunkserve:step_time_target_seconds_count", (("model_name", "m"),))]
     assert count >= 2
 
@@ -956,6 +965,7 @@ def test_offline_llm_defaults_to_a_throughput_budget() -> None:
     assert policy() == BudgetPolicy("static", OFFLINE_MAX_NUM_BATCHED_TOKENS)
     assert policy(max_num_batched_tokens=96) == BudgetPolicy("static", 96)
     assert policy(max_decode_slowdown=3.0).kind == "adaptive"
+    assert policy(long_step_share=0.0).kind == "adaptive"
     assert policy(itl_slo_ms=200).kind == "itl-target"
     assert policy(enable_chunked_prefill=False) == EngineConfig().replace(
         enable_chunked_prefill=False

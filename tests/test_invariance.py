@@ -91,6 +91,20 @@ def test_adaptive_default_matches_unchunked(reference) -> None:
     assert_no_blocks_in_use(engine)
 
 
+def test_long_steps_match_unchunked(reference) -> None:
+    """The adaptive budget with credit for long steps (waiting prompts prefilled whole in one
+    step beside the decodes) and with none: the greedy tokens of the unchunked run."""
+    prompts, expected = reference
+    for share, credit in ((0.05, 1e9), (0.0, 0.0)):
+        engine = make_engine(long_step_share=share)
+        engine.core.controller.long_credit = credit
+        steps = []
+        engine.step_listeners.append(steps.append)
+        assert run_staggered(engine, prompts) == expected
+        assert any(s.long_step for s in steps) == bool(share)
+        assert_no_blocks_in_use(engine)
+
+
 def preemption_workload() -> list[list[int]]:
     rng = random.Random(99)
     return [random_prompt(rng, n) for n in (40, 90, 150, 200, 260, 33, 120)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chunkserve import LLM, EngineConfig, SamplingParams
-from chunkserve.config import BudgetPolicy
+from chunkserve.config import DEFAULT_LONG_STEP_SHARE, BudgetPolicy
 from chunkserve.engine import Engine
 from tests.conftest import assert_no_blocks_in_use
 
@@ -131,6 +131,11 @@ def test_engine_config_errors(kwargs, field) -> None:
         ({"max_decode_slowdown": 0.5}, "max_decode_slowdown"),
         ({"max_decode_slowdown": 2.0, "itl_slo_ms": 100.0}, "max_decode_slowdown"),
         ({"max_decode_slowdown": 2.0, "enable_chunked_prefill": False}, "max_decode_slowdown"),
+        ({"long_step_share": -0.01}, "long_step_share"),
+        ({"long_step_share": 0.5}, "long_step_share"),
+        ({"long_step_share": "0.01"}, "long_step_share"),
+        ({"long_step_share": 0.01, "itl_slo_ms": 100.0}, "long_step_share"),
+        ({"long_step_share": 0.01, "enable_chunked_prefill": False}, "long_step_share"),
         ({"prefill_order": "random"}, "prefill_order"),
     ],
 )
@@ -149,8 +154,15 @@ def test_budget_policy_from_the_flags() -> None:
     assert EngineConfig().budget_policy(32768).max_num_batched_tokens == 8192
     static = EngineConfig(max_num_batched_tokens=256).budget_policy(4096)
     assert (static.kind, static.max_num_batched_tokens) == ("static", 256)
+    assert policy.long_step_share == DEFAULT_LONG_STEP_SHARE
     capped = EngineConfig(max_num_batched_tokens=256, max_decode_slowdown=1.5)
-    assert capped.budget_policy(4096) == BudgetPolicy("adaptive", 256, decode_slowdown=1.5)
+    assert capped.budget_policy(4096) == BudgetPolicy(
+        "adaptive", 256, decode_slowdown=1.5, long_step_share=DEFAULT_LONG_STEP_SHARE
+    )
+    no_long = EngineConfig(max_num_batched_tokens=256, long_step_share=0.0).budget_policy(4096)
+    assert no_long == BudgetPolicy("adaptive", 256, decode_slowdown=2.0, long_step_share=0.0)
+    with pytest.raises(ValueError, match="^long_step_share:"):
+        BudgetPolicy("static", 256, long_step_share=0.01)
     itl = EngineConfig(itl_slo_ms=250).budget_policy(4096)
     assert (itl.kind, itl.max_num_batched_tokens, itl.itl_slo_s) == ("itl-target", 4096, 0.25)
     off = EngineConfig(enable_chunked_prefill=False).budget_policy(4096)
@@ -179,3 +191,20 @@ def test_max_num_seqs_above_budget_with_chunking(no_weight_loading) -> None:
             max_num_batched_tokens=16,
             max_num_seqs=64,
         )
+
+
+def test_serve_flags_name_the_budget_policy() -> None:
+    """``--long-step-share`` and ``--max-decode-slowdown`` reach the adaptive policy; with
+    ``--max-num-batched-tokens`` they make it the adaptive budget's cap."""
+    from chunkserve.cli import build_parser
+    from chunkserve.engine_args import engine_config_from_args
+
+    def policy(*argv: str) -> BudgetPolicy:
+        args = build_parser("serve").parse_args(["serve", *argv])
+        return engine_config_from_args(args).budget_policy(4096)
+
+    assert policy().long_step_share == DEFAULT_LONG_STEP_SHARE
+    assert policy("--long-step-share", "0").long_step_share == 0.0
+    capped = policy("--max-num-batched-tokens", "256", "--long-step-share", "0.01")
+    assert capped == BudgetPolicy("adaptive", 256, decode_slowdown=2.0, long_step_share=0.01)
+    assert policy("--max-num-batched-tokens", "256").kind == "static"
