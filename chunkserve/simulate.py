@@ -12,6 +12,7 @@ rates or on hardware they don't have (a profile measured elsewhere, e.g. on a GP
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 
@@ -37,6 +38,7 @@ def simulate(
     policy: BudgetPolicy | None = None,
     max_concurrency: int | None = None,
     noise: float = 0.0,
+    noise_correlation: float | None = None,
     step_overhead_s: float = 0.0,
     cost_scale: float | Mapping[str, float] = 1.0,
     seed: int = 0,
@@ -50,8 +52,17 @@ def simulate(
     a server's mean ``chunkserve:step_time_over_predicted`` (its steps over the profile's
     predictions: scheduling, host work and the machine's state that the profiled shapes
     did not see); 1 takes the profile as it is. ``policy``: an online budget policy (adaptive
-    or an ITL target) run by the engine's controller; None: ``config``'s static budget."""
+    or an ITL target) run by the engine's controller; None: ``config``'s static budget.
+    ``noise``: each step's time is multiplied by independent normal noise of this relative
+    standard deviation; with ``noise_correlation`` (0 <= rho < 1), by log-normal noise
+    whose log follows an AR(1) process of that step-to-step correlation and standard
+    deviation ``noise``, mean 1 (a machine that runs slow for seconds at a time: this VM's
+    identical decode steps correlate 0.82 from one step to the next)."""
     scales = check_cost_scale(cost_scale)
+    if noise < 0:
+        raise ValueError(f"noise: must be >= 0, got {noise!r}")
+    if noise_correlation is not None and not 0.0 <= noise_correlation < 1.0:
+        raise ValueError(f"noise_correlation: must be in [0, 1), got {noise_correlation!r}")
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s: must be >= 0, got {step_overhead_s!r}")
     clock = [0.0]
@@ -66,6 +77,7 @@ def simulate(
         online = OnlineCostModel(model.weights, prior_weight=prior_weight)
         controller = BudgetController(online, policy, min_prefill_tokens=config.block_size)
     rng = random.Random(seed)
+    log_noise = 0.0  # the AR(1) state of correlated noise
     records = [RequestRecord(i, r.kind, r.prompt_len, r.arrival) for i, r in enumerate(requests)]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     index_of: dict[str, int] = {}
@@ -121,7 +133,11 @@ def simulate(
             raise RuntimeError("simulate: the scheduler made no progress")
         shape = StepShape.of(out)
         duration = scales[out.kind] * model.predict(shape)
-        if noise:
+        if noise and noise_correlation is not None:
+            rho = noise_correlation
+            log_noise = rho * log_noise + math.sqrt(1.0 - rho * rho) * rng.gauss(0.0, noise)
+            duration *= math.exp(log_noise - noise * noise / 2)
+        elif noise:
             duration *= max(0.1, rng.gauss(1.0, noise))
         duration += step_overhead_s
         clock[0] += duration

@@ -155,6 +155,14 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
         help="relative standard deviation of simulated step times",
     )
     p.add_argument(
+        "--noise-correlation",
+        type=float,
+        default=None,
+        help="with --noise: log-normal step noise whose log is an AR(1) process of this "
+        "step-to-step correlation (0.8 matches this VM's decode steps); default: "
+        "independent normal noise",
+    )
+    p.add_argument(
         "--step-overhead-ms",
         type=float,
         default=0.0,
@@ -200,6 +208,7 @@ def _simulate(args: argparse.Namespace) -> int:
         policy=config.budget_policy(max_model_len),
         max_concurrency=args.max_concurrency,
         noise=args.noise,
+        noise_correlation=args.noise_correlation,
         step_overhead_s=args.step_overhead_ms / 1e3,
         cost_scale=parse_cost_scale(args.cost_scale),
         seed=args.seed,

@@ -747,6 +747,30 @@ def test_simulator_cost_scale_multiplies_every_step() -> None:
             simulate(reqs, sim_config(256), 500, TRUE, cost_scale=bad)
 
 
+def test_simulator_correlated_noise() -> None:
+    """Correlated noise: each step's time over the noiseless one is log-normal with mean 1,
+    the given spread, and the given step-to-step correlation of its log (decode-only steps
+    of one request, each the same step without noise)."""
+    import math
+    import statistics
+
+    reqs = [BenchRequest([100] * 20, 3000, 0.0, "short")]
+    base, _, _ = simulate(reqs, sim_config(256), 500, TRUE)
+    noisy, _, _ = simulate(reqs, sim_config(256), 500, TRUE, noise=0.2, noise_correlation=0.8)
+
+    def gaps(rec) -> list[float]:
+        return [y - x for x, y in zip(rec.chunk_times, rec.chunk_times[1:])]
+
+    logs = [math.log(b / a) for a, b in zip(gaps(base[0]), gaps(noisy[0]))]
+    assert statistics.fmean(math.exp(x) for x in logs) == pytest.approx(1.0, abs=0.05)
+    assert statistics.pstdev(logs) == pytest.approx(0.2, rel=0.2)
+    lag1 = statistics.correlation(logs[:-1], logs[1:])
+    assert lag1 == pytest.approx(0.8, abs=0.08)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="noise_correlation"):
+            simulate(reqs, sim_config(256), 500, TRUE, noise=0.2, noise_correlation=bad)
+
+
 def test_simulator_cost_scale_per_step_kind() -> None:
     """One scale per step kind: decode-only steps 2x, the prefill step as predicted."""
     reqs = [BenchRequest([100 + i] * 20, 10, 0.0, "short") for i in range(4)]
