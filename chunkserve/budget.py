@@ -54,7 +54,11 @@ the long-step credit lasts: every token gap (a decode in a step) earns the polic
 one per decode it stalls, and at most ``LONG_STEPS_BANKED`` long steps' worth at the current
 batch is kept. So long steps are at most that share of all gaps
 (a p99 ITL stays with the ordinary steps), none longer than the longest step; prompts too long
-for one long step are chunked under the slowdown (the stall workload's documents).
+for one long step are chunked under the slowdown (the stall workload's documents). A long
+step is planned only for prompts the scheduler would start whole, in its own order and
+within its limits (``Scheduler.starts_in_order``), and the credit is spent (and the step
+counted) only when the step that ran prefilled one of them whole. It is weighed before a
+short prompt is split at its start beside a prompt in progress.
 
 Each step the running decodes are fixed (never dropped); the controller asks the cost model
 how many prefill tokens fit beside them and hands the scheduler that budget. Whenever
@@ -339,53 +343,60 @@ class BudgetController:
 
     def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
         """Adaptive budget: room for the prompts whose rest fits the target whole (waiting
-        ones with ``WHOLE_PROMPT_SLACK``; shortest first, planned at position 0 beside the
-        decodes); if none does and the shortest is a prompt not yet started beside one in
-        progress, the whole blocks of it that fit at its start (its rest, shorter, fits in
-        the next step); 0 if neither. The scheduler serves the shortest prompts first, so a
-        short prompt arriving while a long one is chunked is prefilled in the next step or
-        two: the room planned at the long one's depth, where tokens cost more, may not cover
-        it. A prompt in progress that is left out gives up the step only if it advanced in
-        the last one (it then moves one block first: the scheduler's guarantee that it
-        advances at least every other step), so the room has a block for it only when it
-        did not."""
+        ones with ``WHOLE_PROMPT_SLACK``; shortest first, each priced at its own start
+        beside the decodes), plus the blocks owed (``_owed_blocks``); 0 if none fits. The
+        scheduler serves the shortest prompts first, so a short prompt arriving while a long
+        one is chunked is prefilled in the next step or two."""
         prefilling = [r for r in scheduler.running if r.is_prefilling]
         pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
-        if not pending:
-            return 0
         in_progress = {id(r) for r in prefilling}
-        rests = sorted(pending, key=lambda r: r.num_uncomputed_tokens)
-        lengths = [r.num_uncomputed_tokens for r in rests]
         # Each prompt priced at its own start (a rest in progress re-reads its prefix), the
         # step's fixed cost and the decodes once: the features are sums over chunks.
         step_s = self.model.predict(StepShape(tuple(decode_lens), prefill_samples=1))
-        room, started = 0, False
-        for r in rests:
+        room, started, largest = 0, False, 0
+        for r in sorted(pending, key=lambda r: r.num_uncomputed_tokens):
             started |= id(r) in in_progress
             n = r.num_uncomputed_tokens
             step_s += self.model.prefill_work_s(n, r.num_computed_tokens)
             if step_s > (target_s if started else WHOLE_PROMPT_SLACK * target_s):
                 break
-            room += n
+            room, largest = room + n, n
         if not room:
-            # None fits whole. A prompt not started, shorter than those in progress (planned
-            # at their depth, where its tokens would be overpriced): what fits at its start.
-            shortest = min(pending, key=lambda r: r.num_uncomputed_tokens)
-            if not prefilling or shortest in prefilling:
-                return 0
-            block = self.min_prefill_tokens
-            start = shortest.num_computed_tokens
-            most = shortest.num_uncomputed_tokens
-            room = self.model.max_prefill_tokens(decode_lens, start, target_s, most)
-            room = room // block * block
-            if not room:
-                return 0  # not a block: over the target, as usual
-        largest = max((n for n in lengths if n <= room), default=room)
-        owed = any(
-            r.num_uncomputed_tokens > largest and not scheduler.prefilled_last_step(r)
-            for r in prefilling
+            return 0
+        return room + self._owed_blocks(scheduler, prefilling, largest)
+
+    def _room_at_start(self, scheduler, decode_lens: list[int], target_s: float) -> int:
+        """When no prompt fits whole and the shortest is a prompt not started beside ones in
+        progress: the whole blocks of it that fit the target at its own start (its rest,
+        shorter, fits in the next step; planned at the long ones' depth its tokens would be
+        overpriced), plus the blocks owed; 0 otherwise, or if not a block fits."""
+        prefilling = [r for r in scheduler.running if r.is_prefilling]
+        pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
+        if not prefilling or not pending:
+            return 0
+        shortest = min(pending, key=lambda r: r.num_uncomputed_tokens)
+        if shortest in prefilling:
+            return 0
+        block = self.min_prefill_tokens
+        room = self.model.max_prefill_tokens(
+            decode_lens, shortest.num_computed_tokens, target_s, shortest.num_uncomputed_tokens
         )
-        return room + self.min_prefill_tokens * owed
+        room = room // block * block
+        if not room:
+            return 0  # not a block: over the target, as usual
+        return room + self._owed_blocks(scheduler, prefilling, room)
+
+    def _owed_blocks(self, scheduler, prefilling: list, served: int) -> int:
+        """The blocks the scheduler hands first to the prompts in progress that did not
+        advance in the last step (each moves one block: every prompt in progress advances
+        at least every other step) and whose rest is longer than ``served`` tokens (the
+        largest rest the room covers whole)."""
+        owed = sum(
+            1
+            for r in prefilling
+            if r.num_uncomputed_tokens > served and not scheduler.prefilled_last_step(r)
+        )
+        return self.min_prefill_tokens * owed
 
     def decide(self, scheduler) -> BudgetDecision:
         """The budget for the scheduler's next step."""
@@ -411,16 +422,17 @@ class BudgetController:
         prefill_start, others = starts[0], sum(starts[1:])
         num_chunks = min(MAX_PLANNED_CHUNKS, len(starts) + bool(scheduler.waiting))
         target = self.step_target_s(scheduler, decode_lens)
-        short = 0
+        short, long = 0, False
         if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
             short = self._room_for_short(scheduler, decode_lens, target)
-        # No prompt fits the step whole: a long step for the waiting prompts that fit one
-        # whole, if the credit allows one.
-        long = False
-        if not short and self._takes_long_step(decode_lens, target):
-            short = self._room_for_waiting(scheduler, decode_lens, self.longest_step_s())
-            if short:
-                long, target = True, self.longest_step_s()
+            # No prompt fits the step whole: a long step for the waiting prompts that fit
+            # one whole, if the credit allows one; else the blocks of the shortest that fit.
+            if not short and self._takes_long_step(decode_lens, target):
+                short = self._room_for_waiting(scheduler, decode_lens, self.longest_step_s())
+                if short:
+                    long, target = True, self.longest_step_s()
+            if not short:
+                short = self._room_at_start(scheduler, decode_lens, target)
         # Planned conservatively: as if all tokens were one chunk at the deepest start.
         room = self.model.max_prefill_tokens(
             decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
@@ -472,10 +484,7 @@ class BudgetController:
                     room,
                     self.num_over_target,
                 )
-        if long:  # the next ordinary step grows from the last ordinary one's room
-            self.num_long_steps += 1
-            self.long_credit -= len(decode_lens)  # one long gap per decode
-        else:
+        if not long:  # the next ordinary step grows from the last ordinary one's room
             self._last_room = room if decode_lens else 0
         self.last = BudgetDecision(
             len(decode_lens) + draft_room + room,
@@ -496,14 +505,17 @@ class BudgetController:
 
     def _room_for_waiting(self, scheduler, decode_lens: list[int], target_s: float) -> int:
         """Room for the waiting prompts that the scheduler serves before any prompt in
-        progress and whose whole prefill fits ``target_s`` together beside the decodes (0 if
-        the first does not), plus the block a prompt in progress is owed (see
-        ``_room_for_short``)."""
+        progress, would start whole one after another (``Scheduler.starts_in_order``: its
+        limits on running requests, long prompts and KV room), and whose whole prefill fits
+        ``target_s`` together beside the decodes (0 if the first does not), plus the blocks
+        owed to the prompts in progress (``_owed_blocks``), which the scheduler hands out
+        first."""
+        queue = scheduler.prefill_queue(MAX_SCANNED_PROMPTS)
+        leading = list(itertools.takewhile(lambda r: r.status != RequestStatus.RUNNING, queue))
+        leading = leading[: scheduler.starts_in_order(leading)]
         step_s = self.model.predict(StepShape(tuple(decode_lens), prefill_samples=1))
         room = 0
-        for r in scheduler.prefill_queue(MAX_SCANNED_PROMPTS):
-            if r.status == RequestStatus.RUNNING:
-                break  # in progress: it would take the rest of the room, at its depth
+        for r in leading:
             n = r.num_uncomputed_tokens
             step_s += self.model.prefill_work_s(n, r.num_computed_tokens)
             if step_s > target_s or room + n > self.max_prefill_tokens:
@@ -511,10 +523,17 @@ class BudgetController:
             room += n
         if not room:
             return 0
-        owed = any(
-            r.is_prefilling and not scheduler.prefilled_last_step(r) for r in scheduler.running
-        )
-        return room + self.min_prefill_tokens * owed
+        prefilling = [r for r in scheduler.running if r.is_prefilling]
+        return room + self._owed_blocks(scheduler, prefilling, 0)
+
+    def long_step_served(self, out) -> bool:
+        """Whether the step that ran (``out``, planned by the last ``decide``) was a long
+        step: planned as one, and it prefilled a waiting prompt whole (its first chunk ends
+        the prompt). A plan the scheduler could not follow is no long step: no credit spent,
+        none counted."""
+        if self.last is None or not self.last.long:
+            return False
+        return any(c.samples and c.start == c.request.num_cached_tokens for c in out.prefills)
 
     def _takes_long_step(self, decode_lens: list[int], target_s: float) -> bool:
         """Whether a step beside these decodes, whose prompts none fits whole, is a long one
@@ -563,6 +582,9 @@ class BudgetController:
                 self.scale[kind] += SCALE_ALPHA * (r - self.scale[kind])
         if out.prefills:
             self._observe_chunking(shape)
+        if self.long_step_served(out):  # one long gap per decode
+            self.num_long_steps += 1
+            self.long_credit = max(0.0, self.long_credit - len(out.decodes))
         if out.decodes:  # every gap earns a share of a long one
             n = len(out.decodes)
             share = self.policy.long_step_share

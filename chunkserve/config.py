@@ -434,7 +434,9 @@ class EngineConfig:
     long steps may take. A long step prefills waiting prompts whole, each of which no step
     under ``max_decode_slowdown`` fits whole, in one step of up to 25x the step's fixed cost
     (their first token as whole-prompt prefill would give it, one bounded stall of the
-    streams). 0: never (every step with prefill stays under the slowdown)."""
+    streams). 0: never (every step with prefill stays under the slowdown). Named with
+    ``max_num_batched_tokens``, as ``max_decode_slowdown``: the budget is adaptive, capped
+    there."""
     itl_slo_ms: float | None = None
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
     model so the step stays under it (decodes are never dropped; prefill still gets one KV

@@ -582,7 +582,7 @@ class EngineCore:
             predicted_time=self.profile.predict(shape) if self.profile else None,
             target_time=decision.target_s if decision else None,
             over_target=bool(decision and decision.over_target and out.prefills),
-            long_step=bool(decision and decision.long and out.prefills),
+            long_step=bool(self.controller and self.controller.long_step_served(out)),
             core=self.index,
         )
 

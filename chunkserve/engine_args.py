@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         type=int,
         default=None,
         help="token budget per step: given alone, every step has it (static); with "
-        "--max-decode-slowdown or --itl-slo-ms, the most an adaptive step carries (default: "
+        "--max-decode-slowdown, --long-step-share or --itl-slo-ms, the most an adaptive step "
+        "carries (default: "
         "adaptive, cap min(8192, max-model-len); 512 with chunking off)",
     )
     g.add_argument(
@@ -108,7 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser, sampler_seed: bool = True) -> No
         default=None,
         help="adaptive budget (default 0.005): the share of token gaps that long steps may "
         "take, each prefilling waiting prompts whole that no step under the slowdown fits, "
-        "in one step of up to 25x the step's fixed cost; 0: never",
+        "in one step of up to 25x the step's fixed cost; 0: never (named, the budget is "
+        "adaptive; with --max-num-batched-tokens: the cap)",
     )
     g.add_argument(
         "--itl-slo-ms",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from chunkserve.config import SchedulerConfig
@@ -387,17 +387,11 @@ class Scheduler:
                 continue
             if not admitting or request.status not in WAITING_STATES:
                 continue
-            if len(self.running) >= cfg.max_num_seqs or (
-                cfg.max_num_partial_prefills and partial >= cfg.max_num_partial_prefills
-            ):
+            if self._admission_closed(len(self.running), partial):
                 admitting = False
                 continue
             is_long = self._is_long(request)
-            if (
-                is_long
-                and cfg.max_long_partial_prefills
-                and long_partial >= cfg.max_long_partial_prefills
-            ):
+            if is_long and self._long_limit_reached(long_partial):
                 continue
             admitted, headroom = self._try_admit(request, left, headroom, out)
             if not admitted:
@@ -408,6 +402,49 @@ class Scheduler:
         if self._caps_long:
             self._give_leftover_to_long(out)
         self._prefilled_last_step = {c.request.request_id for c in out.prefills}
+
+    def _admission_closed(self, num_running: int, num_partial: int) -> bool:
+        """Whether no more requests start this step: ``max_num_seqs`` running, or
+        ``max_num_partial_prefills`` prompts in progress."""
+        cfg = self.config
+        return num_running >= cfg.max_num_seqs or bool(
+            cfg.max_num_partial_prefills and num_partial >= cfg.max_num_partial_prefills
+        )
+
+    def _long_limit_reached(self, num_long_partial: int) -> bool:
+        """Whether a long prompt (``_is_long``) may not start: ``max_long_partial_prefills``
+        long prompts already in progress (the step skips it for shorter ones)."""
+        limit = self.config.max_long_partial_prefills
+        return bool(limit and num_long_partial >= limit)
+
+    def starts_in_order(self, requests: Sequence[Request]) -> int:
+        """How many of ``requests`` (waiting prompts, in ``prefill_queue`` order) the next
+        step would start one after another, each whole and none skipped before them, if its
+        budget covered them: the limits on running requests, prompts in progress and long
+        prompts, and the KV headroom and free blocks that admission checks (a prefix-cache
+        hit, unknown until admission, only makes room). By arrival a long prompt's first
+        chunk is capped (``_long_cap``): it does not start whole, so the count stops there."""
+        prefilling = [
+            r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
+        ]
+        running, partial = len(self.running), len(prefilling)
+        long_partial = sum(1 for r in prefilling if self._is_long(r))
+        headroom = self._admission_headroom()
+        free_blocks = self.kv.num_free_blocks
+        block = self.config.block_size
+        for i, request in enumerate(requests):
+            if request.status not in WAITING_STATES or self._admission_closed(running, partial):
+                return i
+            is_long = self._is_long(request)
+            if is_long and (self._caps_long or self._long_limit_reached(long_partial)):
+                return i
+            need = self._future_tokens(request)
+            blocks = -(-request.num_uncomputed_tokens // block)
+            if (running and need > headroom) or blocks > free_blocks:
+                return i
+            running, partial, long_partial = running + 1, partial + 1, long_partial + is_long
+            headroom, free_blocks = headroom - need, free_blocks - blocks
+        return len(requests)
 
     def prefill_queue(self, limit: int = MAX_WAITING_SCAN) -> list[Request]:
         """The prompts in progress and the first ``limit`` waiting, in the order the next

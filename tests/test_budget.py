@@ -204,16 +204,15 @@ class Clock:
         return self.t
 
 
-def decoding_scheduler(clock: Clock, num_decodes: int, prompt_len: int = 8000) -> Scheduler:
+def decoding_scheduler(
+    clock: Clock, num_decodes: int, prompt_len: int = 8000, **limits
+) -> Scheduler:
     """``num_decodes`` requests decoding (long outputs) and one long prompt waiting, all
     arrived long before ``clock`` (outside the load window): the decodes alone set the
-    target."""
+    target. ``limits``: more SchedulerConfig fields (long-prompt limits, prefill order)."""
+    fields = {"max_num_seqs": 64, "long_prefill_token_threshold": 0, **limits}
     config = SchedulerConfig(
-        max_num_batched_tokens=8192,
-        max_num_seqs=64,
-        max_model_len=16384,
-        block_size=16,
-        long_prefill_token_threshold=0,
+        max_num_batched_tokens=8192, max_model_len=16384, block_size=16, **fields
     )
     sched = Scheduler(config, KVCacheManager(4000, 16), clock=clock)
     rng = random.Random(7)
@@ -482,6 +481,119 @@ def test_a_long_step_prefills_a_medium_prompt_whole_and_spends_the_credit() -> N
     decision, out, measured = step_with(controller, sched, clock, TRUE)
     assert not decision.long and sched.requests["s"].num_output_tokens == 1
     assert controller.num_long_steps == 1
+
+
+def _document_in_progress(
+    clock: Clock, prompt_len: int = 8000, rest: int | None = None, **limits
+) -> tuple[Scheduler, BudgetController]:
+    """4 decodes and a document chunked for a few steps (until at most ``rest`` tokens of
+    it are left), no long-step credit."""
+    sched = decoding_scheduler(clock, num_decodes=4, prompt_len=prompt_len, **limits)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    controller.long_credit = 0.0
+    for _ in range(4):
+        step_with(controller, sched, clock, TRUE)
+    while rest is not None and sched.requests["long"].num_uncomputed_tokens > rest:
+        step_with(controller, sched, clock, TRUE)
+    assert sched.requests["long"].is_prefilling and sched.requests["long"].num_computed_tokens
+    return sched, controller
+
+
+def test_a_long_step_beside_a_prompt_in_progress() -> None:
+    """A 400-token prompt arriving while a document is chunked, with credit for a long
+    step: the long step is weighed before splitting the prompt at its start, so it is
+    prefilled whole (first token in one step), and the document still moves when it is
+    owed a block."""
+    clock = Clock(100.0)
+    sched, controller = _document_in_progress(clock)
+    controller.long_credit = 5.0
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request("m", [7] * 400, params, max_tokens=4, arrival_time=clock.t))
+    owed = not sched.prefilled_last_step(sched.requests["long"])
+    decision, out, measured = step_with(controller, sched, clock, TRUE)
+    served = {c.request.request_id: c.num_tokens for c in out.prefills}
+    assert decision.long and served["m"] == 400
+    assert sched.requests["m"].num_output_tokens == 1
+    assert ("long" in served) == owed
+    assert controller.num_long_steps == 1
+    assert controller.long_credit == pytest.approx(1.0 + 4 * DEFAULT_LONG_STEP_SHARE)
+    assert measured <= 1.02 * controller.longest_step_s()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        # one long prompt in progress at a time: the document is long, so is the prompt
+        {"long_prefill_token_threshold": 300, "max_long_partial_prefills": 1},
+        # no room to start another request
+        {"max_num_seqs": 5},
+    ],
+    ids=["long-limit", "max-num-seqs"],
+)
+def test_no_long_step_for_a_prompt_the_scheduler_would_not_start_whole(limits: dict) -> None:
+    """A long step is planned only for prompts the scheduler starts whole: where its limits
+    hold the prompt back (or cap its first chunk), no long step is planned and no credit is
+    spent; the step keeps the bound (plus a deep block), where a long step's room handed to
+    the document's rest came out several times over it."""
+    clock = Clock(100.0)
+    # The document's rest is shorter than the prompt, which waited long enough that ageing
+    # serves it first.
+    sched, controller = _document_in_progress(clock, prompt_len=2000, rest=360, **limits)
+    assert sched.requests["long"].num_uncomputed_tokens > 300  # long by the threshold
+    controller.long_credit = 5.0
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request("m", [7] * 400, params, max_tokens=4, arrival_time=clock.t - 60))
+    if sched.config.prefill_order == "shortest":
+        assert sched.prefill_queue()[0].request_id == "m"
+    bound = 2.0 * TRUE.predict(StepShape((205,) * 4))
+    for _ in range(3):
+        decision, out, measured = step_with(controller, sched, clock, TRUE)
+        assert not decision.long
+        start = max(c.start for c in out.prefills)
+        assert measured <= 1.1 * bound + TRUE.prefill_work_s(BLOCK, start)
+    assert controller.num_long_steps == 0 and controller.long_credit >= 5.0
+
+
+def test_no_long_step_for_a_prompt_capped_by_arrival() -> None:
+    """By arrival a long prompt's first chunk is capped (``long_prefill_token_threshold``,
+    at most half the step) so that prompts behind it find room: it cannot start whole, so
+    no long step is planned for it (planned, the step took 0.6 s and the prompt still had
+    no first token: the prompt behind it took the rest)."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(
+        clock, 4, prompt_len=16, long_prefill_token_threshold=300, prefill_order="arrival"
+    )
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    step_with(controller, sched, clock, TRUE)
+    controller.long_credit = 5.0
+    params = SamplingParams(max_tokens=4)
+    for name, n in (("m", 400), ("z1", 250), ("z2", 250)):
+        sched.add_request(Request(name, [7] * n, params, max_tokens=4, arrival_time=clock.t))
+    bound = 2.0 * TRUE.predict(StepShape((202,) * 5))
+    for _ in range(3):
+        decision, _, measured = step_with(controller, sched, clock, TRUE)
+        assert not decision.long and measured <= 1.1 * bound
+    assert controller.num_long_steps == 0 and controller.long_credit >= 5.0
+
+
+def test_a_long_step_not_taken_spends_no_credit() -> None:
+    """The credit is spent, and the step counted, when a long step ran, not when one was
+    planned: a step planned long that did not prefill the prompt whole (here, a smaller
+    budget than planned) costs nothing and is not counted."""
+    clock = Clock(100.0)
+    sched = decoding_scheduler(clock, num_decodes=4, prompt_len=16)
+    controller = BudgetController(OnlineCostModel(TRUE.weights, prior_weight=1e4), adaptive(2.0))
+    step_with(controller, sched, clock, TRUE)
+    controller.long_credit = 5.0
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request("m", [7] * 400, params, max_tokens=4, arrival_time=clock.t))
+    decision = controller.decide(sched)
+    assert decision.long
+    out = sched.schedule(decision.token_budget // 4)
+    assert not controller.long_step_served(out)
+    controller.observe(out, TRUE.predict(StepShape.of(out)))
+    assert controller.num_long_steps == 0
+    assert controller.long_credit == pytest.approx(5.0 + 5 * DEFAULT_LONG_STEP_SHARE)
 
 
 def test_long_steps_stall_a_bounded_share_of_the_gaps() -> None:
