@@ -351,9 +351,7 @@ class Scheduler:
         # 1. Running decodes first, with their drafts.
         self._schedule_decodes(out, draft_budget)
 
-        prefilling = [
-            r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
-        ]
+        prefilling = self._prefilling()
         shortest = cfg.prefill_order == "shortest"
         chunks: dict[str, ScheduledChunk] = {}
         if shortest:
@@ -403,6 +401,10 @@ class Scheduler:
             self._give_leftover_to_long(out)
         self._prefilled_last_step = {c.request.request_id for c in out.prefills}
 
+    def _prefilling(self) -> list[Request]:
+        """The running requests whose prompt is in progress (not preempted this step)."""
+        return [r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling]
+
     def _admission_closed(self, num_running: int, num_partial: int) -> bool:
         """Whether no more requests start this step: ``max_num_seqs`` running, or
         ``max_num_partial_prefills`` prompts in progress."""
@@ -424,9 +426,7 @@ class Scheduler:
         prompts, and the KV headroom and free blocks that admission checks (a prefix-cache
         hit, unknown until admission, only makes room). By arrival a long prompt's first
         chunk is capped (``_long_cap``): it does not start whole, so the count stops there."""
-        prefilling = [
-            r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
-        ]
+        prefilling = self._prefilling()
         running, partial = len(self.running), len(prefilling)
         long_partial = sum(1 for r in prefilling if self._is_long(r))
         headroom = self._admission_headroom()
@@ -449,9 +449,7 @@ class Scheduler:
     def prefill_queue(self, limit: int = MAX_WAITING_SCAN) -> list[Request]:
         """The prompts in progress and the first ``limit`` waiting, in the order the next
         step hands out its prefill budget (the block a prompt in progress is owed aside)."""
-        prefilling = [
-            r for r in self.running if r.status == RequestStatus.RUNNING and r.is_prefilling
-        ]
+        prefilling = self._prefilling()
         queue = prefilling + self.waiting[:limit]
         if self.config.prefill_order == "shortest":
             now = self.clock()
