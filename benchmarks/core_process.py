@@ -37,14 +37,14 @@ from chunkserve.bench.loadgen import run as run_load
 from chunkserve.bench.loadgen import summarize
 from chunkserve.bench.replay import replay
 from chunkserve.bench.sweep import ServerProcess, machine_description
-from chunkserve.core import CoreLoad, CoreOutput
-from chunkserve.core_process import StepReport, encoder, report_decoder
-from chunkserve.engine import Engine
+from chunkserve.engine.core import CoreLoad, CoreOutput
+from chunkserve.engine.core_process import StepReport, encoder, report_decoder
+from chunkserve.engine.engine import Engine
+from chunkserve.engine.step_log import StepStats
+from chunkserve.engine.tokenizer import Tokenizer
 from chunkserve.model.loader import load_model_config, resolve_model
 from chunkserve.provenance import git_commit
-from chunkserve.request import SamplingParams
-from chunkserve.step_log import StepStats
-from chunkserve.tokenizer import Tokenizer
+from chunkserve.scheduling.sampling_params import SamplingParams
 
 KEYS = ("median_itl_ms", "p99_itl_ms", "max_itl_ms", "median_ttft_ms", "output_throughput")
 

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from chunkserve.costmodel import StepShape
-from chunkserve.llm import LLM
+from chunkserve.entrypoints.llm import LLM
 from chunkserve.model.llama import LlamaModel
-from chunkserve.profiler import ShapeRunner
 from chunkserve.provenance import cpu_description, git_commit
+from chunkserve.scheduling.costmodel import StepShape
+from chunkserve.tuning.profiler import ShapeRunner
 
 PROFILE_ROWS = 15
 

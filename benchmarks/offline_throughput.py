@@ -47,7 +47,7 @@ def run_chunkserve(args: argparse.Namespace, mode: str) -> dict:
     protects the gaps between tokens), torch-attention (the defaults on the torch attention
     backend instead of the CPU kernel), chunked (static budget ``--budget``) or unchunked."""
     from chunkserve import LLM, SamplingParams
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
 
     if mode in ("defaults", "torch-attention"):
         backend = "torch" if mode == "torch-attention" else "auto"
@@ -140,9 +140,9 @@ def run_hf(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+    from chunkserve.engine.tokenizer import Tokenizer
     from chunkserve.model.loader import embedded_model_path
     from chunkserve.platform import resolve_dtype
-    from chunkserve.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     path = embedded_model_path()

@@ -1,6 +1,6 @@
 """The budget policies' trade-off between token gaps and TTFT, in the simulator.
 
-The real scheduler and budget controller (``chunkserve.simulate``) against a cost profile
+The real scheduler and budget controller (``chunkserve.tuning.simulate``) against a cost profile
 measured on this machine (``chunkserve profile``), with the machine's step-time noise
 (log-normal, correlated from step to step as this VM's is), over the two serving workloads
 of the stall-free issue: ``stall`` (short requests, 1,500-4,000-token documents every 15 s)
@@ -80,7 +80,7 @@ def configs() -> list[tuple[str, dict]]:
 def run_one(requests, kwargs: dict, model, args, seed: int) -> dict:
     from chunkserve.bench.loadgen import percentile, summarize
     from chunkserve.config import EngineConfig
-    from chunkserve.simulate import simulate
+    from chunkserve.tuning.simulate import simulate
 
     config = EngineConfig(**kwargs)
     records, duration, _ = simulate(
@@ -135,10 +135,10 @@ def main() -> None:
     args = p.parse_args()
 
     from chunkserve.bench.datasets import WorkloadSpec, build_workload
-    from chunkserve.costmodel import CostModel
+    from chunkserve.engine.tokenizer import Tokenizer
     from chunkserve.model.loader import load_model_config, resolve_model
     from chunkserve.provenance import cpu_description, git_commit
-    from chunkserve.tokenizer import Tokenizer
+    from chunkserve.scheduling.costmodel import CostModel
 
     model = CostModel.load(args.cost_profile)
     profile = json.loads(Path(args.cost_profile).read_text())

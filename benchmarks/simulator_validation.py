@@ -58,10 +58,10 @@ def main() -> None:
     from chunkserve.bench.loadgen import run, summarize
     from chunkserve.bench.sweep import ServerProcess, machine_description
     from chunkserve.config import EngineConfig
-    from chunkserve.costmodel import CostModel
+    from chunkserve.engine.tokenizer import Tokenizer
     from chunkserve.model.loader import load_model_config, resolve_model
-    from chunkserve.simulate import simulate
-    from chunkserve.tokenizer import Tokenizer
+    from chunkserve.scheduling.costmodel import CostModel
+    from chunkserve.tuning.simulate import simulate
 
     model = CostModel.load(args.cost_profile)
     source = resolve_model(None)

@@ -37,11 +37,11 @@ from chunkserve.bench.loadgen import summarize
 from chunkserve.bench.prose import prose_text
 from chunkserve.bench.replay import replay
 from chunkserve.bench.sweep import machine_description
-from chunkserve.engine import Engine
+from chunkserve.engine.engine import Engine
+from chunkserve.engine.tokenizer import Tokenizer
 from chunkserve.model.loader import embedded_model_path, load_model_config, resolve_model
 from chunkserve.provenance import git_commit
-from chunkserve.request import SamplingParams
-from chunkserve.tokenizer import Tokenizer
+from chunkserve.scheduling.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 REPETITIVE = (

@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
 
     from chunkserve import SamplingParams
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
     from chunkserve.platform import freeze_startup_heap
     from chunkserve.provenance import cpu_description, git_commit
 

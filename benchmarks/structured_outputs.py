@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from chunkserve.bench.sweep import machine_description
-from chunkserve.engine import Engine
+from chunkserve.engine.engine import Engine
 from chunkserve.provenance import git_commit
-from chunkserve.request import SamplingParams, StructuredOutputsParams
+from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
 
 LONG_STRING = {
     "json": {

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 from chunkserve.config import EngineConfig
-from chunkserve.core_client import MultiprocessEngine
+from chunkserve.engine.multiprocess_engine import MultiprocessEngine
 from chunkserve.provenance import cpu_description, git_commit
-from chunkserve.request import SamplingParams
+from chunkserve.scheduling.sampling_params import SamplingParams
 
 CONFIGS = {
     "tp1 x 2 threads": (dict(num_threads=2), 1),

@@ -19,19 +19,19 @@ os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
 if TYPE_CHECKING:
     from chunkserve.config import EngineConfig
-    from chunkserve.engine import Engine
-    from chunkserve.llm import LLM
-    from chunkserve.outputs import RequestOutput
-    from chunkserve.request import SamplingParams
+    from chunkserve.engine.engine import Engine
+    from chunkserve.engine.output_processor import RequestOutput
+    from chunkserve.entrypoints.llm import LLM
+    from chunkserve.scheduling.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+from chunkserve.version import __version__
 
 _PUBLIC = {
     "EngineConfig": "chunkserve.config",
-    "Engine": "chunkserve.engine",
-    "LLM": "chunkserve.llm",
-    "RequestOutput": "chunkserve.outputs",
-    "SamplingParams": "chunkserve.request",
+    "Engine": "chunkserve.engine.engine",
+    "LLM": "chunkserve.entrypoints.llm",
+    "RequestOutput": "chunkserve.engine.output_processor",
+    "SamplingParams": "chunkserve.scheduling.sampling_params",
 }
 
 __all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]

@@ -2,7 +2,7 @@
 
 import sys
 
-from chunkserve.cli import main
+from chunkserve.entrypoints.cli import main
 
 if __name__ == "__main__":  # not when a spawned engine-core process imports it
     sys.exit(main())

@@ -624,6 +624,10 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        """The context length the engine serves: the user's, or the model's."""
+        return self.max_model_len or model_config.max_position_embeddings
+
     def budget_policy(self, max_model_len: int) -> BudgetPolicy:
         """How steps get their token budget, every default resolved: a named target wins;
         a budget named alone is static; nothing named (with chunking on) is adaptive."""

@@ -63,7 +63,7 @@ def shared_engine():
     """One fp32 engine of the embedded model for every test that only needs a loaded model
     (not a particular budget or cache layout): each load costs seconds. Tests leave it as
     they found it: every request finished, no blocks held."""
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
 
     engine = Engine(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
     yield engine
@@ -85,8 +85,8 @@ def hf_dir(gguf_path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from chunkserve.engine.tokenizer import Tokenizer
     from chunkserve.model.loader import open_gguf
-    from chunkserve.tokenizer import Tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
@@ -141,4 +141,4 @@ def no_weight_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the configuration was checked")
 
-    monkeypatch.setattr("chunkserve.worker.LlamaModel.load_weights", refuse)
+    monkeypatch.setattr("chunkserve.worker.worker.LlamaModel.load_weights", refuse)

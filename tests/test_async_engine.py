@@ -9,10 +9,11 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from chunkserve.async_engine import AsyncEngine, RequestFailedError
-from chunkserve.engine import Engine
-from chunkserve.request import RequestStatus, SamplingParams
-from chunkserve.server.api import build_app
+from chunkserve.engine.async_engine import AsyncEngine, RequestFailedError
+from chunkserve.engine.engine import Engine
+from chunkserve.entrypoints.openai.api_server import build_app
+from chunkserve.scheduling.request import RequestStatus
+from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import assert_no_blocks_in_use
 
 POISON = 7777  # a token id that makes the fake fault fire
@@ -229,7 +230,7 @@ def test_a_stream_nobody_reads_holds_one_merged_output(engine: Engine) -> None:
 def test_a_stuck_loop_is_unhealthy(engine: Engine, monkeypatch) -> None:
     """A step that does not return while work waits: after STUCK_AFTER_S health says so,
     and it recovers when the step does."""
-    import chunkserve.async_engine as ae_mod
+    import chunkserve.engine.async_engine as ae_mod
 
     release = block_steps(engine, monkeypatch)
     monkeypatch.setattr(ae_mod, "STUCK_AFTER_S", 0.3)
@@ -261,7 +262,7 @@ def test_admission_counts_a_request_from_submit_on(engine: Engine, monkeypatch) 
     """A streaming response starts reading later than its request was admitted; the
     request counts against max_waiting_requests from ``submit`` on, and while the engine
     holds it waiting: a third one is refused."""
-    from chunkserve.async_engine import OverloadedError
+    from chunkserve.engine.async_engine import OverloadedError
 
     release = block_steps(engine, monkeypatch)
 

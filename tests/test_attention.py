@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from chunkserve.attention import cpu_kernels, get_attention_backend, triton_usable
-from chunkserve.kv_cache import KVCacheManager
-from chunkserve.request import Request, SamplingParams
-from chunkserve.runner import ModelRunner, allocate_kv_caches
-from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
 
 H, HKV, HD = 6, 2, 32
 

@@ -20,9 +20,9 @@ from chunkserve.bench.loadgen import (
     summarize,
 )
 from chunkserve.bench.report import pick_best, write_report
-from chunkserve.cli import main
+from chunkserve.engine.tokenizer import Tokenizer
+from chunkserve.entrypoints.cli import main
 from chunkserve.model.loader import embedded_model_path, open_gguf
-from chunkserve.tokenizer import Tokenizer
 from tests.test_server import Server
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import summarize
-from chunkserve.budget import IDLE_STEP_FACTOR, LONG_STEPS_BANKED, BudgetController
 from chunkserve.config import DEFAULT_LONG_STEP_SHARE, BudgetPolicy, SchedulerConfig
-from chunkserve.costmodel import (
+from chunkserve.scheduling.budget import IDLE_STEP_FACTOR, LONG_STEPS_BANKED, BudgetController
+from chunkserve.scheduling.costmodel import (
     DEFAULT_PRIOR,
     FEATURES,
     CostModel,
@@ -21,11 +21,12 @@ from chunkserve.costmodel import (
     fit,
     relative_errors,
 )
-from chunkserve.decode_groups import padded_decode_keys, split_decode_groups
-from chunkserve.kv_cache import KVCacheManager
-from chunkserve.request import Request, SamplingParams
-from chunkserve.scheduler import Scheduler
-from chunkserve.simulate import parse_cost_scale, simulate
+from chunkserve.scheduling.decode_groups import padded_decode_keys, split_decode_groups
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import Scheduler
+from chunkserve.tuning.simulate import parse_cost_scale, simulate
 
 BLOCK = 16  # the schedulers below use 16-token blocks
 
@@ -183,7 +184,7 @@ def test_decodes_alone_over_target_still_move_one_block_of_prefill(caplog) -> No
         out = sched.schedule(1024)
         sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
     feed(sched, rng, 1, 0)
-    with caplog.at_level("INFO", logger="chunkserve.budget"):
+    with caplog.at_level("INFO", logger="chunkserve.scheduling.budget"):
         for step in range(3):
             d = controller.decide(sched)
             assert d.over_target and d.prefill_room == 16
@@ -301,7 +302,7 @@ def test_adaptive_budget_without_a_profile_converges_in_a_few_dozen_steps() -> N
 def test_adaptive_share_grows_with_the_prefill_load() -> None:
     """Prompts arriving faster than the slowdown bound's share computes them: the load term
     gives prefill more of each step, and the queue drains instead of growing."""
-    from chunkserve.budget import LOAD_WINDOW_S
+    from chunkserve.scheduling.budget import LOAD_WINDOW_S
 
     clock = Clock(100.0)
     sched = decoding_scheduler(clock, num_decodes=8, prompt_len=64)
@@ -396,7 +397,7 @@ def test_with_nothing_decoding_steps_shrink_as_prompts_arrive_more_often(
     alone moves in steps a prompt arriving meanwhile can wait out, IDLE_ARRIVAL_CHANCE of
     the time between arrivals, never less than a step beside one decode; unless the
     arrivals' prefill is more than the machine can compute, then in the longest steps."""
-    from chunkserve.budget import IDLE_ARRIVAL_CHANCE, LOAD_WINDOW_S
+    from chunkserve.scheduling.budget import IDLE_ARRIVAL_CHANCE, LOAD_WINDOW_S
 
     clock = Clock(100.0)
     sched = decoding_scheduler(clock, num_decodes=0)
@@ -428,7 +429,7 @@ def test_a_short_prompt_a_little_over_the_target_is_not_split() -> None:
     """A waiting prompt whose whole prefill beside the decodes is over the target, but
     within WHOLE_PROMPT_SLACK of it, goes whole in one step: split in two, its first token
     would wait a step more. A prompt in progress gets no such slack."""
-    from chunkserve.budget import WHOLE_PROMPT_SLACK
+    from chunkserve.scheduling.budget import WHOLE_PROMPT_SLACK
 
     clock = Clock(100.0)
     sched = decoding_scheduler(clock, num_decodes=2)
@@ -922,8 +923,8 @@ def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
     weights) and exports measured/predicted, the simulator's ``--cost-scale``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from chunkserve.engine import Engine
-    from chunkserve.metrics import Metrics
+    from chunkserve.engine.engine import Engine
+    from chunkserve.entrypoints.openai.metrics import Metrics
 
     path = tmp_path / "profile.json"
     TRUE.save(path)
@@ -981,7 +982,7 @@ def test_engine_with_a_profile_reports_each_steps_prediction(tmp_path) -> None:
 
 
 def test_engine_rejects_a_named_profile_it_cannot_use(tmp_path, no_weight_loading) -> None:
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
 
     bad = tmp_path / "old.json"
     bad.write_text('{"features": ["const"], "weights": [0.1]}')
@@ -1002,8 +1003,8 @@ def _metric_samples(metrics) -> dict:
 def test_defaults_run_the_adaptive_budget_and_say_so(caplog) -> None:
     """No budget flag: the engine runs the adaptive policy, logs it at start, exports it in
     /metrics, and each step with prefill has a target."""
-    from chunkserve.engine import Engine
-    from chunkserve.metrics import Metrics
+    from chunkserve.engine.engine import Engine
+    from chunkserve.entrypoints.openai.metrics import Metrics
 
     with caplog.at_level("INFO", logger="chunkserve"):
         engine = Engine(dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
@@ -1031,7 +1032,7 @@ def test_defaults_run_the_adaptive_budget_and_say_so(caplog) -> None:
 def test_explicit_budget_keeps_the_static_schedule_step_for_step() -> None:
     """``max_num_batched_tokens`` named alone: no controller, every step has that budget,
     and the chunks are exactly those the scheduler makes alone with that static budget."""
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
 
     engine = Engine(
         dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, max_num_batched_tokens=48
@@ -1093,7 +1094,7 @@ def test_offline_llm_defaults_to_a_throughput_budget() -> None:
     slowdown, or chunking off, is kept as given; ``Engine`` (the server's core) stays
     adaptive."""
     from chunkserve.config import EngineConfig
-    from chunkserve.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS, offline_config
+    from chunkserve.entrypoints.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS, offline_config
 
     def policy(**kw):
         return offline_config(EngineConfig.from_kwargs(**kw)).budget_policy(4096)

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from chunkserve.config import EngineConfig
-from chunkserve.core_client import CoreDeadError, MultiprocessEngine, prefix_hashes
-from chunkserve.request import SamplingParams
+from chunkserve.engine.multiprocess_engine import CoreDeadError, MultiprocessEngine, prefix_hashes
+from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import NATURAL_PROMPTS, random_prompt
 
 # The shared in-process engine's configuration (tests/conftest.py), so outputs compare.

@@ -18,9 +18,10 @@ from chunkserve.config import SchedulerConfig
 from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
 from chunkserve.disagg.shm import ShmConnector, shm_path
 from chunkserve.disagg.torch_p2p import TorchConnector
-from chunkserve.kv_cache import KVCacheManager
-from chunkserve.request import KVTransferParams, Request, RequestStatus, SamplingParams
-from chunkserve.scheduler import Scheduler
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request, RequestStatus
+from chunkserve.scheduling.sampling_params import KVTransferParams, SamplingParams
+from chunkserve.scheduling.scheduler import Scheduler
 from tests.conftest import NATURAL_PROMPTS
 from tests.test_server import MODEL, ChunkserveProcess, Server
 

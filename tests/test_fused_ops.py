@@ -79,8 +79,8 @@ def test_silu_mul(dtype: torch.dtype) -> None:
 
 
 def test_model_with_fused_ops_matches_plain(tiny_model_dir) -> None:  # noqa: F811
-    from chunkserve.engine import Engine
-    from chunkserve.request import SamplingParams
+    from chunkserve.engine.engine import Engine
+    from chunkserve.scheduling.sampling_params import SamplingParams
 
     engine = Engine(
         model=str(tiny_model_dir),

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from chunkserve.attention import get_attention_backend, triton_usable
-from chunkserve.cuda_graphs import capture_sizes
-from chunkserve.engine import Engine
-from chunkserve.request import SamplingParams
+from chunkserve.engine.engine import Engine
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.worker.cuda_graphs import capture_sizes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -170,7 +170,7 @@ def test_batch_metadata_is_one_buffer(tiny_model_dir: Path) -> None:
     engine.step()
     out = engine.core.scheduler.schedule()
     layout, _ = engine.core.worker.runner.build_layout(out)
-    from chunkserve.runner import SECTIONS
+    from chunkserve.worker.model_runner import SECTIONS
 
     storages = {getattr(layout, n).untyped_storage().data_ptr() for n in SECTIONS}
     assert len(storages) == 1

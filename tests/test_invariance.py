@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from chunkserve.engine import Engine
-from chunkserve.request import SamplingParams
+from chunkserve.engine.engine import Engine
+from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
 
 MAX_TOKENS = 10

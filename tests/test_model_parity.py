@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
-from chunkserve.engine import Engine
-from chunkserve.request import Request
-from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.engine.engine import Engine
+from chunkserve.scheduling.request import Request
+from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use
 
 KV_MEMORY = 64 << 20

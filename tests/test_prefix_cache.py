@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkserve.config import SchedulerConfig
-from chunkserve.engine import Engine
-from chunkserve.kv_cache import KVCacheManager, hash_block
-from chunkserve.request import Request, RequestStatus, SamplingParams
-from chunkserve.scheduler import Scheduler
+from chunkserve.engine.engine import Engine
+from chunkserve.scheduling.kv_cache import KVCacheManager, hash_block
+from chunkserve.scheduling.request import Request, RequestStatus
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import Scheduler
 from tests.conftest import assert_no_blocks_in_use, random_prompt
 
 BS = 16

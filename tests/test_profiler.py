@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from chunkserve.costmodel import StepShape
-from chunkserve.profiler import ShapeRunner
+from chunkserve.scheduling.costmodel import StepShape
+from chunkserve.tuning.profiler import ShapeRunner
 from tests.conftest import assert_no_blocks_in_use
 
 

@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkserve.cli import build_parser
-from chunkserve.router import (
+from chunkserve.entrypoints.cli import build_parser
+from chunkserve.entrypoints.router import (
     RouterState,
     _router,
     affinity_key,

@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from chunkserve.engine import Engine
-from chunkserve.request import Request, SamplingParams
-from chunkserve.sampler import Sampler
+from chunkserve.engine.engine import Engine
+from chunkserve.scheduling.request import Request
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.worker.sampler import Sampler
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use
 
 V = 8

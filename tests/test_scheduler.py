@@ -8,9 +8,10 @@ import random
 import pytest
 
 from chunkserve.config import SchedulerConfig
-from chunkserve.kv_cache import KVCacheManager
-from chunkserve.request import Request, RequestStatus, SamplingParams
-from chunkserve.scheduler import Scheduler, SchedulerOutput
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request, RequestStatus
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 
@@ -476,7 +477,7 @@ def test_prefill_in_progress_moves_at_least_every_other_step() -> None:
 def test_waiting_long_prompt_ages_past_fresh_short_ones() -> None:
     """Shortest-first with ageing: a long prompt that has waited long enough is admitted
     ahead of short prompts that just arrived."""
-    from chunkserve.scheduler import PREFILL_AGEING_S
+    from chunkserve.scheduling.scheduler import PREFILL_AGEING_S
 
     now = [0.0]
     config = SchedulerConfig(

@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkserve.config import SchedulerConfig
-from chunkserve.kv_cache import KVCacheManager
-from chunkserve.request import Request, RequestStatus, SamplingParams
-from chunkserve.scheduler import Scheduler
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request, RequestStatus
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import Scheduler
 
 BLOCK = 4
 MAX_MODEL_LEN = 64

@@ -12,16 +12,17 @@ from collections import Counter
 import pytest
 import torch
 
-from chunkserve.budget import BudgetController
 from chunkserve.config import BudgetPolicy, EngineConfig, SchedulerConfig, SpeculativeConfig
-from chunkserve.costmodel import OnlineCostModel
-from chunkserve.engine import Engine
-from chunkserve.kv_cache import KVCacheManager
+from chunkserve.engine.engine import Engine
 from chunkserve.model.loader import embedded_model_path
-from chunkserve.request import Request, SamplingParams
-from chunkserve.sampler import Sampler
-from chunkserve.scheduler import Scheduler
-from chunkserve.speculative import Speculator, ngram_propose
+from chunkserve.scheduling.budget import BudgetController
+from chunkserve.scheduling.costmodel import OnlineCostModel
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import Scheduler
+from chunkserve.worker.sampler import Sampler
+from chunkserve.worker.speculative import Speculator, ngram_propose
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
 from tests.test_invariance import (
     BYTES_PER_BLOCK,

@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkserve import structured
-from chunkserve.engine import Engine
-from chunkserve.request import SamplingParams, StructuredOutputsParams
-from chunkserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from chunkserve.engine.engine import Engine
+from chunkserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
+from chunkserve.worker import structured
 from tests.conftest import assert_no_blocks_in_use
 from tests.test_server import MODEL, Server
 
@@ -210,7 +210,7 @@ def test_any_json_number_crosses_the_process_boundary() -> None:
     """A schema is kept as its text: numbers beyond 64 bits do not break msgpack."""
     import msgspec
 
-    from chunkserve.core import CoreRequest
+    from chunkserve.engine.core import CoreRequest
 
     params = SamplingParams(structured_outputs={"json": {"enum": [10**25], "const": 10**30}})
     structured.check(params.structured_outputs)
@@ -335,7 +335,7 @@ def test_abort_while_the_grammar_compiles_frees_everything(engine) -> None:
 
 
 def test_a_mask_that_raises_fails_only_its_request(engine, monkeypatch) -> None:
-    from chunkserve.structured import GrammarMasks, RequestGrammar
+    from chunkserve.worker.structured import GrammarMasks, RequestGrammar
 
     def batch_fill(self, matchers, bitmask, indices):
         raise RuntimeError("batch fill broke")

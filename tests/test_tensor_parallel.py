@@ -17,9 +17,9 @@ import torch
 
 from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import plan_shards
-from chunkserve.engine import Engine
-from chunkserve.request import SamplingParams
-from chunkserve.worker import DeviceError
+from chunkserve.engine.engine import Engine
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.worker.worker import DeviceError
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
 from tests.test_invariance import (
     BYTES_PER_BLOCK,
@@ -180,7 +180,7 @@ def test_gloo_sums_match_shared_memory(engines) -> None:
 
 def test_step_arrays_cross_as_one_array(engines) -> None:
     """What rank 0 broadcasts decodes to the layout it runs itself."""
-    from chunkserve.runner import StepArrays
+    from chunkserve.worker.model_runner import StepArrays
 
     tp1, _ = engines
     runner = tp1.core.worker.runner
@@ -331,7 +331,7 @@ def rank_pids(server_pid: int) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"chunkserve.distributed.rank" not in f.read():
+                if b"chunkserve.worker.tp_rank" not in f.read():
                     continue
         except OSError:
             continue

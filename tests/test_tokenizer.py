@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from chunkserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from chunkserve.model.loader import open_gguf
-from chunkserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world! The year 2024 had 366 days.",

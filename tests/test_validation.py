@@ -6,7 +6,7 @@ import pytest
 
 from chunkserve import LLM, EngineConfig, SamplingParams
 from chunkserve.config import DEFAULT_LONG_STEP_SHARE, BudgetPolicy
-from chunkserve.engine import Engine
+from chunkserve.engine.engine import Engine
 from tests.conftest import assert_no_blocks_in_use
 
 
@@ -196,8 +196,8 @@ def test_max_num_seqs_above_budget_with_chunking(no_weight_loading) -> None:
 def test_serve_flags_name_the_budget_policy() -> None:
     """``--long-step-share`` and ``--max-decode-slowdown`` reach the adaptive policy; with
     ``--max-num-batched-tokens`` they make it the adaptive budget's cap."""
-    from chunkserve.cli import build_parser
     from chunkserve.engine_args import engine_config_from_args
+    from chunkserve.entrypoints.cli import build_parser
 
     def policy(*argv: str) -> BudgetPolicy:
         args = build_parser("serve").parse_args(["serve", *argv])

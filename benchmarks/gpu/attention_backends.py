@@ -20,11 +20,12 @@ import time
 import torch
 
 from chunkserve.attention import get_attention_backend
-from chunkserve.kv_cache import KVCacheManager
 from chunkserve.provenance import git_commit
-from chunkserve.request import Request, SamplingParams
-from chunkserve.runner import ModelRunner, allocate_kv_caches
-from chunkserve.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.scheduling.kv_cache import KVCacheManager
+from chunkserve.scheduling.request import Request
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
 
 # (name, [(cached tokens, new tokens) of each prefill chunk], decode context lengths)
 CASES = [

@@ -94,7 +94,7 @@ def random_prompts(batch: int, length: int, limit: int, seed: int) -> list[list[
 
 
 def run_batch(eng, batch: int, args: argparse.Namespace, seed: int) -> dict:
-    from chunkserve.request import SamplingParams
+    from chunkserve.scheduling.sampling_params import SamplingParams
 
     limit = min(TOKEN_ID_LIMIT, eng.model_config.vocab_size)
     params = SamplingParams(max_tokens=decode_budget(batch, args), temperature=0.0, ignore_eos=True)
@@ -248,7 +248,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.warmup, args.steps = 2, 5
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
 
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -61,8 +61,8 @@ def smollm2_config() -> dict:
 
 
 def write_tokenizer(out: Path) -> None:
+    from chunkserve.engine.tokenizer import Tokenizer
     from chunkserve.model.loader import open_gguf, resolve_model
-    from chunkserve.tokenizer import Tokenizer
 
     source = resolve_model(None)
     tok = Tokenizer.from_gguf(source.path, open_gguf(source.path))

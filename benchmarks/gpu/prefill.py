@@ -71,14 +71,14 @@ def engine_padding(eng, n: int) -> int:
     if not getattr(eng.core.worker.runner, "pad_batches", False):
         return n
     try:
-        from chunkserve.runner import padded_num_tokens
+        from chunkserve.worker.model_runner import padded_num_tokens
     except ImportError:
         return n
     return padded_num_tokens(n)
 
 
 def time_size(eng, n: int, reps: int, warmup: int, seed: int) -> list[float]:
-    from chunkserve.request import SamplingParams
+    from chunkserve.scheduling.sampling_params import SamplingParams
 
     limit = min(TOKEN_ID_LIMIT, eng.model_config.vocab_size)
     gen = torch.Generator().manual_seed(seed)
@@ -105,7 +105,7 @@ def time_size(eng, n: int, reps: int, warmup: int, seed: int) -> list[float]:
 
 
 def run_model(model: str, args: argparse.Namespace, device: torch.device, matmul_tflops: float):
-    from chunkserve.engine import Engine
+    from chunkserve.engine.engine import Engine
 
     sizes = [int(x) for x in args.sizes.split(",")]
     tiles = [int(x) for x in args.tile_sizes.split(",")] if args.tile_sizes else []

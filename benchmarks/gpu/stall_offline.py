@@ -21,7 +21,7 @@ import torch
 from chunkserve.bench.datasets import WorkloadSpec, build_workload
 from chunkserve.bench.loadgen import summarize
 from chunkserve.bench.replay import replay
-from chunkserve.engine import Engine
+from chunkserve.engine.engine import Engine
 from chunkserve.provenance import git_commit
 
 

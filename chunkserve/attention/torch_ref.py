@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkserve.attention.base import AttentionBackend, BatchLayout
-from chunkserve.decode_groups import split_decode_groups
+from chunkserve.scheduling.decode_groups import split_decode_groups
 
 PREFILL_BLOCK_ROWS = 128
 # Chunks of at most this many rows that continue a cached sequence (a decode with draft

@@ -54,8 +54,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def workload_from_args(args: argparse.Namespace) -> tuple[list[BenchRequest], WorkloadSpec]:
+    from chunkserve.engine.tokenizer import Tokenizer
     from chunkserve.model.loader import load_model_config, resolve_model
-    from chunkserve.tokenizer import Tokenizer
 
     source = resolve_model(args.tokenizer_model, weights=False)
     _, reader = load_model_config(source)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import RequestRecord
-from chunkserve.request import SamplingParams
+from chunkserve.scheduling.sampling_params import SamplingParams
 
 
 def replay(

@@ -30,7 +30,7 @@ import httpx
 
 from chunkserve.disagg.connector import Inbox, KVHandle, new_transfer_id
 from chunkserve.disagg.connectors import Connectors
-from chunkserve.request import Request
+from chunkserve.scheduling.request import Request
 
 logger = logging.getLogger("chunkserve.disagg")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from chunkserve.disagg.connector import KVHandle, Outbox, TransferError
 from chunkserve.disagg.connectors import Connectors
 from chunkserve.disagg.remote import TransferEnd, TransferRecord
-from chunkserve.request import Request
+from chunkserve.scheduling.request import Request
 
 
 @dataclass

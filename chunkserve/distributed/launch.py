@@ -4,7 +4,7 @@ to start, and the main of a rank process.
 Three ways to get ``tensor_parallel_size`` ranks:
 
 - one node (the default): the engine core is rank 0; it starts ranks 1..N-1 as processes of
-  its own (``python -m chunkserve.distributed.rank``, the arguments pickled on stdin) and
+  its own (``python -m chunkserve.worker.tp_rank``, the arguments pickled on stdin) and
   hosts the group's store on a free loopback port;
 - several nodes: every node runs ``chunkserve serve --tensor-parallel-size N --nnodes M
   --node-rank K`` with ``MASTER_ADDR`` / ``MASTER_PORT`` naming node 0 (which serves and hosts
@@ -36,7 +36,7 @@ STORE_TIMEOUT = datetime.timedelta(seconds=300)  # ranks of other nodes may load
 
 
 # The main of a rank process (``python -m``; its arguments pickled on stdin).
-RANK_MODULE = "chunkserve.distributed.rank"
+RANK_MODULE = "chunkserve.worker.tp_rank"
 
 
 class RankExited(RuntimeError):

@@ -1,0 +1,1 @@
+"""Tensor parallelism: rank processes, their group and collectives, and which shard each holds."""

@@ -1,0 +1,217 @@
+"""An engine core in its own process, and the messages it exchanges with the front end.
+
+The API server's interpreter does HTTP, tokenisation, detokenisation and SSE; the core's
+does nothing but schedule and step, so neither waits for the other's GIL. They talk over
+ZeroMQ sockets with msgpack-encoded messages (msgspec): commands in on a PULL socket
+(``AddRequest``, ``AbortRequests``, ``FinishRequests``, ``FailRequest``, ``Shutdown``),
+reports out on a PUSH socket: ``CoreReady`` once the model is loaded (or ``CoreFailed``),
+then one ``StepReport`` per step with work: token-id deltas (``core.CoreOutput``) and the
+step's statistics.
+
+The core steps back to back while it has work, taking new commands between steps, and
+blocks on its command socket when idle. It exits on ``Shutdown``, when its parent process
+is gone, or after reporting an error no step recovers from (``CoreDead``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Union
+
+import msgspec
+import zmq
+
+from chunkserve.config import EngineConfig
+from chunkserve.engine.core import CoreInfo, CoreLoad, CoreOutput, CoreRequest, EngineCore
+from chunkserve.engine.step_log import StepStats
+from chunkserve.platform import freeze_startup_heap
+from chunkserve.scheduling.request import RequestStatus
+
+logger = logging.getLogger("chunkserve.core")
+
+# Milliseconds an idle core waits for a command before it checks that its parent lives.
+IDLE_POLL_MS = 500
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request: CoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag="finish"):
+    """Requests the front end finished (a stop string in their text)."""
+
+    request_ids: list[str]
+
+
+class FailRequest(msgspec.Struct, tag="fail"):
+    """A request whose output processing raised in the front end."""
+
+    request_id: str
+    error: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+Command = Union[AddRequest, AbortRequests, FinishRequests, FailRequest, Shutdown]  # noqa: UP007
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    core: int
+    info: CoreInfo
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    """The core could not start: ``error_type`` is ``ValueError`` for a bad configuration
+    (the front end raises one with the same message)."""
+
+    core: int
+    error_type: str
+    message: str
+
+
+class CoreDead(msgspec.Struct, tag="dead"):
+    """The core stopped serving (the device failed, or a bug in the core's loop)."""
+
+    core: int
+    message: str
+
+
+class StepReport(msgspec.Struct, tag="step"):
+    core: int
+    outputs: list[CoreOutput]
+    stats: StepStats | None
+    load: CoreLoad  # after the step
+
+
+Report = Union[CoreReady, CoreFailed, CoreDead, StepReport]  # noqa: UP007
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def command_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Command)
+
+
+def report_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Report)
+
+
+def run_core(
+    index: int,
+    config: EngineConfig,
+    eos_token_ids: tuple[int, ...],
+    command_address: str,
+    report_address: str,
+    log_level: int = logging.INFO,
+    data_parallel_size: int = 1,
+) -> None:
+    """The core process's main: build the core, report ready, serve commands until told to
+    stop or orphaned. With several cores on CUDA, core ``index`` takes GPU ``index``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s core{index}: %(message)s"
+    )
+    parent = os.getppid()
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(command_address)
+    reports = ctx.socket(zmq.PUSH)
+    reports.setsockopt(zmq.LINGER, 2000)
+    reports.connect(report_address)
+    enc, dec = encoder(), command_decoder()
+    try:
+        if data_parallel_size > 1:
+            _pick_gpu(config.device, index, data_parallel_size, config.tensor_parallel_size)
+        core = EngineCore(config, eos_token_ids, index=index)
+    except Exception as exc:
+        logger.exception("engine core %d failed to start", index)
+        reports.send(enc.encode(CoreFailed(index, type(exc).__name__, str(exc))))
+        reports.close()
+        ctx.term()
+        return
+    freeze_startup_heap()  # the model's objects: out of the collector's walks
+    reports.send(enc.encode(CoreReady(index, core.info())))
+    try:
+        _serve(index, core, commands, reports, enc, dec, parent)
+    except BaseException as exc:  # the device or the loop broke: tell the front end
+        logger.exception("engine core %d died", index)
+        reports.send(enc.encode(CoreDead(index, f"{type(exc).__name__}: {exc}")))
+    finally:
+        core.shutdown()
+        commands.close(linger=0)
+        reports.close()
+        ctx.term()
+
+
+def _pick_gpu(device: str, index: int, data_parallel_size: int, tensor_parallel_size: int) -> None:
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return  # CPU cores share the machine: each takes --num-threads of it
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            "data_parallel_size: several engine cores with tensor_parallel_size > 1 on CUDA "
+            "(each core's ranks would take the same GPUs); run one core per node"
+        )
+    found = torch.cuda.device_count()
+    if found < data_parallel_size:
+        raise ValueError(
+            f"data_parallel_size: {data_parallel_size} engine cores need as many GPUs, "
+            f"found {found}"
+        )
+    torch.cuda.set_device(index)
+
+
+def _serve(index, core: EngineCore, commands, reports, enc, dec, parent: int) -> None:
+    finals: list[CoreOutput] = []  # of aborts, and of adds that failed
+    changed = False  # a command changed the core's state: report it even when idle
+    while True:
+        timeout = 0 if core.has_unfinished() or changed else IDLE_POLL_MS
+        while commands.poll(timeout):
+            timeout = 0
+            cmd = dec.decode(commands.recv())
+            if isinstance(cmd, Shutdown):
+                return
+            _apply(core, cmd, finals)
+            changed = True
+        if os.getppid() != parent:
+            logger.warning("engine core %d: the front end is gone; exiting", index)
+            return
+        if not core.has_unfinished() and not changed:
+            core.keepalive()  # tensor parallel: the ranks live and hear from rank 0
+            continue
+        step = core.step()
+        outputs = finals + step.outputs
+        if outputs or step.stats is not None or changed:  # not while only KV arrives
+            reports.send(enc.encode(StepReport(index, outputs, step.stats, core.load())))
+        finals, changed = [], False
+
+
+def _apply(core: EngineCore, cmd: Command, finals: list[CoreOutput]) -> None:
+    if isinstance(cmd, AddRequest):
+        try:
+            core.add_request(cmd.request)
+        except Exception as exc:  # fails this request only
+            logger.exception("adding %s failed", cmd.request.request_id)
+            finals.append(
+                CoreOutput(cmd.request.request_id, [], finish_reason="error", error=str(exc))
+            )
+    elif isinstance(cmd, AbortRequests):
+        for request_id in cmd.request_ids:
+            final = core.abort_request(request_id)
+            if final is not None:
+                finals.append(final)
+    elif isinstance(cmd, FinishRequests):
+        core.finish_requests(cmd.request_ids, RequestStatus.FINISHED_STOPPED)
+    elif isinstance(cmd, FailRequest):
+        core.fail_request(cmd.request_id, cmd.error)

@@ -1,0 +1,129 @@
+"""The front end of an engine: what a request meets before and after the core.
+
+``FrontEnd`` loads what the edge needs and nothing of the device (model config, tokenizer,
+EOS ids, context length), checks and tokenises requests once (``input_processor.InputProcessor``),
+turns the core's token-id deltas into text (``output_processor.OutputProcessor``) and tells the
+listeners (the server's metrics). Where the core runs is the subclass's: ``engine.Engine``
+(in this process, stepped by the caller) or ``multiprocess_engine.MultiprocessEngine`` (engine-core
+processes over ZeroMQ).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from chunkserve.config import EngineConfig, ModelConfig
+from chunkserve.engine.core import CoreOutput, CoreRequest
+from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.output_processor import OutputProcessor, RequestOutput
+from chunkserve.engine.step_log import StepStats
+from chunkserve.engine.tokenizer import Tokenizer
+from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
+from chunkserve.scheduling.sampling_params import SamplingParams
+
+logger = logging.getLogger("chunkserve")
+
+# With requests in flight, an engine that has not finished a step for this many seconds is
+# hung (a step on the slowest CPU takes seconds): a server's ``/health`` answers 503, and a
+# hung core process is killed, its requests failed.
+WATCHDOG_S = 120.0
+
+
+class FrontEnd:
+    """Input and output processing around an engine core (see the module doc). Subclasses
+    implement the ``_core_*`` methods and ``step``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model(config.model, weights=config.load_format != "dummy")
+        self.model_name = source.name
+        self.model_path = str(source.path)
+        model_config, reader = load_model_config(source)
+        self.model_config: ModelConfig = model_config
+        self.tokenizer = Tokenizer.from_source(source, reader, config.tokenizer)
+        eos = set(self.tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.max_model_len = config.resolve_max_model_len(model_config)
+        # Pure configuration: a bad one fails here, before any core loads weights.
+        self.budget_policy = config.budget_policy(self.max_model_len)
+        self.inputs = InputProcessor(
+            self.tokenizer, model_config, self.max_model_len, config.disaggregation_mode
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._source: ModelSource | None = source
+        self._reader = reader
+        self._ids = itertools.count()
+        # monotonic time of the last step the core finished: a server watches it.
+        self.last_progress = time.monotonic()
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        # Called with the final output of every request that ends: stop, length, abort, error.
+        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` naming the bad field."""
+        text, token_ids = self.inputs.tokenize_prompt(prompt, prompt_token_ids)
+        params = sampling_params or SamplingParams()
+        max_tokens = self.inputs.check_request(len(token_ids), params, priority)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self.outputs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._core_add(
+            CoreRequest(request_id, token_ids, params, max_tokens, arrival_time, priority)
+        )
+        self.outputs.add_request(request_id, text, token_ids, params, arrival_time)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return len(self.outputs) > 0
+
+    def step(self) -> list[RequestOutput]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Stop the cores this front end started (none in process)."""
+
+    def _process(self, core_outputs: list[CoreOutput], stats: StepStats | None):
+        """Text for one step's core outputs; the requests a stop string ended, or whose
+        processing raised, end in the core too. Returns the outputs."""
+        done = self.outputs.process(core_outputs)
+        if done.stopped:
+            self._core_finish(done.stopped)
+        for request_id, error in done.failed.items():
+            self._core_fail(request_id, error)
+        self._notify_finished(done.outputs)
+        if stats is not None:
+            self.last_progress = time.monotonic()
+            for listener in self.step_listeners:
+                listener(stats)
+        return done.outputs
+
+    def _notify_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                for listener in self.finish_listeners:
+                    listener(out)
+
+    # ---- the core's side -------------------------------------------------------------------
+    def _core_add(self, request: CoreRequest) -> None:
+        raise NotImplementedError
+
+    def _core_finish(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _core_fail(self, request_id: str, error: str) -> None:
+        raise NotImplementedError

@@ -1,0 +1,707 @@
+"""The OpenAI-compatible HTTP server (FastAPI) over an ``AsyncEngine``.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both streamed as SSE or not),
+``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``.
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chunkserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    OverloadedError,
+    RequestFailedError,
+    RequestHandle,
+    RequestTimeoutError,
+)
+from chunkserve.engine.output_processor import RequestOutput, TokenLogprob
+from chunkserve.entrypoints.openai.metrics import Metrics
+from chunkserve.entrypoints.openai.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    error_responses,
+    param_of,
+)
+from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.version import __version__
+
+logger = logging.getLogger("chunkserve.server")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+DISCONNECT_POLL_S = 0.2
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        err_type: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.headers = headers
+
+
+def _error_response(
+    status: int,
+    message: str,
+    err_type: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, err_type, param, status), status_code=status, headers=headers
+    )
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Rejects request bodies over ``max_bytes`` with a 413 (declared or streamed size)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
+        response = _error_response(
+            413, f"request body is larger than {self.max_bytes} bytes", "invalid_request_error"
+        )
+        await response(scope, receive, send)
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer KEY`` on /v1 and the tokenizer routes, compared in constant
+    time. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client
+    disconnects from the endpoints."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and _needs_auth(scope.get("path", "")):
+            headers = dict(scope.get("headers") or [])
+            value = headers.get(b"authorization", b"")
+            token = value[7:] if value[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                response = _error_response(
+                    401, "invalid or missing API key", "authentication_error"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    api_key: str | None
+    metrics: Metrics
+    created: int
+    request_timeout: float | None = None
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout: float | None = None,
+) -> FastAPI:
+    engine = async_engine.engine
+    metrics = Metrics(engine, served_model_name)
+    metrics.track_streams(lambda: async_engine.queued_bytes)
+    engine.step_listeners.append(metrics.on_step)
+    engine.finish_listeners.append(metrics.on_finish)
+    state = ServerState(
+        async_engine, served_model_name, api_key, metrics, int(time.time()), request_timeout
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="chunkserve", version=__version__, lifespan=lifespan)
+    app.state.chunkserve = state
+    _install_error_handlers(app)
+
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    _add_routes(app, state)
+    return app
+
+
+def _needs_auth(path: str) -> bool:
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('msg', '')}"
+            loc = []
+        else:
+            where = ".".join(loc) or "body"
+            message = f"{where}: {first.get('msg', 'invalid value')}"
+        return _error_response(400, message, "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own errors (a body it cannot parse, an unknown route, a wrong
+        # method) in the same OpenAI body as ours.
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error_response(exc.status_code, message, kind, headers=exc.headers)
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return _error_response(400, str(exc), "invalid_request_error", param_of(exc))
+
+    @app.exception_handler(OverloadedError)
+    async def on_overload(request: Request, exc: OverloadedError) -> JSONResponse:
+        return _error_response(
+            503, str(exc), "service_unavailable_error", headers={"Retry-After": "1"}
+        )
+
+    @app.exception_handler(RequestFailedError)
+    async def on_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return _error_response(500, f"request failed in the engine: {exc}", "server_error")
+
+    @app.exception_handler(RequestTimeoutError)
+    async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
+        return _error_response(504, str(exc), "timeout_error")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_response(503, str(exc), "service_unavailable_error")
+
+
+# ---- generation helpers ------------------------------------------------------------------------
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    token_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+
+
+_Submitted = tuple[int, RequestHandle]  # a choice's index and its queued request
+
+
+async def _merge(submitted: list[_Submitted]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they arrive. Closing this iterator cancels
+    the readers, which aborts the unfinished requests."""
+    q: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        outputs = handle.outputs()
+        try:
+            async for item in outputs:
+                q.put_nowait((index, item))
+            q.put_nowait((index, None))
+        except Exception as exc:
+            q.put_nowait((index, exc))
+        finally:
+            await outputs.aclose()  # a cancelled reader aborts its request now
+
+    tasks = [asyncio.create_task(pump(i, handle)) for i, handle in submitted]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
+    """Run ``coro``; if the client goes away first, cancel it (its requests are aborted)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected", "invalid_request_error")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _sse(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class _Handler:
+    """Shared plumbing of the two generation endpoints."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine.engine
+        self.tokenizer = self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.state.model_name:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.state.model_name!r}",
+                "not_found_error",
+                "model",
+            )
+
+    def prepare(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        body: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> list[_Choice]:
+        """Validate every (prompt, n) pair before anything is queued."""
+        field = body.unsupported()
+        if field is not None:
+            raise APIError(400, f"{field}: not supported by this server", param=field)
+        if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
+                400,
+                f"n: {len(prompts)} prompts x n={body.n} asks for more than "
+                f"{MAX_SEQUENCES_PER_REQUEST} sequences in one request",
+                param="n",
+            )
+        choices = []
+        for p_index, (text, ids) in enumerate(prompts):
+            for j in range(body.n):
+                params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
+                self.engine.inputs.check_request(len(ids), params, body.priority)
+                choices.append(_Choice(len(choices), p_index, ids, text, params))
+        self.state.engine.check_capacity(len(choices))
+        return choices
+
+    def submit(self, choices: list[_Choice], base_id: str, priority: int) -> list[_Submitted]:
+        """Queue every choice now, right after ``prepare`` admitted them (no await in
+        between): they count against ``--max-waiting-requests`` from here, streaming or
+        not. A response that never starts drops the handles, which aborts them."""
+        eng = self.state.engine
+        return [
+            (
+                c.index,
+                eng.submit(
+                    c.token_ids,
+                    c.params,
+                    f"{base_id}-{c.index}",
+                    prompt=c.prompt_text,
+                    priority=priority,
+                    timeout_s=self.state.request_timeout,
+                ),
+            )
+            for c in choices
+        ]
+
+    async def collect(self, submitted: list[_Submitted]) -> dict[int, RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in _merge(submitted):
+            if out.finished:
+                finals[index] = out
+        return finals
+
+    def usage(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        finals: dict[int, RequestOutput] | list[int],
+    ) -> dict[str, int]:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        if isinstance(finals, dict):
+            completion = sum(len(o.token_ids) for o in finals.values())
+        else:
+            completion = sum(finals)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id)
+
+    def completion_logprobs(
+        self, entries: list[TokenLogprob] | None, text_start: int, texts: list[str]
+    ) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        offsets, pos = [], text_start
+        for t in texts:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": texts,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.token_str(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            s = self.token_str(token_id)
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
+
+
+# A generation answers JSON, or an SSE stream with "stream": true.
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {}, "text/event-stream": {}}},
+    **error_responses(400, 401, 404, 413, 500, 503, 504),
+}
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    h = _Handler(state)
+    engine = h.engine
+
+    @app.get("/health", responses=error_responses(503))
+    async def health() -> Response:
+        if not state.engine.healthy:
+            why = "stuck: no step finished lately" if state.engine.stuck else "not running"
+            return _error_response(503, f"engine is {why}", "service_unavailable_error")
+        if state.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses=error_responses(401))
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "chunkserve",
+                    "root": engine.model_path,
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        h.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            messages = [m.as_template_dict() for m in body.messages]
+            ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        else:
+            ids = h.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        h.check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"tokens: token id {bad} is outside the vocabulary [0, {vocab})",
+                param="tokens",
+            )
+        return {"prompt": h.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions", responses=GENERATE_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        h.check_model(body.model)
+        prompts = [engine.inputs.tokenize_prompt(p) for p in body.prompts()]
+        prompts = [
+            (text if text is not None else h.tokenizer.decode(ids), ids) for text, ids in prompts
+        ]
+        choices = h.prepare(prompts, body, body.max_tokens, body.logprobs)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        submitted = h.submit(choices, base_id, body.priority)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream_completion(
+                    h, body, prompts, choices, submitted, base_id, created, include_usage
+                ),
+                media_type="text/event-stream",
+            )
+        finals = await _until_disconnect(request, h.collect(submitted))
+        out_choices = []
+        for c in choices:
+            o = finals[c.index]
+            prefix = c.prompt_text if body.echo else ""
+            texts = [h.token_str(t) for t in o.token_ids] if o.logprobs is not None else []
+            out_choices.append(
+                {
+                    "index": c.index,
+                    "text": (prefix or "") + o.text,
+                    "logprobs": h.completion_logprobs(o.logprobs, len(prefix or ""), texts),
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": base_id,
+                "object": "text_completion",
+                "created": created,
+                "model": state.model_name,
+                "choices": out_choices,
+                "usage": h.usage(prompts, finals),
+            }
+        )
+
+    @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        h.check_model(body.model)
+        messages = [m.as_template_dict() for m in body.messages]
+        ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
+        choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        submitted = h.submit(choices, base_id, body.priority)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream_chat(h, body, prompts, choices, submitted, base_id, created, include_usage),
+                media_type="text/event-stream",
+            )
+        finals = await _until_disconnect(request, h.collect(submitted))
+        out_choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": finals[c.index].text},
+                "logprobs": h.chat_logprobs(finals[c.index].logprobs),
+                "finish_reason": finals[c.index].finish_reason,
+                "stop_reason": finals[c.index].stop_reason,
+            }
+            for c in choices
+        ]
+        return JSONResponse(
+            {
+                "id": base_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": state.model_name,
+                "choices": out_choices,
+                "usage": h.usage(prompts, finals),
+            }
+        )
+
+
+async def _sse_stream(
+    h: _Handler,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[tuple[str | None, list[int]]],
+    submitted: list[_Submitted],
+    envelope: dict[str, Any],
+    include_usage: bool,
+    render: Callable[[int, RequestOutput], dict[str, Any] | None],
+    prelude: list[dict[str, Any]] | None = None,
+) -> AsyncIterator[str]:
+    """SSE plumbing shared by both endpoints: the ``prelude`` choices, then one chunk per
+    output that ``render`` makes a choice of (None: nothing to send yet), with the usage so
+    far if ``stream_options.continuous_usage_stats``, the usage chunk if asked, an error
+    event if the engine failed the request, and ``[DONE]``."""
+    counts = dict.fromkeys(range(len(submitted)), 0)
+    options = body.stream_options
+    continuous = bool(options and options.continuous_usage_stats)
+    try:
+        for choice in prelude or []:
+            yield _sse({**envelope, "choices": [choice]})
+        async for index, out in _merge(submitted):
+            counts[index] = len(out.token_ids)
+            choice = render(index, out)
+            if choice is not None:
+                chunk = {**envelope, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = h.usage(prompts, list(counts.values()))
+                yield _sse(chunk)
+        if include_usage:
+            usage = h.usage(prompts, list(counts.values()))
+            yield _sse({**envelope, "choices": [], "usage": usage})
+    except EngineDeadError as exc:
+        yield _sse(error_body(f"request failed: {exc}", "service_unavailable_error", None, 503))
+    except RequestTimeoutError as exc:
+        yield _sse(error_body(f"request failed: {exc}", "timeout_error", None, 504))
+    except (RequestFailedError, ValueError) as exc:
+        yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
+    yield _sse("[DONE]")
+
+
+def _stream_completion(
+    h: _Handler,
+    body: CompletionRequest,
+    prompts: list[tuple[str | None, list[int]]],
+    choices: list[_Choice],
+    submitted: list[_Submitted],
+    base_id: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    echoed: set[int] = set()
+    sent_chars = dict.fromkeys(range(len(choices)), 0)
+
+    def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
+        text = out.delta_text
+        if body.echo and index not in echoed:
+            echoed.add(index)
+            text = (choices[index].prompt_text or "") + text
+        if not text and not out.finished and not out.delta_logprobs:
+            return None  # (a step whose text is held back still sends its logprobs)
+        logprobs = None
+        if out.delta_logprobs is not None:
+            texts = [h.token_str(e.token_id) for e in out.delta_logprobs]
+            logprobs = h.completion_logprobs(out.delta_logprobs, sent_chars[index], texts)
+        sent_chars[index] += len(text)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason if out.finished else None,
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
+
+    envelope = {
+        "id": base_id,
+        "object": "text_completion",
+        "created": created,
+        "model": h.state.model_name,
+    }
+    return _sse_stream(h, body, prompts, submitted, envelope, include_usage, render)
+
+
+def _stream_chat(
+    h: _Handler,
+    body: ChatCompletionRequest,
+    prompts: list[tuple[str | None, list[int]]],
+    choices: list[_Choice],
+    submitted: list[_Submitted],
+    base_id: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not out.delta_text and not out.finished and not out.delta_logprobs:
+            return None  # (a step whose text is held back still sends its logprobs)
+        return {
+            "index": index,
+            "delta": {"content": out.delta_text} if out.delta_text else {},
+            "logprobs": h.chat_logprobs(out.delta_logprobs),
+            "finish_reason": out.finish_reason if out.finished else None,
+        }
+
+    envelope = {
+        "id": base_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": h.state.model_name,
+    }
+    prelude = [
+        {
+            "index": c.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for c in choices
+    ]
+    return _sse_stream(h, body, prompts, submitted, envelope, include_usage, render, prelude)

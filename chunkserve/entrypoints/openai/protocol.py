@@ -1,0 +1,311 @@
+"""OpenAI-compatible request bodies (pydantic) and their mapping to ``SamplingParams``.
+
+Unknown fields are ignored, as OpenAI's and vLLM's servers do, except those a client relies
+on and this server cannot honour (``UNSUPPORTED_FIELDS``, ``best_of`` other than ``n``): a
+400 names them. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` object or its older ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``; at most one of them. Known
+fields are type-checked (a wrong type is a 400 naming the field). Extensions follow vLLM's
+names: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+``min_tokens``, ``priority``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``stream_options.continuous_usage_stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
+
+MAX_N = 16
+# Sequences one request may start (prompts x n): OpenAI's cap on n; the rest of the queue
+# belongs to other clients.
+MAX_SEQUENCES_PER_REQUEST = 128
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: a usage object in every chunk (the tokens so far)."""
+
+
+# Fields clients send that this server does not implement: a 400 naming them beats silently
+# ignoring them (a client asking for JSON or tools would get free text back as a success).
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "suffix",
+    "audio",
+    "prediction",
+)
+
+
+class _SamplingFields(BaseModel):
+    # Extra fields are kept (not validated) so that ``unsupported`` can name them.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    best_of: int | None = None
+    # Prefill/decode disaggregation (``chunkserve router`` sets it; vLLM's name).
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field this server refuses (it cannot honour it), if any."""
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            if extra.get(name) not in (None, [], {}, False):
+                return name
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return None
+
+    def token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids sent as strings, as OpenAI's are) as
+        integers; ``ValueError`` naming the field for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias: {key!r} is not a token id") from None
+            out[token] = value
+        return out
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, if any; ``ValueError`` naming the
+        field for a malformed one or for more than one."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(
+                    (
+                        "response_format",
+                        StructuredOutputsParams(json_object=True, origin="response_format"),
+                    )
+                )
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError(
+                        "response_format.json_schema: must be an object with a 'schema' "
+                        "(the JSON schema)"
+                    )
+                origin = "response_format.json_schema.schema"
+                found.append(
+                    ("response_format", StructuredOutputsParams(json=schema, origin=origin))
+                )
+            elif kind != "text":
+                raise ValueError(
+                    f"response_format.type: must be 'text', 'json_object' or 'json_schema', "
+                    f"got {kind!r}"
+                )
+        if self.structured_outputs is not None:
+            # Fields sent as null are absent (clients serialise every field of vLLM's).
+            fields = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ValueError(f"structured_outputs.{unknown[0]}: not a supported field")
+            if fields.get("json_object") is False:
+                fields.pop("json_object")
+            found.append(("structured_outputs", StructuredOutputsParams(**fields)))
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputsParams(**{kind: value, "origin": name})))
+        if len(found) > 1:
+            names = [n for n, _ in found]
+            raise ValueError(f"{names[1]}: give one output constraint, not {' and '.join(names)}")
+        return found[0][1] if found else None
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
+    ) -> SamplingParams:
+        """Raises ``ValueError`` naming the field for out-of-range values."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=None if self.seed is None else self.seed + seed_offset,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.token_biases(),
+            structured_outputs=self.structured(),
+            kv_transfer_params=self.kv_transfer_params,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one prompt of token ids
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """Text parts joined; the template sees role, content (and name if given)."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages.content[{i}]: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def resolved_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def resolved_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs: needs logprobs=true")
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body every 4xx/5xx carries."""
+
+    error: ErrorDetail
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route: its error statuses, all with ``ErrorResponse``."""
+    text = {
+        400: "invalid request (the error names the field)",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "request body too large",
+        500: "the request failed in the engine",
+        503: "overloaded, shutting down, or the engine is dead",
+        504: "the request ran past --request-timeout",
+    }
+    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
+
+
+def error_body(
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: int | str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def param_of(exc: ValueError) -> str | None:
+    """The field a ``ValueError`` names (our messages start with ``field: ``)."""
+    text = str(exc)
+    head, sep, _ = text.partition(":")
+    if sep and head and " " not in head.strip():
+        return head.strip()
+    return None
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]

@@ -1,1 +1,0 @@
-"""OpenAI-compatible HTTP serving: ``chunkserve serve``."""

@@ -1,0 +1,435 @@
+"""Model runner: turns a SchedulerOutput into a BatchLayout, runs the forward pass over the
+paged KV cache, and samples the rows that end a prompt or are decodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from chunkserve.attention import AttentionBackend, BatchLayout
+from chunkserve.distributed.group import OP_STEP, CollectiveError, TPGroup
+from chunkserve.model.llama import LlamaModel
+from chunkserve.scheduling.kv_cache import NULL_BLOCK
+from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+from chunkserve.worker.cuda_graphs import DecodeGraphs
+from chunkserve.worker.sampler import Sampler
+from chunkserve.worker.structured import GrammarMasks, masks_can_overlap
+
+logger = logging.getLogger("chunkserve.runner")
+
+
+@dataclass
+class RunnerOutput:
+    # request id -> its new tokens (one; with drafts, the accepted ones then the target's
+    # own), for every chunk that samples
+    sampled: dict[str, list[int]]
+    # request id -> per new token (its logprob, the top alternatives)
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]
+    layout_time: float = 0.0  # seconds building the BatchLayout and attention metadata
+    # Requests whose sampling raised (request id -> error): only they fail, not the step.
+    failed: dict[str, str] = field(default_factory=dict)
+    # Structured outputs: rows masked, seconds filling the masks (beside the forward
+    # pass) and waiting for them after it.
+    num_masked_rows: int = 0
+    mask_time: float = 0.0
+    mask_wait_time: float = 0.0
+    # Tensor parallel: seconds rank 0 spent in collectives (the step broadcast, all-reduces
+    # and the logits gather, waiting for slower ranks included).
+    comm_time: float = 0.0
+
+
+# The per-step index arrays, in the order they lie in the step's one device buffer.
+SECTIONS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "fresh_block_ids",
+    "cu_seqlens_q",
+    "seq_lens_k",
+    "block_tables",
+    "logits_indices",
+)
+_HEADER = 5 + len(SECTIONS)
+
+
+@dataclass
+class StepArrays:
+    """One step's metadata on the host: what ``ModelRunner.layout_of`` copies to the device,
+    and what rank 0 of a tensor-parallel group broadcasts (``encode``) so every rank runs
+    the same batch."""
+
+    sections: list[np.ndarray]  # int64 arrays, in SECTIONS order
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    table_width: int  # columns of block_tables
+    context_start: list[int]  # [B]
+    tables: list[list[int]]  # [B][blocks of that sequence]
+    # Host lists of two sections (the backends loop over them without a device sync).
+    query_start: list[int]  # [B + 1], cu_seqlens_q
+    seq_lens: list[int]  # [B], seq_lens_k
+
+    def encode(self) -> np.ndarray:
+        """One int64 array: a header (counts, section sizes), the sections, each sequence's
+        first position and its block table's length."""
+        header = [
+            self.num_prefill_seqs,
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+            self.table_width,
+            len(self.context_start),
+        ] + [len(a) for a in self.sections]
+        return np.concatenate(
+            [
+                np.asarray(header, dtype=np.int64),
+                *self.sections,
+                np.asarray(self.context_start, dtype=np.int64),
+                np.asarray([len(t) for t in self.tables], dtype=np.int64),
+            ]
+        )
+
+    @classmethod
+    def decode(cls, data: np.ndarray) -> StepArrays:
+        header = data[:_HEADER].tolist()
+        num_prefill_seqs, num_prefill_tokens, num_decode_tokens, width, num_seqs = header[:5]
+        sections, at = [], _HEADER
+        for n in header[5:]:
+            sections.append(data[at : at + n])
+            at += n
+        context_start = data[at : at + num_seqs].tolist()
+        table_lens = data[at + num_seqs : at + 2 * num_seqs].tolist()
+        rows = sections[SECTIONS.index("block_tables")].reshape(num_seqs, width)
+        return cls(
+            sections,
+            num_prefill_seqs,
+            num_prefill_tokens,
+            num_decode_tokens,
+            width,
+            context_start,
+            [rows[i, :n].tolist() for i, n in enumerate(table_lens)],
+            sections[SECTIONS.index("cu_seqlens_q")].tolist(),
+            sections[SECTIONS.index("seq_lens_k")].tolist(),
+        )
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One pool per layer for K and for V: [num_blocks + 1, block_size, Hkv, hd] each, block 0
+    being the null block (see ``kv_cache``).
+
+    Uninitialised: on a CPU its pages take memory only once written. Blocks are zeroed when
+    first written (``BatchLayout.fresh_block_ids``); the null block is zeroed here."""
+    pool = torch.empty(
+        (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim),
+        dtype=dtype,
+        device=device,
+    )
+    pool[:, :, NULL_BLOCK].zero_()
+    return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+
+
+def padded_num_tokens(num_tokens: int) -> int:
+    """Round a step's token count up to one of 16 sizes per power of two (at most 6.25%
+    padding; exact below 32). Few distinct shapes keep oneDNN's per-shape primitive caches
+    small and warm: with every count distinct they grew by hundreds of MiB and re-created
+    primitives (measured: 2.4 GiB and 56 s vs 1.7 GiB and 107 s with caching off)."""
+    if num_tokens < 32:
+        return num_tokens
+    step = 1 << (num_tokens.bit_length() - 5)
+    return -(-num_tokens // step) * step
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        attn: AttentionBackend,
+        sampler: Sampler | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+        pad_batches: bool = True,
+        group: TPGroup | None = None,
+    ) -> None:
+        """``sampler`` None: a tensor-parallel rank other than 0 (it samples nothing);
+        ``group``: on rank 0 of a tensor-parallel group, every layout is broadcast to the
+        other ranks before the forward pass."""
+        self.model = model
+        self.group = group
+        self.attn = attn
+        self.sampler = sampler
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.pad_batches = pad_batches
+        # Pinned staging buffers for the per-step metadata (CUDA), used in turn so a buffer
+        # is never refilled while its previous copy may still be in flight.
+        self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._pinned_next = 0
+        self.graphs: DecodeGraphs | None = None
+        self.masks: GrammarMasks | None = None  # made at the first step with a grammar
+
+    def transfer(self, host: np.ndarray) -> torch.Tensor:
+        """One int64 host array to the device: on CUDA through pinned memory, one
+        non-blocking copy; on the CPU, no copy at all."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        if self._pinned[self._pinned_next].numel() < host.size:
+            size = max(1 << 16, 2 * host.size)
+            self._pinned[self._pinned_next] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        buf = self._pinned[self._pinned_next][: host.size]
+        self._pinned_next ^= 1
+        buf.numpy()[:] = host
+        return buf.to(self.device, non_blocking=True)
+
+    def enable_decode_graphs(self, max_batch_size: int, max_model_len: int) -> DecodeGraphs:
+        """Capture CUDA graphs of the forward pass for decode-only steps (see cuda_graphs)."""
+        self.graphs = DecodeGraphs(self, max_batch_size, max_model_len)
+        self.graphs.capture()
+        return self.graphs
+
+    def build_layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[ScheduledChunk]]:
+        """Flatten the step's chunks into one batch: the multi-row queries first (prefill
+        chunks, then decodes with draft tokens: a decode with k drafts is a (k+1)-row query
+        over its own cache, causal among the drafts, as a chunk is), then the one-row
+        decodes. Also return the chunks whose rows are sampled, in ``logits_indices`` order
+        (every row of a decode with drafts is; one row of the others)."""
+        bs = self.block_size
+        verifies = [c for c in out.decodes if c.draft_token_ids]
+        singles = [c for c in out.decodes if not c.draft_token_ids] if verifies else out.decodes
+        multi = out.prefills + verifies
+        chunks = multi + singles
+        num_tokens = out.num_batched_tokens
+        padded = padded_num_tokens(num_tokens) if self.pad_batches else num_tokens
+        # Padding rows: token 0 at position 0; they write no KV (see write_kv).
+        input_ids = np.zeros(padded, dtype=np.int64)
+        positions = np.zeros(padded, dtype=np.int64)
+        slots = np.full(padded, NULL_BLOCK * bs, dtype=np.int64)
+        query_start = [0]
+        context_start: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        fresh_blocks: list[int] = []
+        sampled_chunks: list[ScheduledChunk] = []
+        row = 0
+        for chunk in chunks:
+            r, s, n = chunk.request, chunk.start, chunk.num_tokens
+            table = r.block_ids
+            if n == 1:
+                input_ids[row] = r.token_ids[s]
+                positions[row] = s
+                slots[row] = table[s // bs] * bs + s % bs
+            else:
+                pos = np.arange(s, s + n)
+                if chunk.draft_token_ids:
+                    input_ids[row] = r.token_ids[s]
+                    input_ids[row + 1 : row + n] = chunk.draft_token_ids
+                else:
+                    input_ids[row : row + n] = r.token_ids[s : s + n]
+                positions[row : row + n] = pos
+                slots[row : row + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            first = -(-s // bs) * bs  # first block-aligned position in [s, s + n)
+            fresh_blocks.extend(table[p // bs] for p in range(first, s + n, bs))
+            row += n
+            query_start.append(row)
+            context_start.append(s)
+            seq_lens.append(s + n)
+            tables.append(table)
+            if chunk.draft_token_ids:
+                logits_rows.extend(range(row - n, row))
+                sampled_chunks.append(chunk)
+            elif chunk.samples:
+                logits_rows.append(row - 1)
+                sampled_chunks.append(chunk)
+
+        max_blocks = max((len(t) for t in tables), default=0)
+        width = max(max_blocks, 1)
+        block_tables = np.zeros((len(tables), width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        step = StepArrays(
+            [
+                input_ids,
+                positions,
+                slots,
+                np.asarray(fresh_blocks, dtype=np.int64),
+                np.asarray(query_start, dtype=np.int64),
+                np.asarray(seq_lens, dtype=np.int64),
+                block_tables.ravel(),
+                np.asarray(logits_rows, dtype=np.int64),
+            ],
+            num_prefill_seqs=len(multi),
+            num_prefill_tokens=sum(c.num_tokens for c in multi),
+            num_decode_tokens=len(singles),
+            table_width=width,
+            context_start=context_start,
+            tables=tables,
+            query_start=query_start,
+            seq_lens=seq_lens,
+        )
+        if self.group is not None:  # the other ranks run the same batch
+            self.group.send(OP_STEP, step.encode())
+        return self.layout_of(step), sampled_chunks
+
+    def layout_of(self, step: StepArrays) -> BatchLayout:
+        """The step's arrays on the device (one copy) as a ``BatchLayout``."""
+        # Every per-step array in one int64 buffer: one host-to-device copy per step.
+        # Sections start at even offsets (16-byte aligned), as GPU kernels load best.
+        sizes = [len(a) for a in step.sections]
+        starts = np.cumsum([0] + [n + n % 2 for n in sizes])
+        host = np.zeros(int(starts[-1]), dtype=np.int64)
+        for a, start, n in zip(step.sections, starts, sizes):
+            host[start : start + n] = a
+        dev = self.transfer(host)
+        views = {name: dev[start : start + n] for name, start, n in zip(SECTIONS, starts, sizes)}
+        num_seqs = len(step.context_start)
+        views["block_tables"] = views["block_tables"].view(num_seqs, step.table_width)
+        return BatchLayout(
+            **views,
+            num_prefill_seqs=step.num_prefill_seqs,
+            num_prefill_tokens=step.num_prefill_tokens,
+            num_decode_tokens=step.num_decode_tokens,
+            query_start_host=step.query_start,
+            context_start_host=step.context_start,
+            seq_lens_k_host=step.seq_lens,
+            block_tables_host=step.tables,
+            block_size=self.block_size,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
+    ) -> RunnerOutput:
+        """Run the step. ``draft_probs``: a draft model's distributions of the drafts it
+        sampled (request id -> [k, V]), for rejection sampling; n-gram drafts have none."""
+        t0 = time.perf_counter()
+        # Grammar masks are filled on their own thread while the forward pass runs.
+        if self.graphs is not None and self.graphs.fits(out):
+            # Decode-only: every row is sampled, in order.
+            sampled_chunks = list(out.decodes)
+            masks = self._start_masks(sampled_chunks)
+            hidden, _ = self.graphs.run(out)
+            layout_time = self.graphs.last_layout_time
+            logits = self.model.compute_logits(hidden)  # [S, V] fp32
+        else:
+            layout, sampled_chunks = self.build_layout(out)
+            masks = self._start_masks(sampled_chunks)
+            meta = self.attn.prepare(layout)
+            layout_time = time.perf_counter() - t0
+            try:
+                hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
+                hidden = hidden[layout.logits_indices]
+                logits = self.model.compute_logits(hidden) if sampled_chunks else None
+            except Exception as exc:
+                if self.group is None or isinstance(exc, CollectiveError):
+                    raise
+                # The other ranks wait in a collective this rank will not reach.
+                raise CollectiveError(
+                    f"rank 0 failed inside a tensor-parallel forward pass: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        if not sampled_chunks:
+            return RunnerOutput({}, {}, layout_time)
+        assert logits is not None
+        result = RunnerOutput({}, {}, layout_time)
+        if masks is not None:
+            assert self.masks is not None
+            t_wait = time.perf_counter()
+            self.masks.apply(logits, masks)
+            result.mask_wait_time = time.perf_counter() - t_wait
+            result.mask_time, result.num_masked_rows = masks.seconds, len(masks.rows)
+            result.failed.update(masks.failed)  # their rows sampled unmasked: dropped
+        # Consecutive chunks of one kind (one row, or a decode with drafts) sample together.
+        row = 0
+        for verify, group in itertools.groupby(sampled_chunks, key=_has_drafts):
+            group = list(group)
+            n = sum(c.num_tokens for c in group) if verify else len(group)
+            self._sample_group(logits[row : row + n], group, verify, draft_probs, result)
+            row += n
+        return result
+
+    @torch.inference_mode()
+    def follow(self, step: StepArrays) -> None:
+        """A tensor-parallel rank other than 0: run rank 0's batch (its share of every
+        layer, the collectives with the others, and its part of the logits)."""
+        layout = self.layout_of(step)
+        meta = self.attn.prepare(layout)
+        hidden = self.model(layout, self.kv_caches, self.attn, meta)
+        if layout.logits_indices.numel():
+            self.model.compute_logits(hidden[layout.logits_indices])
+
+    def zero_null_block(self) -> None:
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[NULL_BLOCK].zero_()
+            v_cache[NULL_BLOCK].zero_()
+
+    def _start_masks(self, chunks: list[ScheduledChunk]):
+        """Begin the grammar masks of the sampled chunks that carry one (None: none do)."""
+        if all(c.request.grammar is None for c in chunks):
+            return None
+        if self.masks is None:
+            overlap = masks_can_overlap(self.device)
+            self.masks = GrammarMasks(self.sampler.vocab_size, overlap=overlap)
+        return self.masks.start(chunks)
+
+    def _sample_group(
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        verify: bool,
+        draft_probs: dict[str, torch.Tensor] | None,
+        result: RunnerOutput,
+    ) -> None:
+        """Sample (or verify) the rows of these chunks into ``result``. If the batch raises,
+        chunk by chunk, so the one that raises fails only its own request (greedy and
+        seeded rows get the tokens the batch would have given them)."""
+
+        def sample(rows: torch.Tensor, batch: list[ScheduledChunk]) -> None:
+            requests = [c.request for c in batch]
+            if verify:
+                probs = [draft_probs.get(r.request_id) for r in requests] if draft_probs else None
+                drafts = [c.draft_token_ids for c in batch]
+                out = self.sampler.verify(rows, requests, drafts, probs)
+                tokens, lps = out.token_ids, out.logprobs
+            else:
+                out = self.sampler(rows, requests)
+                tokens = [[t] for t in out.token_ids]
+                lps = None if out.logprobs is None else [lp and [lp] for lp in out.logprobs]
+            for i, r in enumerate(requests):
+                result.sampled[r.request_id] = tokens[i]  # type: ignore[assignment]
+                if lps is not None and lps[i] is not None:
+                    result.logprobs[r.request_id] = lps[i]  # type: ignore[assignment]
+
+        try:
+            sample(logits, chunks)
+            return
+        except Exception:
+            if len(chunks) == 1:
+                raise
+        row = 0
+        for c in chunks:
+            n = c.num_tokens if verify else 1
+            try:
+                sample(logits[row : row + n], [c])
+            except Exception as exc:
+                logger.exception("sampling request %s failed", c.request.request_id)
+                result.failed[c.request.request_id] = f"{type(exc).__name__}: {exc}"
+            row += n
+
+
+def _has_drafts(chunk: ScheduledChunk) -> bool:
+    return bool(chunk.draft_token_ids)
