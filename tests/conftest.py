@@ -142,3 +142,61 @@ def no_weight_loading(monkeypatch):
         raise AssertionError("weights loaded before the configuration was checked")
 
     monkeypatch.setattr("chunkserve.worker.worker.LlamaModel.load_weights", refuse)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _embedded_weights_once():
+    """The embedded model's weights dequantised once per dtype for the whole session: every
+    in-process engine otherwise spends seconds in gguf-py's dequantiser for the same bytes.
+    Loading still goes through ``load_weights`` (names, shapes, the copy into our fused
+    layout); only the file's decoding is shared. Other files are read as usual."""
+    import chunkserve.worker.draft_model as draft_model
+    import chunkserve.worker.worker as worker
+    from chunkserve.model import loader
+
+    embedded = Path(embedded_model_path()).resolve()
+    decoded: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    original = loader.iter_weights
+
+    def iter_weights(source, config, reader, dtype):
+        if source.kind != "gguf" or Path(source.path).resolve() != embedded:
+            return original(source, config, reader, dtype)
+        key = (dtype, repr(config))
+        if key not in decoded:
+            decoded[key] = list(original(source, config, reader, dtype))
+        return iter(decoded[key])
+
+    patch = pytest.MonkeyPatch()
+    for module in (worker, draft_model):
+        patch.setattr(module, "iter_weights", iter_weights)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def preemption_reference() -> list[list[int]]:
+    """Greedy tokens of the preemption workload (``tests.test_invariance``) run unchunked in
+    a pool with room to spare: the reference that preempted runs (plain, speculative,
+    tensor-parallel) must reproduce. Computed once for the session."""
+    from tests.test_invariance import (
+        PREEMPT_TOKENS,
+        make_engine,
+        preemption_workload,
+        run_staggered,
+    )
+
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    tokens = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
+    assert engine.core.scheduler.num_preemptions == 0
+    assert_no_blocks_in_use(engine)
+    return tokens
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that starts a tensor-parallel engine in this process sets torch's thread
+    count for its ranks; the next test gets the process's count back."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -114,14 +114,6 @@ PREEMPT_TOKENS = 60
 BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # fp32 K+V of 16 tokens over 30 layers
 
 
-@pytest.fixture(scope="module")
-def preemption_reference() -> list[list[int]]:
-    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
-    tokens = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
-    assert engine.core.scheduler.num_preemptions == 0
-    return tokens
-
-
 @pytest.mark.parametrize("chunked", [True, False])
 def test_preemption_matches_unpreempted(preemption_reference, chunked: bool) -> None:
     # 30 blocks of 16 = 480 slots for 7 requests that grow by 60 outputs each, admitted as

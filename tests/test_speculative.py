@@ -118,12 +118,6 @@ def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference) ->
     assert_no_blocks_in_use(engine)
 
 
-@pytest.fixture(scope="module")
-def preemption_reference() -> list[list[int]]:
-    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
-    return run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
-
-
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_with_preemption_matches(preemption_reference, method: str) -> None:
     """The pool runs dry: requests with drafts are preempted and recomputed, and the greedy

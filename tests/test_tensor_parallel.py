@@ -24,7 +24,6 @@ from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prom
 from tests.test_invariance import (
     BYTES_PER_BLOCK,
     PREEMPT_TOKENS,
-    preemption_reference,  # noqa: F401  (a fixture)
     preemption_workload,
     run_staggered,
     workload,
@@ -252,7 +251,7 @@ def test_aborts_free_every_block(engines) -> None:
     assert_no_blocks_in_use(tp2)
 
 
-def test_preemption_matches_unpreempted(preemption_reference) -> None:  # noqa: F811
+def test_preemption_matches_unpreempted(preemption_reference) -> None:
     # 30 blocks as in test_invariance; a rank's block holds 2 of the 3 KV heads.
     engine = Engine(
         dtype="float32",

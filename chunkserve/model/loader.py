@@ -4,6 +4,7 @@ directories. Both produce a ``ModelConfig`` and HF-named tensors for ``LlamaMode
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -194,12 +195,25 @@ def rest_is(name: str, proj: str) -> bool:
 
 
 def open_gguf(path: Path) -> Any:
+    """The file's reader, shared in this process while the file is unchanged: parsing the
+    header (a 49k-token vocabulary is ~150k fields) costs seconds, and the front end, the
+    core and a draft model each ask for it. The reader is read-only (its tensors are a
+    read-only memory map), so sharing it is safe."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ValueError(f"model: cannot read GGUF file {str(path)!r}: {exc}") from exc
+    return _read_gguf(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return GGUFReader(path)
     except Exception as exc:  # corrupt or not a GGUF at all
-        raise ValueError(f"model: cannot read GGUF file {str(path)!r}: {exc}") from exc
+        raise ValueError(f"model: cannot read GGUF file {path!r}: {exc}") from exc
 
 
 # ---- HF safetensors directories ------------------------------------------------------------
