@@ -105,13 +105,20 @@ class BlockPool:
         at the head if not (handed out first).
 
         Callers pass a request's blocks in reverse order so that the tail of a sequence is
-        evicted before its (more shareable) head.
+        evicted before its (more shareable) head. A block freed more often than it is held
+        (or the null block) is a ``RuntimeError``, raised before any block is freed.
         """
-        for block_id in block_ids:
-            count = self.ref_cnt[block_id]
-            if count <= 0 or block_id == NULL_BLOCK:
+        ref_cnt = self.ref_cnt
+        for block_id in block_ids:  # refused before anything is freed: the pool stays whole
+            if ref_cnt[block_id] <= 0 or block_id == NULL_BLOCK:
                 raise RuntimeError(f"double free of KV block {block_id}")
-            self.ref_cnt[block_id] = count - 1
+        if len(set(block_ids)) < len(block_ids):
+            for block_id in set(block_ids):
+                if block_ids.count(block_id) > ref_cnt[block_id]:
+                    raise RuntimeError(f"double free of KV block {block_id}")
+        for block_id in block_ids:
+            count = ref_cnt[block_id]
+            ref_cnt[block_id] = count - 1
             if count == 1:
                 self._free[block_id] = None
                 if self.block_hash[block_id] is None:
