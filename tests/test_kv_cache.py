@@ -131,3 +131,38 @@ def test_freeing_a_request_twice_frees_its_blocks_once() -> None:
     with pytest.raises(RuntimeError, match="double free"):
         kv.pool.free(stale)  # a stale copy of a freed table is caught
     kv.pool.check_invariants()
+
+
+# ---- reset_prefix_cache ----------------------------------------------------------------------
+def test_reset_drops_cached_content_and_keeps_blocks_in_use() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    prompt = list(range(100, 100 + 3 * BS))
+    done = make_request("done", prompt)
+    live = make_request("live", prompt[: 2 * BS] + [1, 2, 3, 4, 5])
+    for r in (done, live):
+        blocks, _ = kv.match_prefix(r)
+        kv.acquire_prefix(r, blocks) if blocks else None
+        assert kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens)
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_full_blocks(r)
+    assert live.num_cached_tokens == 2 * BS  # it shares two blocks with "done"
+    kv.free(done)
+    held, free = list(live.block_ids), kv.num_free_blocks
+    ref_cnt = list(kv.pool.ref_cnt)
+    # done's three blocks (two shared with live, one freed) and live's own full one
+    assert kv.reset_prefix_cache() == 4
+    assert kv.match_prefix(make_request("again", prompt + [3])) == ([], 0)
+    # Nothing was freed or taken: "live" runs on with its blocks.
+    assert live.block_ids == held and kv.num_free_blocks == free
+    assert kv.pool.ref_cnt == ref_cnt
+    kv.pool.check_invariants()
+    # Blocks filled after the reset are cached again.
+    nxt = make_request("next", [9] * (2 * BS))
+    assert kv.allocate_slots(nxt, nxt.num_tokens)
+    nxt.num_computed_tokens = nxt.num_tokens
+    kv.cache_full_blocks(nxt)
+    assert kv.match_prefix(make_request("n2", [9] * (2 * BS) + [1]))[1] == 2 * BS
+    kv.free(nxt)
+    kv.free(live)
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.pool.check_invariants()

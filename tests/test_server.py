@@ -287,6 +287,24 @@ def test_metrics_parse_and_move(server: Server) -> None:
     assert after["chunkserve:kv_cache_blocks_total"] > 0
 
 
+def test_reset_prefix_cache_endpoint(server: Server) -> None:
+    """POST /reset_prefix_cache empties the core's prefix cache: the same prompt sent after
+    it hits nothing, and the one after that hits again."""
+    prompt = " ".join(NATURAL_PROMPTS) + " (reset)"
+
+    def hits_of_one_request() -> float:
+        before = server.wait_idle()["chunkserve:prefix_cache_hits_total"]
+        server.client().completions.create(model=MODEL, prompt=prompt, **greedy(max_tokens=2))
+        return server.wait_idle()["chunkserve:prefix_cache_hits_total"] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() >= 48  # the prompt's full blocks (~70 tokens)
+    r = httpx.post(server.base + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert hits_of_one_request() == 0
+    assert hits_of_one_request() >= 48
+
+
 # ---- disconnects ---------------------------------------------------------------------------
 def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     body = {

@@ -133,10 +133,13 @@ class BlockPool:
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
 
-    def reset_cache(self) -> None:
-        """Forget all cached content (blocks in use keep their data)."""
+    def reset_cache(self) -> int:
+        """Forget all cached content (blocks in use keep their data and their owners);
+        returns how many blocks were cached."""
+        n = len(self.cached)
         self.cached.clear()
         self.block_hash = [None] * (self.num_blocks + 1)
+        return n
 
     def check_invariants(self) -> None:
         """Raise if the free list, reference counts and cache map disagree (used by tests)."""
@@ -223,6 +226,12 @@ class KVCacheManager:
         request.num_published_blocks = 0
 
     # ---- prefix cache ----------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block's content from the cache (no later request hits it);
+        requests in flight keep their blocks, and blocks they fill from now on are cached
+        again. Returns how many blocks were cached."""
+        return self.pool.reset_cache()
+
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended to ``num_full_blocks`` blocks."""
         hashes = request.block_hashes
