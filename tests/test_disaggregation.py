@@ -258,6 +258,89 @@ def test_arrived_blocks_are_copied_in_slices_that_fit_the_step_budget(monkeypatc
     assert counts == [5, 1, 1]
 
 
+@pytest.mark.parametrize("how", ["prefill call fails", "blocks stop coming"])
+def test_kv_transfer_failing_midway_fails_the_request_and_frees_everything(
+    monkeypatch, how: str
+) -> None:
+    """Two of five blocks arrived, then the prefill instance's answer is an error, or it
+    answered but the rest never comes: the request fails with an error naming the prefill
+    instance (what the engine core ends it with), and its blocks, its transfer and its
+    shared-memory file are gone."""
+    from concurrent.futures import Future
+
+    from chunkserve.disagg import remote
+    from chunkserve.disagg.connectors import Connectors
+
+    clock = _FakeClock()
+    monkeypatch.setattr(remote, "time", clock)
+    asks: list[dict] = []
+    calls: list[Future] = []
+    monkeypatch.setattr(remote, "_ask", lambda client, url, body: asks.append(body))
+
+    class Http:  # the call to the prefill instance: a future the test ends
+        client = None
+
+        def run(self, _):
+            calls.append(Future())
+            return calls[-1]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(remote, "_HttpLoop", Http)
+
+    class Worker:
+        def __init__(self) -> None:
+            self.written: list[int] = []
+
+        def kv_block_layout(self):
+            return LAYOUT, "float32"
+
+        def write_kv_blocks(self, block_ids, blocks):
+            assert len(block_ids) == blocks.shape[0]
+            self.written += block_ids
+
+    kv = KVCacheManager(20, 4, enable_prefix_caching=True)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, block_size=4)
+    sched = Scheduler(cfg, kv, clock=lambda: 0.0)
+    worker = Worker()
+    connectors = Connectors("shm", "127.0.0.1", torch.device("cpu"))
+    ends = remote.RemotePrefills(connectors, worker, sched, 4)
+    r = remote_request("a", 21)  # 20 tokens asked for: 5 blocks
+    sched.add_request(r)
+    try:
+        assert ends.start(sched.admit_remote()) == []
+        (body,) = asks
+        h = KVHandle.from_dict(body["kv_transfer_params"]["send"])
+        assert h.num_blocks == 5 and os.path.exists(h.address)
+        outbox = connectors.open_outbox(h)  # the prefill instance's end
+        outbox.send(0, _blocks(2, 0))
+        assert ends.poll() == []
+        assert worker.written == r.block_ids[:2] and r.status == RequestStatus.WAITING_FOR_KV
+        if how == "prefill call fails":
+            calls[0].set_exception(RuntimeError("HTTP 500: the prefill engine died"))
+            why = "HTTP 500: the prefill engine died"
+        else:
+            calls[0].set_result(None)
+            assert ends.poll() == []  # answered: the blocks in flight get a grace period
+            clock.now += remote.ARRIVAL_GRACE_S + 1
+            why = "3 KV blocks never arrived"
+        failed = ends.poll()
+        assert [(f.request_id, e) for f, e in failed] == [
+            ("a", f"prefill instance http://p failed: {why}")
+        ]
+        sched.fail_requests([r], failed[0][1])  # what the engine core does with it
+        assert r.status == RequestStatus.FINISHED_ERROR and r.error == failed[0][1]
+        assert not ends.active and not sched.has_unfinished()
+        assert kv.num_free_blocks == kv.num_blocks
+        kv.pool.check_invariants()
+        assert not os.path.exists(h.address)
+        outbox.close()
+    finally:
+        ends.close()
+        connectors.close()
+
+
 # ---- the prefill side's sending ----------------------------------------------------------------
 class FakeKVWorker:
     """A worker whose KV cache holds each token's id in its slot (one layer, one head, one
