@@ -656,6 +656,50 @@ def test_bad_kv_transfer_params_are_refused_at_the_edge(pd: Deployment) -> None:
     assert httpx.get(pd.prefill.base + "/health").status_code == 200
 
 
+def test_torch_connector_served_end_to_end(pd: Deployment) -> None:
+    """A decode instance receiving KV over torch.distributed point-to-point (gloo on
+    loopback) from the prefill instance: through a router, streamed and not, the same greedy
+    tokens as the decode instance computing the prompt itself; the KV did arrive over the
+    connector, and no block stays held on either side."""
+    decode = Server(
+        "--disaggregation-mode",
+        "decode",
+        "--kv-connector",
+        "torch",
+        "--kv-transfer-host",
+        "127.0.0.1",
+        "--enable-prefix-caching",
+        "--num-threads",
+        "1",
+    )
+    router = None
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2's layers, K/V, a block, fp32
+    try:
+        router = Router("--prefill", pd.prefill.base, "--decode", decode.base)
+        for prompt in [NATURAL_PROMPTS[0], LONG]:
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+            local = _text(_post(decode.base, "/v1/completions", body))
+            # The reference must not lend its cached blocks to the transfer under test.
+            assert httpx.post(decode.base + "/reset_prefix_cache", timeout=30).status_code == 200
+            m0 = decode.metrics()
+            assert _text(_post(router.base, "/v1/completions", body)) == local
+            m1 = decode.metrics()
+            sent = m1["chunkserve:kv_transfer_bytes_sum"] - m0.get(
+                "chunkserve:kv_transfer_bytes_sum", 0
+            )
+            n = len(httpx.post(decode.base + "/tokenize", json={"prompt": prompt}).json()["tokens"])
+            assert sent == -(-(n - 1) // 16) * block_bytes  # the whole prompt came over torch
+            assert _stream_text(router.base, "/v1/completions", body) == local
+        m = decode.wait_idle()
+        assert m["chunkserve:kv_cache_blocks_used"] == 0
+        assert m["chunkserve:num_requests_waiting_for_kv"] == 0
+        assert pd.prefill.wait_idle()["chunkserve:kv_cache_blocks_used"] == 0
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+
+
 def test_dead_instances_give_clean_errors(pd: Deployment) -> None:
     """Runs last in the module: it kills the instances."""
     body = {"prompt": NATURAL_PROMPTS[3], "max_tokens": 4, "temperature": 0.0}
