@@ -347,13 +347,16 @@ def test_priority_decides_who_runs_when_the_engine_is_full() -> None:
     second admitted could only start after the first's 400 tokens, so the first to stream
     a token is the one admitted first."""
     server = Server("--max-num-seqs", "1", "--scheduling-policy", "priority")
+    tails = {"running": "", "low": " Go.", "high": " Then list three more, with a reason."}
     first_token = {name: threading.Event() for name in ("running", "low", "high")}
     stop = {name: threading.Event() for name in first_token}
 
     def stream(name: str, priority: int) -> None:
         body = {
             "model": MODEL,
-            "prompt": f"{NATURAL_PROMPTS[3]} ({name})",
+            # The more urgent one's prompt is the longest: by length or by arrival the
+            # less urgent one would go first.
+            "prompt": NATURAL_PROMPTS[3] + tails[name],
             "max_tokens": 400,
             "temperature": 0.0,
             "ignore_eos": True,
