@@ -258,6 +258,234 @@ def test_arrived_blocks_are_copied_in_slices_that_fit_the_step_budget(monkeypatc
     assert counts == [5, 1, 1]
 
 
+@pytest.mark.parametrize("how", ["prefill call fails", "blocks stop coming"])
+def test_kv_transfer_failing_midway_fails_the_request_and_frees_everything(
+    monkeypatch, how: str
+) -> None:
+    """Two of five blocks arrived, then the prefill instance's answer is an error, or it
+    answered but the rest never comes: the request fails with an error naming the prefill
+    instance (what the engine core ends it with), and its blocks, its transfer and its
+    shared-memory file are gone."""
+    from concurrent.futures import Future
+
+    from chunkserve.disagg import remote
+    from chunkserve.disagg.connectors import Connectors
+
+    clock = _FakeClock()
+    monkeypatch.setattr(remote, "time", clock)
+    asks: list[dict] = []
+    calls: list[Future] = []
+    monkeypatch.setattr(remote, "_ask", lambda client, url, body: asks.append(body))
+
+    class Http:  # the call to the prefill instance: a future the test ends
+        client = None
+
+        def run(self, _):
+            calls.append(Future())
+            return calls[-1]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(remote, "_HttpLoop", Http)
+
+    class Worker:
+        def __init__(self) -> None:
+            self.written: list[int] = []
+
+        def kv_block_layout(self):
+            return LAYOUT, "float32"
+
+        def write_kv_blocks(self, block_ids, blocks):
+            assert len(block_ids) == blocks.shape[0]
+            self.written += block_ids
+
+    kv = KVCacheManager(20, 4, enable_prefix_caching=True)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, block_size=4)
+    sched = Scheduler(cfg, kv, clock=lambda: 0.0)
+    worker = Worker()
+    connectors = Connectors("shm", "127.0.0.1", torch.device("cpu"))
+    ends = remote.RemotePrefills(connectors, worker, sched, 4)
+    r = remote_request("a", 21)  # 20 tokens asked for: 5 blocks
+    sched.add_request(r)
+    try:
+        assert ends.start(sched.admit_remote()) == []
+        (body,) = asks
+        h = KVHandle.from_dict(body["kv_transfer_params"]["send"])
+        assert h.num_blocks == 5 and os.path.exists(h.address)
+        outbox = connectors.open_outbox(h)  # the prefill instance's end
+        outbox.send(0, _blocks(2, 0))
+        assert ends.poll() == []
+        assert worker.written == r.block_ids[:2] and r.status == RequestStatus.WAITING_FOR_KV
+        if how == "prefill call fails":
+            calls[0].set_exception(RuntimeError("HTTP 500: the prefill engine died"))
+            why = "HTTP 500: the prefill engine died"
+        else:
+            calls[0].set_result(None)
+            assert ends.poll() == []  # answered: the blocks in flight get a grace period
+            clock.now += remote.ARRIVAL_GRACE_S + 1
+            why = "3 KV blocks never arrived"
+        failed = ends.poll()
+        assert [(f.request_id, e) for f, e in failed] == [
+            ("a", f"prefill instance http://p failed: {why}")
+        ]
+        sched.fail_requests([r], failed[0][1])  # what the engine core does with it
+        assert r.status == RequestStatus.FINISHED_ERROR and r.error == failed[0][1]
+        assert not ends.active and not sched.has_unfinished()
+        assert kv.num_free_blocks == kv.num_blocks
+        kv.pool.check_invariants()
+        assert not os.path.exists(h.address)
+        outbox.close()
+    finally:
+        ends.close()
+        connectors.close()
+
+
+# ---- the prefill side's sending ----------------------------------------------------------------
+class FakeKVWorker:
+    """A worker whose KV cache holds each token's id in its slot (one layer, one head, one
+    dimension): what a block sends is the tokens it was computed for."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.store: dict[int, torch.Tensor] = {}
+
+    def kv_block_layout(self):
+        return (1, 2, self.bs, 1, 1), "float32"
+
+    def execute(self, out) -> None:
+        for c in out.chunks:
+            r = c.request
+            for pos in range(c.start, c.start + c.num_tokens):
+                b = r.block_ids[pos // self.bs]
+                self.store.setdefault(b, torch.full((self.bs,), -1.0))[pos % self.bs] = float(
+                    r.token_ids[pos]
+                )
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        blocks = [self.store[b].clone() for b in block_ids]
+        kv = torch.stack(blocks).view(len(block_ids), 1, 1, self.bs, 1, 1)
+        return kv.expand(-1, -1, 2, -1, -1, -1).contiguous()  # K and V alike
+
+
+PRE_STEPS = 8
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_prefill_side_preemption_resends_only_unsent_blocks(prefix_caching: bool) -> None:
+    """The sending request is preempted mid-prompt (an older decode needs its blocks): it
+    recomputes from the start, and only the blocks it had not sent go, in order, once, each
+    holding its tokens."""
+    from chunkserve.disagg.connectors import Connectors
+    from chunkserve.disagg.sender import KVSender
+
+    bs, n = 4, 40  # 10 blocks to send
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        max_model_len=64,
+        block_size=bs,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+    )
+    kv = KVCacheManager(14, bs, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(cfg, kv, clock=lambda: 0.0)
+    worker = FakeKVWorker(bs)
+    connectors = Connectors("shm", "127.0.0.1", torch.device("cpu"))
+    sender = KVSender(connectors, worker, bs)
+    older = Request("older", [7] * 4, SamplingParams(max_tokens=40), max_tokens=40)
+    sched.add_request(older)
+    for _ in range(PRE_STEPS):  # it holds 3 full blocks: the rest just fits the prompt
+        out = sched.schedule()
+        sched.update(out, {"older": 5})
+    prompt = list(range(100, 100 + n))
+    req = Request("send", prompt, SamplingParams(max_tokens=1), max_tokens=1)
+    h = KVHandle("shm", new_transfer_id(), "", 0, n, n // bs, (1, 2, bs, 1, 1), "float32")
+    inbox, h = connectors.open_inbox(h, "http://decode")
+    sent: list[tuple[int, int, int]] = []  # (first block, blocks, the request's preemptions)
+    try:
+        sched.add_request(req)
+        sender.open(req, h.as_dict())
+        outbox = sender._sending["send"].outbox
+        real_send = outbox.send
+
+        def send(start, blocks):
+            sent.append((start, blocks.shape[0], req.metrics.num_preemptions))
+            real_send(start, blocks)
+
+        outbox.send = send
+        for _ in range(200):
+            if not sched.has_unfinished():
+                break
+            out = sched.schedule()
+            worker.execute(out)
+            assert sender.after_execute(out) == []
+            sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+            if req.is_finished and older.request_id in sched.requests:
+                sched.abort_request("older")
+        assert req.metrics.num_preemptions >= 1
+        assert any(p == 0 for *_, p in sent) and any(p >= 1 for *_, p in sent)
+        starts = [s for s, _, _ in sent]
+        assert starts == sorted(set(starts))  # never a block again
+        assert [s + k for s, k, _ in sent][:-1] == starts[1:]  # contiguous, in order
+        assert sum(k for _, k, _ in sent) == n // bs and inbox.num_ready() == n // bs
+        got = inbox.read(0, n // bs)[:, 0, 1].reshape(-1).tolist()
+        assert got == [float(t) for t in prompt]
+        assert not sender._sending  # the transfer ended with the prompt
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        inbox.close()
+        sender.close()
+        connectors.close()
+
+
+def test_prefill_side_send_failing_midway_fails_the_request_alone() -> None:
+    """The decode side went away after two blocks: the sending request fails with the
+    connector's error and its outbox closes; the next chunks send nothing."""
+    from chunkserve.disagg.connectors import Connectors
+    from chunkserve.disagg.sender import KVSender
+
+    bs, n = 4, 24
+    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64, block_size=bs)
+    kv = KVCacheManager(20, bs)
+    sched = Scheduler(cfg, kv, clock=lambda: 0.0)
+    worker = FakeKVWorker(bs)
+    connectors = Connectors("shm", "127.0.0.1", torch.device("cpu"))
+    sender = KVSender(connectors, worker, bs)
+    req = Request("send", list(range(100, 100 + n)), SamplingParams(max_tokens=1), max_tokens=1)
+    h = KVHandle("shm", new_transfer_id(), "", 0, n, n // bs, (1, 2, bs, 1, 1), "float32")
+    inbox, h = connectors.open_inbox(h, "http://decode")
+    try:
+        sched.add_request(req)
+        sender.open(req, h.as_dict())
+        failures = []
+        while sched.has_unfinished():
+            out = sched.schedule()
+            worker.execute(out)
+            if inbox.num_ready() == 2:
+                inbox.close()  # the decode side gives up: its file is gone
+                sender._sending["send"].outbox.send = _gone
+            failed = sender.after_execute(out)
+            failures += failed
+            if failed:  # what the engine core does with them
+                sched.fail_requests([r for r, _ in failed], "KV transfer")
+            if not req.is_finished:
+                sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+        assert [(r.request_id, why) for r, why in failures] == [
+            ("send", "KV transfer: the decode side went away")
+        ]
+        assert req.status == RequestStatus.FINISHED_ERROR
+        assert not sender._sending and kv.num_free_blocks == kv.num_blocks
+    finally:
+        inbox.close()
+        sender.close()
+        connectors.close()
+
+
+def _gone(start, blocks) -> None:
+    raise TransferError("the decode side went away")
+
+
 # ---- served: one prefill and one decode instance behind the router --------------------------
 class Router(ChunkserveProcess):
     def __init__(self, *args: str) -> None:
@@ -426,6 +654,50 @@ def test_bad_kv_transfer_params_are_refused_at_the_edge(pd: Deployment) -> None:
     r = _post(pd.prefill.base, "/v1/completions", {**body, "kv_transfer_params": {"send": h}})
     assert r.status_code in (400, 500) and "error" in r.json()
     assert httpx.get(pd.prefill.base + "/health").status_code == 200
+
+
+def test_torch_connector_served_end_to_end(pd: Deployment) -> None:
+    """A decode instance receiving KV over torch.distributed point-to-point (gloo on
+    loopback) from the prefill instance: through a router, streamed and not, the same greedy
+    tokens as the decode instance computing the prompt itself; the KV did arrive over the
+    connector, and no block stays held on either side."""
+    decode = Server(
+        "--disaggregation-mode",
+        "decode",
+        "--kv-connector",
+        "torch",
+        "--kv-transfer-host",
+        "127.0.0.1",
+        "--enable-prefix-caching",
+        "--num-threads",
+        "1",
+    )
+    router = None
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2's layers, K/V, a block, fp32
+    try:
+        router = Router("--prefill", pd.prefill.base, "--decode", decode.base)
+        for prompt in [NATURAL_PROMPTS[0], LONG]:
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+            local = _text(_post(decode.base, "/v1/completions", body))
+            # The reference must not lend its cached blocks to the transfer under test.
+            assert httpx.post(decode.base + "/reset_prefix_cache", timeout=30).status_code == 200
+            m0 = decode.metrics()
+            assert _text(_post(router.base, "/v1/completions", body)) == local
+            m1 = decode.metrics()
+            sent = m1["chunkserve:kv_transfer_bytes_sum"] - m0.get(
+                "chunkserve:kv_transfer_bytes_sum", 0
+            )
+            n = len(httpx.post(decode.base + "/tokenize", json={"prompt": prompt}).json()["tokens"])
+            assert sent == -(-(n - 1) // 16) * block_bytes  # the whole prompt came over torch
+            assert _stream_text(router.base, "/v1/completions", body) == local
+        m = decode.wait_idle()
+        assert m["chunkserve:kv_cache_blocks_used"] == 0
+        assert m["chunkserve:num_requests_waiting_for_kv"] == 0
+        assert pd.prefill.wait_idle()["chunkserve:kv_cache_blocks_used"] == 0
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
 
 
 def test_dead_instances_give_clean_errors(pd: Deployment) -> None:

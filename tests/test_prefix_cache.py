@@ -168,6 +168,33 @@ def test_reuse_while_first_request_is_still_prefilling() -> None:
     assert_no_blocks_in_use(engine)
 
 
+def test_reset_prefix_cache_leaves_running_requests_unaffected() -> None:
+    """A request decoding on cached blocks when the cache is reset ends with the tokens it
+    would have had; a request added after the reset hits nothing; the cache fills again."""
+    engine = make_engine()
+    prompt = random_prompt(random.Random(21), 100)  # 6 full blocks
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
+    (reference,) = run(engine, [prompt], max_tokens=12)
+    running = engine.add_request(prompt, params)
+    while len(engine.get_request(running).output_token_ids) < 4:
+        engine.step()
+    assert engine.get_request(running).num_cached_tokens == 96  # it hit the first run's
+    engine.reset_prefix_cache()
+    after = engine.add_request(prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+            r = engine.get_request(after)
+            if r is not None and r.num_computed_tokens:
+                assert r.num_cached_tokens == 0
+    assert done == {running: reference, after: reference}
+    computed, hit = prefill_tokens(engine, prompt)  # cached again by the one after
+    assert (computed, hit) == (4, 96)
+    assert_no_blocks_in_use(engine)
+
+
 def test_block_hash_chains_prefix_and_extra_key() -> None:
     h1 = hash_block(None, [1, 2, 3])
     assert hash_block(None, [1, 2, 3]) == h1

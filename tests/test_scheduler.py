@@ -507,3 +507,85 @@ def test_priority_comes_before_length() -> None:
     out = sched.schedule()
     sched.update(out, runner(out))
     assert runner.steps[0] == [("long-high", 0, 8)]
+
+
+# ---- new_token_ratio: admission's reserve for outputs still to come ---------------------------
+def ratio_scheduler(num_blocks: int, init: float, floor: float, decay_steps: int) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=256,
+        block_size=4,
+        init_new_token_ratio=init,
+        min_new_token_ratio=floor,
+        new_token_ratio_decay_steps=decay_steps,
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, 4), clock=lambda: 0.0)
+
+
+def test_new_token_ratio_decays_linearly_to_its_minimum_on_time() -> None:
+    sched = ratio_scheduler(1000, init=0.7, floor=0.15, decay_steps=5)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", 8, max_tokens=20))
+    assert sched.new_token_ratio == 0.7
+    seen = []
+    for _ in range(8):
+        out = sched.schedule()
+        sched.update(out, runner(out))
+        seen.append(sched.new_token_ratio)
+    assert seen[:4] == pytest.approx([0.59, 0.48, 0.37, 0.26])
+    assert seen[4:] == [0.15] * 4  # the minimum, exactly, after decay_steps steps
+
+
+def test_new_token_ratio_resets_on_preemption_and_decays_again() -> None:
+    """Three requests outgrow a 6-block pool: every step with a preemption sets the ratio
+    back to its start, and every other step lowers it by (init - min) / decay_steps down to
+    the minimum."""
+    init, floor, decay = 0.5, 0.1, 4
+    sched = ratio_scheduler(6, init, floor, decay)
+    runner = FakeRunner()
+    for rid in "abc":
+        sched.add_request(make_request(rid, 4, max_tokens=12))
+    expected, since, steps = init, 0, []
+    while sched.has_unfinished():
+        assert len(steps) < 500
+        assert sched.new_token_ratio == pytest.approx(expected)  # what this step admits by
+        out = sched.schedule()
+        sched.update(out, runner(out))
+        since = 0 if out.preempted else since + 1
+        expected = init - (init - floor) * min(since, decay) / decay
+        steps.append((bool(out.preempted), sched.new_token_ratio))
+        assert sched.new_token_ratio == pytest.approx(expected)
+    preempted_at = [i for i, (p, _) in enumerate(steps) if p]
+    assert preempted_at and steps[preempted_at[0]][1] == init
+    # It reached the minimum before a preemption, then started over.
+    assert any(r == floor for _, r in steps[: preempted_at[0]])
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_new_token_ratio_reserve_holds_back_admission_until_it_decays() -> None:
+    """The ratio is what admission reserves for a running request's outputs. In 10 blocks,
+    "a" (4-token prompt, 32 outputs) runs; "b" (16 tokens) fits beside a reserve of 0.2 of
+    a's outputs at once, never beside 0.8 of them, and, with the ratio decaying from 0.8 to
+    0.2 over 10 steps, once it has decayed enough, while "a" still runs."""
+
+    def b_admitted(init: float, floor: float) -> tuple[int, bool]:
+        sched = ratio_scheduler(10, init=init, floor=floor, decay_steps=10)
+        runner = FakeRunner()
+        sched.add_request(make_request("a", 4, max_tokens=32))
+        out = sched.schedule()
+        sched.update(out, runner(out))
+        sched.add_request(make_request("b", 16, max_tokens=1))
+        for step in itertools.count(1):
+            out = sched.schedule()
+            if any(c.request.request_id == "b" for c in out.prefills):
+                return step, "a" in sched.requests
+            sched.update(out, runner(out))
+            assert step < 100
+        raise AssertionError
+
+    assert b_admitted(0.2, 0.2) == (1, True)
+    _, a_running = b_admitted(0.8, 0.8)
+    assert not a_running  # only once "a" has finished
+    step, a_running = b_admitted(0.8, 0.2)
+    assert a_running and 1 < step <= 10

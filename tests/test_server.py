@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -229,6 +230,40 @@ def test_n_logprobs_echo_and_token_prompts(server: Server) -> None:
     assert all(len(e.top_logprobs) == 2 for e in entries)
 
 
+def test_streamed_n_choices_equal_the_non_streamed_ones(server: Server) -> None:
+    """n > 1 streamed: every choice index's deltas add up to that choice's non-streamed
+    text and finish reason (seeded sampling: the choices differ, so a mixed-up index
+    shows), for completions over two prompts and for chat."""
+    client = server.client()
+    kw = dict(n=3, seed=11, temperature=1.0, max_tokens=12)
+    full = client.completions.create(model=MODEL, prompt=["Once upon", "The sky"], **kw)
+    expected = {c.index: (c.text, c.finish_reason) for c in full.choices}
+    assert sorted(expected) == list(range(6))
+    assert len({text for text, _ in expected.values()}) > 1
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model=MODEL, prompt=["Once upon", "The sky"], stream=True, **kw
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert {i: (texts[i], finish[i]) for i in texts} == expected
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **kw)
+    expected = {c.index: (c.message.content, c.finish_reason) for c in full.choices}
+    assert sorted(expected) == [0, 1, 2] and len({t for t, _ in expected.values()}) > 1
+    texts, finish = {}, {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert {i: (texts[i], finish[i]) for i in texts} == expected
+
+
 def test_stop_strings_over_http(server: Server) -> None:
     client = server.client()
     full = (
@@ -285,6 +320,93 @@ def test_metrics_parse_and_move(server: Server) -> None:
         before["chunkserve:inter_token_latency_seconds_count"] + 5
     )
     assert after["chunkserve:kv_cache_blocks_total"] > 0
+
+
+def test_reset_prefix_cache_endpoint(server: Server) -> None:
+    """POST /reset_prefix_cache empties the core's prefix cache: the same prompt sent after
+    it hits nothing, and the one after that hits again."""
+    prompt = " ".join(NATURAL_PROMPTS) + " (reset)"
+
+    def hits_of_one_request() -> float:
+        before = server.wait_idle()["chunkserve:prefix_cache_hits_total"]
+        server.client().completions.create(model=MODEL, prompt=prompt, **greedy(max_tokens=2))
+        return server.wait_idle()["chunkserve:prefix_cache_hits_total"] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() >= 48  # the prompt's full blocks (~70 tokens)
+    r = httpx.post(server.base + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert hits_of_one_request() == 0
+    assert hits_of_one_request() >= 48
+
+
+def test_priority_decides_who_runs_when_the_engine_is_full() -> None:
+    """One sequence at a time under the priority policy: while a request runs, a less
+    urgent one then a more urgent one queue (seen in /metrics, no sleeps); when the slot
+    frees, the more urgent one runs first, though it came second. Each request the
+    second admitted could only start after the first's 400 tokens, so the first to stream
+    a token is the one admitted first."""
+    server = Server("--max-num-seqs", "1", "--scheduling-policy", "priority")
+    tails = {"running": "", "low": " Go.", "high": " Then list three more, with a reason."}
+    first_token = {name: threading.Event() for name in ("running", "low", "high")}
+    stop = {name: threading.Event() for name in first_token}
+
+    def stream(name: str, priority: int) -> None:
+        body = {
+            "model": MODEL,
+            # The more urgent one's prompt is the longest: by length or by arrival the
+            # less urgent one would go first.
+            "prompt": NATURAL_PROMPTS[3] + tails[name],
+            "max_tokens": 400,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "priority": priority,
+            "stream": True,
+        }
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream("POST", server.base + "/v1/completions", json=body) as resp,
+        ):
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    first_token[name].set()
+                if stop[name].is_set():
+                    return  # the connection closes: the server aborts the request
+
+    def wait_for(condition, what: str) -> dict[str, float]:
+        deadline = time.time() + 120  # a bound, not an ordering
+        while time.time() < deadline:
+            m = server.metrics()
+            if condition(m):
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    threads = []
+    try:
+        for name, priority in (("running", 5), ("low", 10), ("high", 0)):
+            t = threading.Thread(target=stream, args=(name, priority), daemon=True)
+            t.start()
+            threads.append(t)
+            if name == "running":
+                assert first_token["running"].wait(120)
+            else:
+                n = 1 if name == "low" else 2
+                wait_for(lambda m, n=n: m["chunkserve:num_requests_waiting"] == n, f"{n} queued")
+        m = server.metrics()
+        assert m["chunkserve:num_requests_running"] == 1 and not first_token["low"].is_set()
+        stop["running"].set()  # its stream closes: the slot frees
+        deadline = time.time() + 120
+        while not (first_token["low"].is_set() or first_token["high"].is_set()):
+            assert time.time() < deadline, "neither queued request started"
+            first_token["high"].wait(0.05)
+        assert first_token["high"].is_set() and not first_token["low"].is_set()
+    finally:
+        for name in stop:
+            stop[name].set()
+        for t in threads:
+            t.join(30)
+        server.stop()
 
 
 # ---- disconnects ---------------------------------------------------------------------------

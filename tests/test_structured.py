@@ -370,6 +370,56 @@ def test_a_mask_that_raises_fails_only_its_request(engine, monkeypatch) -> None:
     assert_all_valid(outs[:1] + outs[2:], checks[:1] + checks[2:])
 
 
+def test_masks_can_overlap_only_with_a_core_to_spare(monkeypatch) -> None:
+    """The condition that puts the mask filling on its own thread: always beside a GPU; on
+    a CPU only when torch leaves a core idle (never on 2 cores at 2 threads)."""
+    import torch
+
+    monkeypatch.setattr(structured.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(structured.torch, "get_num_threads", lambda: 2)
+    assert not structured.masks_can_overlap(torch.device("cpu"))
+    assert structured.masks_can_overlap(torch.device("cuda", 0))
+    monkeypatch.setattr(structured.torch, "get_num_threads", lambda: 1)
+    assert structured.masks_can_overlap(torch.device("cpu"))
+
+
+def test_masks_filled_on_their_thread_give_the_same_outputs(engine, monkeypatch) -> None:
+    """The overlapped mask thread forced on (this machine may not have a core for it):
+    greedy and seeded sampled outputs are the same tokens as with the masks filled on the
+    step's thread, and valid; the filling did run on the mask thread."""
+    import threading
+
+    from chunkserve.worker.structured import GrammarMasks
+
+    where: list[tuple[bool, str]] = []
+    real_fill = GrammarMasks._fill
+
+    def fill(self, job):
+        where.append((self.overlap, threading.current_thread().name))
+        real_fill(self, job)
+
+    monkeypatch.setattr(GrammarMasks, "_fill", fill)
+    runner = engine.core.worker.runner
+    saved = runner.masks
+    tokens = {}
+    try:
+        for overlap in (False, True):
+            runner.masks = GrammarMasks(runner.sampler.vocab_size, overlap=overlap)
+            greedy, greedy_checks = constrained_requests(engine, 0.0)
+            sampled, sampled_checks = constrained_requests(engine, 0.8, seed=7)
+            outs = run(engine, greedy + sampled)
+            assert_all_valid(outs, greedy_checks + sampled_checks)
+            tokens[overlap] = [o.token_ids for o in outs]
+            runner.masks.shutdown()
+    finally:
+        runner.masks = saved
+    assert tokens[True] == tokens[False]
+    on = {name for overlap, name in where if overlap}
+    off = {name for overlap, name in where if not overlap}
+    assert on and all(name.startswith("chunkserve-masks") for name in on)
+    assert off == {threading.current_thread().name}
+
+
 def test_speculative_drafts_are_cut_by_the_grammar() -> None:
     def outputs(spec):
         engine = Engine(

@@ -71,6 +71,11 @@ class _Abort:
 
 
 @dataclass
+class _ResetPrefixCache:
+    pass
+
+
+@dataclass
 class _FailAll:
     error: BaseException
 
@@ -302,6 +307,12 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
         self._wakeup.set()
 
+    def reset_prefix_cache(self) -> None:
+        """``FrontEnd.reset_prefix_cache`` on the engine thread, before any request submitted
+        after this call reaches the engine."""
+        self._commands.put(_ResetPrefixCache())
+        self._wakeup.set()
+
     def _streams_register(self, request_id: str, stream: _Stream) -> None:
         # The dict is read on the engine thread; registering happens before the _Add
         # command is queued, and the queue is a happens-before edge.
@@ -349,6 +360,12 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _FailAll):
                 self._fail_all(cmd.error)
+                continue
+            if isinstance(cmd, _ResetPrefixCache):
+                try:
+                    self.engine.reset_prefix_cache()
+                except Exception:
+                    logger.exception("resetting the prefix cache failed")
                 continue
             if isinstance(cmd, _Abort):
                 self._streams.pop(cmd.request_id, None)

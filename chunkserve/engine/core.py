@@ -336,6 +336,11 @@ class EngineCore:
             return None
         return self._final(request)
 
+    def reset_prefix_cache(self) -> int:
+        """``KVCacheManager.reset_prefix_cache``: no later request hits what is cached now;
+        requests in flight run on unaffected. Returns how many blocks were cached."""
+        return self.kv.reset_prefix_cache()
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests the front end finished (a stop string): their blocks free now."""
         for request_id in request_ids:

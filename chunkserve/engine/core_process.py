@@ -56,11 +56,17 @@ class FailRequest(msgspec.Struct, tag="fail"):
     error: str
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-Command = Union[AddRequest, AbortRequests, FinishRequests, FailRequest, Shutdown]  # noqa: UP007
+Command = Union[  # noqa: UP007
+    AddRequest, AbortRequests, FinishRequests, FailRequest, ResetPrefixCache, Shutdown
+]
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
@@ -215,3 +221,5 @@ def _apply(core: EngineCore, cmd: Command, finals: list[CoreOutput]) -> None:
         core.finish_requests(cmd.request_ids, RequestStatus.FINISHED_STOPPED)
     elif isinstance(cmd, FailRequest):
         core.fail_request(cmd.request_id, cmd.error)
+    elif isinstance(cmd, ResetPrefixCache):
+        core.reset_prefix_cache()

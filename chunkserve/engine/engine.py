@@ -85,3 +85,6 @@ class Engine(FrontEnd):
 
     def _core_fail(self, request_id: str, error: str) -> None:
         self.core.fail_request(request_id, error)
+
+    def _core_reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()

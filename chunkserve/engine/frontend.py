@@ -91,6 +91,11 @@ class FrontEnd:
     def has_unfinished(self) -> bool:
         return len(self.outputs) > 0
 
+    def reset_prefix_cache(self) -> None:
+        """Empty every core's prefix cache (``EngineCore.reset_prefix_cache``) before any
+        request added after this call is scheduled; requests in flight run on unaffected."""
+        self._core_reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         raise NotImplementedError
 
@@ -126,4 +131,7 @@ class FrontEnd:
         raise NotImplementedError
 
     def _core_fail(self, request_id: str, error: str) -> None:
+        raise NotImplementedError
+
+    def _core_reset_prefix_cache(self) -> None:
         raise NotImplementedError

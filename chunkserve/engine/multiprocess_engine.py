@@ -42,6 +42,7 @@ from chunkserve.engine.core_process import (
     CoreReady,
     FailRequest,
     FinishRequests,
+    ResetPrefixCache,
     Shutdown,
     StepReport,
     encoder,
@@ -259,6 +260,13 @@ class MultiprocessEngine(FrontEnd):
         owner = self._release(request_id)
         if owner is not None:
             self._send(owner, FailRequest(request_id, error))
+
+    def _core_reset_prefix_cache(self) -> None:
+        # Each core applies its commands in order: a request added after this finds the
+        # cache empty. The prefixes routed to a core are cached there no longer.
+        for core, routed in zip(self._cores, self._routed, strict=True):
+            self._send(core, ResetPrefixCache())
+            routed.clear()
 
     def _release(self, request_id: str) -> _Core | None:
         owner = self._owner.pop(request_id, None)

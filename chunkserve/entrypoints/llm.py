@@ -71,6 +71,11 @@ class LLM:
                 )
         return self._run(prompts, params_list, use_tqdm)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (``enable_prefix_caching``): later prompts hit nothing
+        cached before this call."""
+        self.engine.reset_prefix_cache()
+
     def chat(
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],

@@ -105,13 +105,20 @@ class BlockPool:
         at the head if not (handed out first).
 
         Callers pass a request's blocks in reverse order so that the tail of a sequence is
-        evicted before its (more shareable) head.
+        evicted before its (more shareable) head. A block freed more often than it is held
+        (or the null block) is a ``RuntimeError``, raised before any block is freed.
         """
-        for block_id in block_ids:
-            count = self.ref_cnt[block_id]
-            if count <= 0 or block_id == NULL_BLOCK:
+        ref_cnt = self.ref_cnt
+        for block_id in block_ids:  # refused before anything is freed: the pool stays whole
+            if ref_cnt[block_id] <= 0 or block_id == NULL_BLOCK:
                 raise RuntimeError(f"double free of KV block {block_id}")
-            self.ref_cnt[block_id] = count - 1
+        if len(set(block_ids)) < len(block_ids):
+            for block_id in set(block_ids):
+                if block_ids.count(block_id) > ref_cnt[block_id]:
+                    raise RuntimeError(f"double free of KV block {block_id}")
+        for block_id in block_ids:
+            count = ref_cnt[block_id]
+            ref_cnt[block_id] = count - 1
             if count == 1:
                 self._free[block_id] = None
                 if self.block_hash[block_id] is None:
@@ -126,10 +133,13 @@ class BlockPool:
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
 
-    def reset_cache(self) -> None:
-        """Forget all cached content (blocks in use keep their data)."""
+    def reset_cache(self) -> int:
+        """Forget all cached content (blocks in use keep their data and their owners);
+        returns how many blocks were cached."""
+        n = len(self.cached)
         self.cached.clear()
         self.block_hash = [None] * (self.num_blocks + 1)
+        return n
 
     def check_invariants(self) -> None:
         """Raise if the free list, reference counts and cache map disagree (used by tests)."""
@@ -216,6 +226,12 @@ class KVCacheManager:
         request.num_published_blocks = 0
 
     # ---- prefix cache ----------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block's content from the cache (no later request hits it);
+        requests in flight keep their blocks, and blocks they fill from now on are cached
+        again. Returns how many blocks were cached."""
+        return self.pool.reset_cache()
+
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended to ``num_full_blocks`` blocks."""
         hashes = request.block_hashes

@@ -169,10 +169,10 @@ class Scheduler:
         # an online budget reads the prefill load arriving from here.
         self.arrivals: deque[Request] = deque(maxlen=MAX_WAITING_SCAN)
         self.num_added = 0
+        # Admission's share of outputs to reserve: ``init`` after a preemption (and at
+        # start), then linearly down to ``min``, reached after ``decay_steps`` steps exactly.
         self.new_token_ratio = config.init_new_token_ratio
-        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / (
-            config.new_token_ratio_decay_steps
-        )
+        self._steps_since_preemption = 0
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -297,12 +297,8 @@ class Scheduler:
             self._schedule_chunked(out, budget, draft_budget)
         else:
             self._schedule_unchunked(out, budget)
-        if out.preempted:
-            self.new_token_ratio = self.config.init_new_token_ratio
-        else:
-            self.new_token_ratio = max(
-                self.config.min_new_token_ratio, self.new_token_ratio - self._ratio_decay
-            )
+        self._steps_since_preemption = 0 if out.preempted else self._steps_since_preemption + 1
+        self.new_token_ratio = self._decayed_ratio(self._steps_since_preemption)
         now = self.clock()
         for chunk in out.prefills:
             if chunk.request.metrics.first_scheduled_time is None:
@@ -311,6 +307,15 @@ class Scheduler:
         out.num_waiting = len(self.waiting)
         out.kv_usage = self.kv.usage
         return out
+
+    def _decayed_ratio(self, steps: int) -> float:
+        """``new_token_ratio`` ``steps`` steps after the last preemption (computed from the
+        count, not by repeated subtraction, so the minimum is reached on time, exactly)."""
+        c = self.config
+        if steps >= c.new_token_ratio_decay_steps:
+            return c.min_new_token_ratio
+        span = c.init_new_token_ratio - c.min_new_token_ratio
+        return c.init_new_token_ratio - span * steps / c.new_token_ratio_decay_steps
 
     def _schedule_decodes(self, out: SchedulerOutput, draft_budget: int | None) -> None:
         """Every running decode, one token each plus its draft tokens (speculative

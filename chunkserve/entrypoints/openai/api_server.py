@@ -454,6 +454,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.post("/reset_prefix_cache", responses=error_responses(401))
+    async def reset_prefix_cache() -> dict[str, str]:
+        """Empty the prefix cache: no request sent after this reply hits a block cached
+        before it; requests in flight run on unaffected."""
+        state.engine.reset_prefix_cache()
+        return {"status": "ok"}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
