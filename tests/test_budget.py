@@ -184,7 +184,7 @@ def test_decodes_alone_over_target_still_move_one_block_of_prefill(caplog) -> No
         out = sched.schedule(1024)
         sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
     feed(sched, rng, 1, 0)
-    with caplog.at_level("INFO", logger="chunkserve.scheduling.budget"):
+    with caplog.at_level("INFO", logger="chunkserve.budget"):
         for step in range(3):
             d = controller.decide(sched)
             assert d.over_target and d.prefill_room == 16
