@@ -217,12 +217,15 @@ def help_lines(command: str) -> str:
     in order, one per line."""
     lines = []
     for action in subparser(command)._actions:
+        names = ", ".join(action.option_strings)
         if action.nargs == 0 or not action.option_strings:
-            shown = ", ".join(action.option_strings) or action.dest
+            shown = names or action.dest
+        elif action.metavar is not None:  # argparse's order: metavar, choices, dest
+            shown = f"{names} {action.metavar}"
         elif action.choices is not None:
-            shown = f"{', '.join(action.option_strings)} {{{','.join(map(str, action.choices))}}}"
+            shown = f"{names} {{{','.join(map(str, action.choices))}}}"
         else:
-            shown = f"{', '.join(action.option_strings)} {action.metavar or action.dest.upper()}"
+            shown = f"{names} {action.dest.upper()}"
         lines.append(f"{shown}: {action.help or ''}")
     return "\n".join(lines) + "\n"
 
