@@ -31,6 +31,7 @@ from chunkserve.engine.async_engine import (
     RequestHandle,
     RequestTimeoutError,
 )
+from chunkserve.engine.input_processor import CheckedRequest
 from chunkserve.engine.output_processor import RequestOutput, TokenLogprob
 from chunkserve.entrypoints.openai.metrics import Metrics
 from chunkserve.entrypoints.openai.protocol import (
@@ -39,11 +40,11 @@ from chunkserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_text,
     error_body,
     error_responses,
     param_of,
 )
-from chunkserve.scheduling.sampling_params import SamplingParams
 from chunkserve.version import __version__
 
 logger = logging.getLogger("chunkserve.server")
@@ -250,9 +251,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _Choice:
     index: int
     prompt_index: int
-    token_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
+    request: CheckedRequest  # checked here, at the edge: the engine queues it as it is
 
 
 _Submitted = tuple[int, RequestHandle]  # a choice's index and its queued request
@@ -336,7 +335,8 @@ class _Handler:
         max_tokens: int | None,
         logprobs: int | None,
     ) -> list[_Choice]:
-        """Validate every (prompt, n) pair before anything is queued."""
+        """Check every (prompt, n) pair against the engine before anything is queued (the
+        engine queues the checked requests without checking them again)."""
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"{field}: not supported by this server", param=field)
@@ -351,12 +351,12 @@ class _Handler:
         for p_index, (text, ids) in enumerate(prompts):
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
-                self.engine.inputs.check_request(len(ids), params, body.priority)
-                choices.append(_Choice(len(choices), p_index, ids, text, params))
+                checked = self.engine.inputs.check(text, ids, params, body.priority)
+                choices.append(_Choice(len(choices), p_index, checked))
         self.state.engine.check_capacity(len(choices))
         return choices
 
-    def submit(self, choices: list[_Choice], base_id: str, priority: int) -> list[_Submitted]:
+    def submit(self, choices: list[_Choice], base_id: str) -> list[_Submitted]:
         """Queue every choice now, right after ``prepare`` admitted them (no await in
         between): they count against ``--max-waiting-requests`` from here, streaming or
         not. A response that never starts drops the handles, which aborts them."""
@@ -365,11 +365,8 @@ class _Handler:
             (
                 c.index,
                 eng.submit(
-                    c.token_ids,
-                    c.params,
-                    f"{base_id}-{c.index}",
-                    prompt=c.prompt_text,
-                    priority=priority,
+                    c.request,
+                    request_id=f"{base_id}-{c.index}",
                     timeout_s=self.state.request_timeout,
                 ),
             )
@@ -480,6 +477,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_text(body)
         h.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -492,6 +490,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_text(body)
         h.check_model(body.model)
         vocab = engine.model_config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -505,6 +504,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_text(body)
         h.check_model(body.model)
         prompts = [engine.inputs.tokenize_prompt(p) for p in body.prompts()]
         prompts = [
@@ -513,7 +513,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         choices = h.prepare(prompts, body, body.max_tokens, body.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        submitted = h.submit(choices, base_id, body.priority)
+        submitted = h.submit(choices, base_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -526,7 +526,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         out_choices = []
         for c in choices:
             o = finals[c.index]
-            prefix = c.prompt_text if body.echo else ""
+            prefix = c.request.prompt if body.echo else ""
             texts = [h.token_str(t) for t in o.token_ids] if o.logprobs is not None else []
             out_choices.append(
                 {
@@ -550,6 +550,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_text(body)
         h.check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
@@ -557,7 +558,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        submitted = h.submit(choices, base_id, body.priority)
+        submitted = h.submit(choices, base_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -644,7 +645,7 @@ def _stream_completion(
         text = out.delta_text
         if body.echo and index not in echoed:
             echoed.add(index)
-            text = (choices[index].prompt_text or "") + text
+            text = (choices[index].request.prompt or "") + text
         if not text and not out.finished and not out.delta_logprobs:
             return None  # (a step whose text is held back still sends its logprobs)
         logprobs = None
