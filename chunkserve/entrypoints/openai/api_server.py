@@ -41,9 +41,14 @@ from chunkserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     check_text,
-    error_body,
     error_responses,
     param_of,
+)
+from chunkserve.entrypoints.openai.responses import (
+    SSE_DONE,
+    error_body,
+    error_response,
+    sse_event,
 )
 from chunkserve.version import __version__
 
@@ -65,18 +70,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
         self.headers = headers
-
-
-def _error_response(
-    status: int,
-    message: str,
-    err_type: str,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(message, err_type, param, status), status_code=status, headers=headers
-    )
 
 
 class _BodyTooLarge(Exception):
@@ -116,7 +109,7 @@ class BodyLimitMiddleware:
             await self._reject(scope, receive, send)
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
-        response = _error_response(
+        response = error_response(
             413, f"request body is larger than {self.max_bytes} bytes", "invalid_request_error"
         )
         await response(scope, receive, send)
@@ -137,9 +130,7 @@ class APIKeyMiddleware:
             value = headers.get(b"authorization", b"")
             token = value[7:] if value[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
-                response = _error_response(
-                    401, "invalid or missing API key", "authentication_error"
-                )
+                response = error_response(401, "invalid or missing API key", "authentication_error")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -207,11 +198,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         else:
             where = ".".join(loc) or "body"
             message = f"{where}: {first.get('msg', 'invalid value')}"
-        return _error_response(400, message, "invalid_request_error", ".".join(loc) or None)
+        return error_response(400, message, "invalid_request_error", ".".join(loc) or None)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -221,29 +212,29 @@ def _install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
         )
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return _error_response(exc.status_code, message, kind, headers=exc.headers)
+        return error_response(exc.status_code, message, kind, headers=exc.headers)
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return _error_response(400, str(exc), "invalid_request_error", param_of(exc))
+        return error_response(400, str(exc), "invalid_request_error", param_of(exc))
 
     @app.exception_handler(OverloadedError)
     async def on_overload(request: Request, exc: OverloadedError) -> JSONResponse:
-        return _error_response(
+        return error_response(
             503, str(exc), "service_unavailable_error", headers={"Retry-After": "1"}
         )
 
     @app.exception_handler(RequestFailedError)
     async def on_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
-        return _error_response(500, f"request failed in the engine: {exc}", "server_error")
+        return error_response(500, f"request failed in the engine: {exc}", "server_error")
 
     @app.exception_handler(RequestTimeoutError)
     async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
-        return _error_response(504, str(exc), "timeout_error")
+        return error_response(504, str(exc), "timeout_error")
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(503, str(exc), "service_unavailable_error")
+        return error_response(503, str(exc), "service_unavailable_error")
 
 
 # ---- generation helpers ------------------------------------------------------------------------
@@ -305,10 +296,6 @@ async def _until_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
     finally:
         if not task.done():
             task.cancel()
-
-
-def _sse(obj: dict[str, Any] | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 class _Handler:
@@ -446,7 +433,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if not state.engine.healthy:
             why = "stuck: no step finished lately" if state.engine.stuck else "not running"
-            return _error_response(503, f"engine is {why}", "service_unavailable_error")
+            return error_response(503, f"engine is {why}", "service_unavailable_error")
         if state.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -607,7 +594,7 @@ async def _sse_stream(
     continuous = bool(options and options.continuous_usage_stats)
     try:
         for choice in prelude or []:
-            yield _sse({**envelope, "choices": [choice]})
+            yield sse_event({**envelope, "choices": [choice]})
         async for index, out in _merge(submitted):
             counts[index] = len(out.token_ids)
             choice = render(index, out)
@@ -615,17 +602,18 @@ async def _sse_stream(
                 chunk = {**envelope, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = h.usage(prompts, list(counts.values()))
-                yield _sse(chunk)
+                yield sse_event(chunk)
         if include_usage:
             usage = h.usage(prompts, list(counts.values()))
-            yield _sse({**envelope, "choices": [], "usage": usage})
+            yield sse_event({**envelope, "choices": [], "usage": usage})
     except EngineDeadError as exc:
-        yield _sse(error_body(f"request failed: {exc}", "service_unavailable_error", None, 503))
+        event = error_body(f"request failed: {exc}", "service_unavailable_error", None, 503)
+        yield sse_event(event)
     except RequestTimeoutError as exc:
-        yield _sse(error_body(f"request failed: {exc}", "timeout_error", None, 504))
+        yield sse_event(error_body(f"request failed: {exc}", "timeout_error", None, 504))
     except (RequestFailedError, ValueError) as exc:
-        yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
-    yield _sse("[DONE]")
+        yield sse_event(error_body(f"request failed: {exc}", "server_error", None, 500))
+    yield sse_event(SSE_DONE)
 
 
 def _stream_completion(

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chunkserve.engine.input_processor import check_unicode
+from chunkserve.entrypoints.openai.responses import error_body  # noqa: F401 (was defined here)
 from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
@@ -289,15 +290,6 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         504: "the request ran past --request-timeout",
     }
     return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
-
-
-def error_body(
-    message: str,
-    err_type: str = "invalid_request_error",
-    param: str | None = None,
-    code: int | str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def check_text(body: BaseModel) -> None:
