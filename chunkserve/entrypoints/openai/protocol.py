@@ -18,7 +18,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chunkserve.engine.input_processor import check_unicode
-from chunkserve.entrypoints.openai.responses import error_body  # noqa: F401 (was defined here)
 from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
