@@ -356,80 +356,134 @@ class BudgetPolicy:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything a user can set on the engine. Unknown keys raise ``TypeError``."""
+class Flag:
+    """How a field of ``EngineConfig`` appears on the command line: ``engine_args`` makes
+    the argparse option from this, the field's name, type and default (one source: a new
+    field with a ``Flag`` is a new flag, with its default and help).
 
-    model: str | None = None
+    - ``name``: the flag without ``--`` (default: the field's name with ``-`` for ``_``);
+      ``aliases``: other spellings (``--tp``).
+    - ``help``: the ``--help`` text (argparse's format: ``%%`` for ``%``).
+    - ``choices``: the values allowed (``None`` in them is the absent flag).
+    - ``unit="bytes"``: a size, written ``1073741824``, ``512MiB``, ``2GiB`` or ``1.5G``.
+    - A bool field: default False gives ``--name``; default True gives only ``--no-name``,
+      or both forms with ``both=True``.
+    - A field whose type admits text (``str | dict | ...``) takes its value as text.
+    """
+
+    help: str | None = None
+    name: str | None = None
+    aliases: tuple[str, ...] = ()
+    choices: tuple[Any, ...] | None = None
+    unit: str | None = None
+    both: bool = False
+
+
+FLAG = "flag"  # the key of a field's ``Flag`` in its metadata
+
+
+def _flag(default: Any, help: str | None = None, **flag: Any) -> Any:
+    """A field of ``EngineConfig`` with its command-line flag."""
+    return field(default=default, metadata={FLAG: Flag(help, **flag)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything a user can set on the engine. Unknown keys raise ``TypeError``.
+
+    Each field is also an engine flag of the commands (``engine_args``), in this order, with
+    the default and the help its ``Flag`` gives."""
+
+    model: str | None = _flag(
+        None, "a .gguf file or an HF directory (default: embedded SmolLM2-135M)"
+    )
     """Path to a ``.gguf`` file or an HF directory (config.json + *.safetensors). None: the
     embedded SmolLM2-135M-Instruct."""
-    tokenizer: str | None = None
+    tokenizer: str | None = _flag(None, "tokenizer directory (tokenizer.json)")
     """Tokenizer directory (tokenizer.json); default: from the model."""
-    dtype: str = "auto"
+    dtype: str = _flag("auto", choices=DTYPES)
     """auto: bf16 on GPUs and on CPUs with native bf16, else fp32."""
-    device: str = "auto"
-    load_format: str = "auto"
-    """auto: read the weights from the model; dummy: random weights of the model's shapes,
-    made on the device (benchmarks of shapes whose weights are not at hand; a directory with
-    only config.json and a tokenizer is then enough)."""
-    max_model_len: int | None = None
+    device: str = _flag("auto", choices=DEVICES)
+    max_model_len: int | None = _flag(None)
     """Longest prompt + output; default: the model's context length."""
-    block_size: int = 16
+    block_size: int = _flag(16)
     """Tokens per KV-cache block."""
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = _flag(
+        None, "bytes for the KV cache (e.g. 1GiB); default 1 GiB on CPU", unit="bytes"
+    )
     """Bytes for the KV pool; default 1 GiB on CPU, 90% of free memory on a GPU (tensor
     parallel: per rank, each holding its share of the KV heads)."""
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = _flag(
+        None,
+        "token budget per step: given alone, every step has it (static); with "
+        "--max-decode-slowdown, --long-step-share or --itl-slo-ms, the most an adaptive step "
+        "carries (default: "
+        "adaptive, cap min(8192, max-model-len); 512 with chunking off)",
+    )
     """Token budget of one step, decodes plus prefill chunks. Given alone (no
     ``itl_slo_ms``, no ``max_decode_slowdown``): every step has this budget (static, as in
     vLLM). Otherwise the most an adaptive step may carry (default min(8192,
     max_model_len)). None with chunking off: 512."""
-    max_num_seqs: int | None = None
+    max_num_seqs: int | None = _flag(None)
     """Most requests running at once; default 128, or the token budget if that is smaller."""
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = _flag(
+        True,
+        "whole prompts in prefill-only steps (decodes stall): the baseline",
+        name="chunked-prefill",
+    )
     """False: whole prompts in prefill-only steps, which stall decodes (the baseline)."""
-    scheduling_policy: str = "fcfs"
-    prefill_order: str = "shortest"
+    scheduling_policy: str = _flag("fcfs", choices=SCHEDULING_POLICIES)
+    prefill_order: str = _flag(
+        "shortest",
+        "how a step's prefill share is handed out: shortest (default; prefills in "
+        "progress move a block each, then the prompts with least left, aged by their wait) "
+        "or arrival (policy order)",
+        choices=PREFILL_ORDERS,
+    )
     """How a chunked step's prefill share is handed out, after the policy's priorities:
     ``shortest``: the prompts with the least left to compute go first (a waiting prompt's
     length shrinks as it waits, so a long one is not passed over for ever), and a prefill in
     progress that got nothing in the last step moves one KV block before them (every prompt
     in progress advances at least every other step): a short prompt arriving while a long
     one is chunked gets its first token in a step or two. ``arrival``: in policy order."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = _flag(
+        True, "reuse cached KV of shared prompt prefixes (default: on)", both=True
+    )
     """Reuse the KV of full blocks whose prefix was computed before (chained block hashes)."""
-    max_num_partial_prefills: int = 0
+    max_num_partial_prefills: int = _flag(0, "most prompts mid-prefill at once (0: no limit)")
     """Most prompts mid-prefill at once (0: no limit)."""
-    max_long_partial_prefills: int = 1
+    max_long_partial_prefills: int = _flag(
+        1, "most long prompts mid-prefill at once; short ones start first (0: no limit)"
+    )
     """Most long prompts mid-prefill at once; shorter prompts start ahead of waiting long
     ones (0: no limit)."""
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: int | None = _flag(
+        None,
+        "prompts with more tokens left are long: at most this many tokens and half the "
+        "budget per step before short ones start (default 4%% of max-model-len; 0: off)",
+    )
     """A prompt with more tokens left than this is long: it takes at most this many tokens,
     and at most half the budget, per step before shorter prompts are admitted (leftover
     budget goes back to it). None: 4% of max_model_len; 0: no prompt is long (limits on long
     prompts off)."""
-    schedule_conservativeness: float = 1.0
-    """Scales the KV room reserved for running requests' future outputs when admitting new
-    ones (SGLang's flag): higher admits later and preempts less; 0 admits as soon as the
-    prompt fits (vLLM-like: more preemption)."""
-    seed: int = 0
-    """Seed of the sampler for requests that carry no seed of their own."""
-    num_threads: int | None = None
-    """torch intra-op threads on CPU; default: torch's choice."""
-    attention_backend: str = "auto"
-    """auto: triton on CUDA when Triton is installed, else torch (the reference)."""
-    fused_ops: bool = True
-    """On CUDA with Triton: fused RMSNorm(+residual), rotary and SiLU-mul kernels (False:
-    plain torch ops)."""
-    enforce_eager: bool = False
-    """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
-    padded batch sizes)."""
-    max_decode_slowdown: float | None = None
+    max_decode_slowdown: float | None = _flag(
+        None,
+        "adaptive budget (the default, 2.0): a step that carries prefill may take at "
+        "most this many times as long as its decodes alone, unless the measured prefill load "
+        "needs more (with --max-num-batched-tokens: the cap)",
+    )
     """Adaptive budget (the default when no budget is named; 2.0): a step that carries
     prefill may take this many times as long as the recent mean step of its decodes alone,
     as the online step-time cost model predicts it, or more when the measured prefill load
     needs a bigger share of the machine. Named with ``max_num_batched_tokens``, that is the
     cap of the adaptive budget."""
-    long_step_share: float | None = None
+    long_step_share: float | None = _flag(
+        None,
+        "adaptive budget (default 0.005): the share of token gaps that long steps may "
+        "take, each prefilling waiting prompts whole that no step under the slowdown fits, "
+        "in one step of up to 25x the step's fixed cost; 0: never (named, the budget is "
+        "adaptive; with --max-num-batched-tokens: the cap)",
+    )
     """Adaptive budget (default 0.005): the share of token gaps (a decode in a step) that
     long steps may take. A long step prefills waiting prompts whole, each of which no step
     under ``max_decode_slowdown`` fits whole, in one step of up to 25x the step's fixed cost
@@ -437,47 +491,116 @@ class EngineConfig:
     streams). 0: never (every step with prefill stays under the slowdown). Named with
     ``max_num_batched_tokens``, as ``max_decode_slowdown``: the budget is adaptive, capped
     there."""
-    itl_slo_ms: float | None = None
+    itl_slo_ms: float | None = _flag(
+        None,
+        "inter-token latency target: choose each step's budget online to stay under it",
+    )
     """Inter-token latency target: each step's budget is chosen online from a step-time cost
     model so the step stays under it (decodes are never dropped; prefill still gets one KV
     block a step)."""
-    cost_profile: str | None = None
+    cost_profile: str | None = _flag(
+        None,
+        "cost model JSON from `chunkserve profile` (with an adaptive budget, the "
+        "default: the saved one, if any); every step's prediction is logged and exported "
+        "beside its time",
+    )
     """Profile JSON from ``chunkserve profile``; with an online budget (adaptive or
     ``itl_slo_ms``) the default is the one saved beside the model for this device, dtype and
     thread count, if any (else the model starts safe and learns). With a profile, every
     step's predicted time is logged and exported beside its measured time
     (``chunkserve:step_time_over_predicted``)."""
-    log_stats_interval: int = 20
-    """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    schedule_conservativeness: float = _flag(
+        1.0, "KV room kept for running requests' outputs when admitting (SGLang's flag)"
+    )
+    """Scales the KV room reserved for running requests' future outputs when admitting new
+    ones (SGLang's flag): higher admits later and preempts less; 0 admits as soon as the
+    prompt fits (vLLM-like: more preemption)."""
+    seed: int = _flag(0, "sampler seed of unseeded requests")
+    """Seed of the sampler for requests that carry no seed of their own."""
+    num_threads: int | None = _flag(None, "torch threads on CPU")
+    """torch intra-op threads on CPU; default: torch's choice."""
+    attention_backend: str = _flag("auto", choices=ATTENTION_BACKENDS)
+    """auto: triton on CUDA when Triton is installed, else torch (the reference)."""
+    load_format: str = _flag(
+        "auto",
+        "dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
+        choices=LOAD_FORMATS,
+    )
+    """auto: read the weights from the model; dummy: random weights of the model's shapes,
+    made on the device (benchmarks of shapes whose weights are not at hand; a directory with
+    only config.json and a tokenizer is then enough)."""
+    enforce_eager: bool = _flag(False, "never use CUDA graphs (CUDA only)")
+    """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
+    padded batch sizes)."""
+    fused_ops: bool = _flag(
+        True,
+        "plain torch ops instead of the fused Triton norm/rotary/SiLU kernels (CUDA only)",
+    )
+    """On CUDA with Triton: fused RMSNorm(+residual), rotary and SiLU-mul kernels (False:
+    plain torch ops)."""
+    speculative_config: SpeculativeConfig | dict | str | None = _flag(  # noqa: RUF009 (a field)
+        None,
+        'speculative decoding as JSON (vLLM\'s form): {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; also '
+        '"disable_by_batch_size", "min_acceptance_rate"',
+    )
     """Speculative decoding (``SpeculativeConfig``; a dict or JSON text in vLLM's form, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4}``). None: off."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _flag(
+        1,
+        "split the model over this many processes (torch.distributed: gloo on CPU, NCCL "
+        "on CUDA); on CPU each takes --num-threads (default: the cores / ranks on the node)",
+        aliases=("--tp",),
+    )
     """Ranks the model's layers are split across (Megatron-style, on torch.distributed: gloo
     on CPU, NCCL on CUDA), one process each; each holds its share of the weights and of the
     KV cache. On CPU each rank takes ``num_threads`` (default: the cores / local ranks)."""
-    nnodes: int = 1
+    nnodes: int = _flag(
+        1, "nodes the tensor-parallel ranks span (MASTER_ADDR/MASTER_PORT name node 0)"
+    )
     """Nodes the tensor-parallel ranks span (``MASTER_ADDR``/``MASTER_PORT`` name rank 0's
     node when more than one); each node runs ``tensor_parallel_size / nnodes`` ranks."""
-    node_rank: int = 0
+    node_rank: int = _flag(0, "this node's index: 0 serves, the others run their ranks headless")
     """This node's index among ``nnodes``: node 0 serves; the others only compute."""
-    tensor_parallel_shm: bool = True
+    tensor_parallel_shm: bool = _flag(
+        True, "tensor-parallel ranks on one CPU host sum over gloo instead of shared memory"
+    )
     """Ranks on one CPU host sum their partial outputs through shared memory (gloo's
     per-call latency is ~100x a decode layer's work on a small VM); False: every
     collective on gloo."""
-    disaggregation_mode: str | None = None
+    disaggregation_mode: str | None = _flag(
+        None,
+        "prefill/decode disaggregation: 'prefill' computes prompts' KV and sends it to "
+        "the decode instance that asked; 'decode' receives it and samples every token "
+        "(put `chunkserve router` in front)",
+        choices=DISAGGREGATION_MODES,
+    )
     """Prefill/decode disaggregation (SGLang's ``--disaggregation-mode``): ``prefill``
     computes prompts' KV caches and sends them to the decode instance that asked
     (``chunkserve.disagg``); ``decode`` takes requests naming a prefill instance
     (``kv_transfer_params.prefill_url``, set by ``chunkserve router``), receives their KV
     and samples every token. None: colocated (requests naming one are refused)."""
-    kv_connector: str = "shm"
+    kv_connector: str = _flag(
+        "shm",
+        "decode side: how KV blocks arrive: shared memory (one host, the default) or "
+        "torch.distributed point-to-point (separate hosts)",
+        choices=KV_CONNECTORS,
+    )
     """How a decode instance receives KV blocks: ``shm`` (a shared-memory file per transfer:
     both instances on one host) or ``torch`` (torch.distributed point-to-point: gloo on CPU,
     NCCL on CUDA; separate hosts). The prefill side follows what each handle names."""
-    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_host: str = _flag(
+        "127.0.0.1", "--kv-connector torch: the address this decode instance listens on"
+    )
     """``kv_connector="torch"``: the address a decode instance listens on for prefill
     instances (one they can reach)."""
+    log_stats_interval: int = _flag(
+        20,
+        "decode-only steps summed into one info line (1: a line per step)",
+        name="decode-log-interval",
+    )
+    """Log a summary line every this many decode-only steps (prefill/mixed steps always)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

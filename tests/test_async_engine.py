@@ -303,3 +303,32 @@ def test_admission_counts_a_request_from_submit_on(engine: Engine, monkeypatch) 
 
     asyncio.run(main())
     assert_no_blocks_in_use(engine)
+
+
+def test_server_checks_each_request_once_at_its_edge(engine: Engine, monkeypatch) -> None:
+    """The server checks and tokenises a request once: its sampling parameters validate
+    when built from the body, the edge (``InputProcessor.check``) trusts them unchanged, and
+    the engine thread queues the checked request without checking it again."""
+    calls = {"validate": 0, "check": 0, "tokenize": 0}
+
+    def counting(owner, name: str, key: str) -> None:
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    counting(SamplingParams, "validate", "validate")
+    counting(engine.inputs, "check", "check")
+    counting(engine.tokenizer, "encode", "tokenize")
+    app = build_app(AsyncEngine(engine), served_model_name="m")
+    with TestClient(app) as client:
+        body = {"prompt": "Hello there", "max_tokens": 2, "n": 3, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        assert calls == {"validate": 3, "check": 3, "tokenize": 1}  # one per choice, one text
+        r = client.post("/v1/completions", json={**body, "temperature": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert_no_blocks_in_use(engine)

@@ -264,7 +264,7 @@ def test_refcounts_hold_under_random_add_abort_finish(ops, chunked: bool, num_bl
             r = _req(f"r{len(added)}", prefix, tail, max_tokens)
             needed = r.num_prompt_tokens + max_tokens
             if needed > config.max_model_len or kv.num_blocks_for(needed - 1) > kv.num_blocks:
-                continue  # the edge refuses it (InputProcessor.check_request); never reaches here
+                continue  # the edge refuses it (InputProcessor.check); never reaches here
             sched.add_request(r)
             added.append(r)
         elif item[0] == "step":

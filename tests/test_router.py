@@ -391,6 +391,22 @@ def test_bad_requests_are_answered_by_the_router(
     assert not fakes[1].received
 
 
+def test_router_shares_the_servers_error_bodies_and_loads_no_engine() -> None:
+    """The router answers with the server's OpenAI error body and SSE framing
+    (``openai.responses``) and, importing them, loads neither the engine nor torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, chunkserve.entrypoints.router as r, chunkserve.entrypoints.openai.responses"
+        " as o\n"
+        "assert r.error_response is o.error_response and r.error_body is o.error_body\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('chunkserve.engine')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_dead_decode_instance_is_502(
     fakes: list[FakeInstance], start_router: Callable[..., str]
 ) -> None:

@@ -222,7 +222,7 @@ def test_admission_reserves_room_for_running_outputs() -> None:
 
 
 def test_scheduler_trusts_the_edge_and_asserts_what_it_checked() -> None:
-    """Lengths and ids are validated once, by ``InputProcessor.check_request`` (tests there and in
+    """Lengths and ids are validated once, by ``InputProcessor.check`` (tests there and in
     the server's); the scheduler asserts them."""
     sched = make_scheduler(block_size=4, num_blocks=3, max_model_len=1000)
     with pytest.raises(AssertionError, match="cannot ever fit"):

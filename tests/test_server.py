@@ -527,6 +527,49 @@ def test_bad_completion_fields_are_400(server: Server, body: dict, param: str) -
     assert_error(post(server, "/v1/completions", json=body), 400, param)
 
 
+JSON = {"content-type": "application/json"}
+# Bodies written as raw JSON: "\\ud800" escapes a lone UTF-16 surrogate, which no Unicode
+# text holds (a client library would refuse to encode it). Each is a 400 naming the field.
+LONE_SURROGATES = [
+    ("/v1/completions", '{"prompt": "\\ud800 hi", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udc00"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "stop": "x\\ud800", "max_tokens": 2}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "user": "\\ud800", "max_tokens": 2}', "user"),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+        "messages[0].content",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": '
+        '[{"type": "text", "text": "\\udfff"}]}], "max_tokens": 2}',
+        "messages[1].content[0].text",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "\\ud800", "content": "x"}], "max_tokens": 2}',
+        "messages[0].role",
+    ),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), LONE_SURROGATES)
+def test_lone_surrogate_is_400_naming_the_field(server: Server, path, raw, param) -> None:
+    r = post(server, path, content=raw.encode(), headers=JSON)
+    err = assert_error(r, 400, param)
+    assert err["message"].startswith(f"{param}: not valid Unicode text")
+
+
+def test_a_surrogate_pair_is_one_character(server: Server) -> None:
+    raw = '{"prompt": "\\ud83d\\ude00 ok", "max_tokens": 1, "temperature": 0}'
+    r = post(server, "/v1/completions", content=raw.encode(), headers=JSON)
+    assert r.status_code == 200, r.text
+
+
 def test_there_are_thirty_distinct_bad_inputs() -> None:
     assert len({json.dumps(b, sort_keys=True) for b, _ in BAD_COMPLETIONS}) >= 30
 

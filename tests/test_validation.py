@@ -208,3 +208,88 @@ def test_serve_flags_name_the_budget_policy() -> None:
     capped = policy("--max-num-batched-tokens", "256", "--long-step-share", "0.01")
     assert capped == BudgetPolicy("adaptive", 256, decode_slowdown=2.0, long_step_share=0.01)
     assert policy("--max-num-batched-tokens", "256").kind == "static"
+
+
+def llm_on(engine: Engine) -> LLM:
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer = engine, engine.tokenizer
+    return llm
+
+
+def test_generate_takes_vllm_prompt_dicts(engine: Engine) -> None:
+    """vLLM's prompt dicts (``TokensPrompt``, ``TextPrompt``), in a list or alone, give what
+    the plain forms give."""
+    llm = llm_on(engine)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    ids = engine.tokenizer.encode("The capital of France is")
+    plain = llm.generate([ids, "The capital of France is"], greedy, use_tqdm=False)
+    forms = [{"prompt_token_ids": ids}, {"prompt": "The capital of France is"}]
+    dicts = llm.generate(forms, greedy, use_tqdm=False)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert dicts[1].prompt == "The capital of France is"
+    (alone,) = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    assert alone.token_ids == plain[0].token_ids
+    (text,) = llm.generate({"prompt": "The capital of France is"}, greedy, use_tqdm=False)
+    assert text.token_ids == plain[1].token_ids
+    assert_no_blocks_in_use(engine)
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        [{"prompt_ids": [1, 2]}],
+        {"multi_modal_data": {}, "prompt": "x"},
+        [{}],
+        [3.5],
+        [None],
+        [{"prompt": 5}],
+        [{"prompt_token_ids": "abc"}],
+        7,
+    ],
+    ids=repr,
+)
+def test_generate_refuses_other_prompts_saying_what_a_prompt_is(engine: Engine, prompts) -> None:
+    with pytest.raises(ValueError, match=r"^prompts?(_token_ids)?: .*(token ids|a prompt is)"):
+        llm_on(engine).generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_no_blocks_in_use(engine)
+    assert engine.core.scheduler.num_waiting == 0
+
+
+def test_prompt_with_a_lone_surrogate(engine: Engine) -> None:
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode.*U\+D800, at character 6"):
+        engine.add_request("hello \ud800", SamplingParams())
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode"):
+        engine.add_request({"prompt": "\udfff"}, SamplingParams())
+    assert_no_blocks_in_use(engine)
+
+
+def count_validations(monkeypatch) -> list[int]:
+    calls = [0]
+    real = SamplingParams.validate
+
+    def counted(self) -> None:
+        calls[0] += 1
+        real(self)
+
+    monkeypatch.setattr(SamplingParams, "validate", counted)
+    return calls
+
+
+def test_offline_generate_validates_sampling_params_once(engine: Engine, monkeypatch) -> None:
+    calls = count_validations(monkeypatch)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    assert calls[0] == 1  # built: it checks itself
+    llm_on(engine).generate(["a", "b", "c"], params, use_tqdm=False)
+    assert calls[0] == 1  # the edge trusts an unchanged one
+
+
+def test_sampling_params_changed_after_building_are_checked_at_the_edge(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=2)
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="^temperature:"):
+        engine.add_request("hi", params)
+    params.temperature, params.max_tokens = 0.0, 0
+    with pytest.raises(ValueError, match="^max_tokens:"):
+        engine.add_request("hi", params)
+    assert_no_blocks_in_use(engine)
+    assert engine.core.scheduler.num_waiting == 0

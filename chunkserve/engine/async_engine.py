@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd
+from chunkserve.engine.input_processor import CheckedRequest
 from chunkserve.engine.output_processor import RequestOutput
 from chunkserve.scheduling.sampling_params import SamplingParams
 from chunkserve.worker.worker import DeviceError
@@ -58,10 +59,7 @@ class RequestTimeoutError(RuntimeError):
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
-    params: SamplingParams
-    priority: int
+    request: CheckedRequest
     arrival_time: float
 
 
@@ -236,18 +234,22 @@ class AsyncEngine:
 
     def submit(
         self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        request: CheckedRequest | Sequence[int],
+        params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         prompt: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> RequestHandle:
-        """Queue a (pre-validated) request now (on the event loop's thread) and return its
-        handle. Called right after ``check_capacity``, with no await between, so the
-        request counts against ``max_waiting_requests`` from admission on, streaming or
-        not."""
+        """Queue a request now (on the event loop's thread) and return its handle: a
+        ``CheckedRequest`` (the server checks at its edge), or prompt token ids, ``params``
+        and ``priority``, checked here (``ValueError`` naming the field). Called right after
+        ``check_capacity``, with no await between, so the request counts against
+        ``max_waiting_requests`` from admission on, streaming or not. The engine thread
+        only queues it."""
+        if not isinstance(request, CheckedRequest):
+            request = self.engine.inputs.process(prompt, params, priority, prompt_token_ids=request)
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
         request_id = request_id or self.new_request_id()
@@ -256,9 +258,7 @@ class AsyncEngine:
             self._num_pending += 1
         self._streams_register(request_id, stream)
         self._live.add(stream)
-        self._commands.put(
-            _Add(request_id, list(prompt_token_ids), prompt, params, priority, time.monotonic())
-        )
+        self._commands.put(_Add(request_id, request, time.monotonic()))
         self._wakeup.set()
         return RequestHandle(self, request_id, stream, timeout_s)
 
@@ -383,19 +383,12 @@ class AsyncEngine:
                 self._num_pending -= 1
                 self._num_waiting += 1
             try:
-                self.engine.add_request(
-                    prompt_token_ids=cmd.prompt_token_ids,
-                    prompt=cmd.prompt,
-                    sampling_params=cmd.params,
-                    request_id=cmd.request_id,
-                    priority=cmd.priority,
-                    arrival_time=cmd.arrival_time,
-                )
+                self.engine.add_checked(cmd.request, cmd.request_id, cmd.arrival_time)
             except Exception as exc:  # fails this request, not the loop
                 with self._lock:
                     self._num_waiting -= 1
                 self._streams.pop(cmd.request_id, None)
-                if isinstance(exc, ValueError):  # the edge missed a check: a 400
+                if isinstance(exc, ValueError):  # a request id in use: a 400
                     stream.put(exc)
                 else:
                     logger.exception("adding %s failed", cmd.request_id)

@@ -1,11 +1,12 @@
 """The front end of an engine: what a request meets before and after the core.
 
 ``FrontEnd`` loads what the edge needs and nothing of the device (model config, tokenizer,
-EOS ids, context length), checks and tokenises requests once (``input_processor.InputProcessor``),
-turns the core's token-id deltas into text (``output_processor.OutputProcessor``) and tells the
+EOS ids, context length), checks and tokenises requests once (``input_processor.InputProcessor``;
+a request checked there, as the server's are, is queued as it is: ``add_checked``), turns the
+core's token-id deltas into text (``output_processor.OutputProcessor``) and tells the
 listeners (the server's metrics). Where the core runs is the subclass's: ``engine.Engine``
-(in this process, stepped by the caller) or ``multiprocess_engine.MultiprocessEngine`` (engine-core
-processes over ZeroMQ).
+(in this process, stepped by the caller) or ``multiprocess_engine.MultiprocessEngine``
+(engine-core processes over ZeroMQ).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from chunkserve.config import EngineConfig, ModelConfig
 from chunkserve.engine.core import CoreOutput, CoreRequest
-from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.input_processor import CheckedRequest, InputProcessor
 from chunkserve.engine.output_processor import OutputProcessor, RequestOutput
 from chunkserve.engine.step_log import StepStats
 from chunkserve.engine.tokenizer import Tokenizer
@@ -65,7 +66,7 @@ class FrontEnd:
     # ---- requests --------------------------------------------------------------------------
     def add_request(
         self,
-        prompt: str | Sequence[int] | None = None,
+        prompt: str | Sequence[int] | dict | None = None,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -73,19 +74,31 @@ class FrontEnd:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` naming the bad field."""
-        text, token_ids = self.inputs.tokenize_prompt(prompt, prompt_token_ids)
-        params = sampling_params or SamplingParams()
-        max_tokens = self.inputs.check_request(len(token_ids), params, priority)
+        """Check and queue a request (``InputProcessor.process``); returns its id. Raises
+        ``ValueError`` naming the bad field."""
+        checked = self.inputs.process(prompt, sampling_params, priority, prompt_token_ids)
+        return self.add_checked(checked, request_id, arrival_time)
+
+    def add_checked(
+        self,
+        request: CheckedRequest,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request the edge has checked (``InputProcessor``), checking nothing of it
+        again; returns its id. ``ValueError`` only for a ``request_id`` in use."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self.outputs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        r = request
         self._core_add(
-            CoreRequest(request_id, token_ids, params, max_tokens, arrival_time, priority)
+            CoreRequest(
+                request_id, r.prompt_token_ids, r.params, r.max_tokens, arrival_time, r.priority
+            )
         )
-        self.outputs.add_request(request_id, text, token_ids, params, arrival_time)
+        self.outputs.add_request(request_id, r.prompt, r.prompt_token_ids, r.params, arrival_time)
         return request_id
 
     def has_unfinished(self) -> bool:

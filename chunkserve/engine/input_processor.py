@@ -1,19 +1,35 @@
 """The front end's input side: prompts (text or token ids) -> token ids, and every check a
 request needs, made once, here at the edge, against the model (its vocabulary and context
-length). What passes is a ``core.CoreRequest`` the core takes without checking again.
+length). What passes is a ``CheckedRequest``: the front end queues it without checking again
+(``FrontEnd.add_checked``), and the core takes it as a ``core.CoreRequest``.
 
-Reads only the tokenizer and immutable configuration, so any thread may call it.
+Reads only the tokenizer and immutable configuration, so any thread may call it (the server
+checks on its event loop's thread; the engine thread only queues).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from chunkserve.config import ModelConfig
 from chunkserve.disagg.connector import KVHandle
 from chunkserve.engine.tokenizer import Tokenizer
 from chunkserve.scheduling.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from chunkserve.worker import structured
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed every check against this engine (made by ``InputProcessor``
+    alone): its token ids, its text if it came as text, its sampling parameters and
+    priority, and ``max_tokens`` resolved against the context length."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int = 0
 
 
 class InputProcessor:
@@ -29,14 +45,28 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.disaggregation_mode = disaggregation_mode
 
-    def check_request(
-        self, num_prompt_tokens: int, params: SamplingParams, priority: int = 0
-    ) -> int:
-        """Validate a request against this engine without queueing it; return its resolved
-        ``max_tokens``. Reads only immutable state, so any thread may call it."""
+    def process(
+        self,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> CheckedRequest:
+        """A prompt (text or token ids) and its parameters, tokenised and checked;
+        ``ValueError`` naming the bad field."""
+        text, token_ids = self.tokenize_prompt(prompt, prompt_token_ids)
+        return self.check(text, token_ids, SamplingParams() if params is None else params, priority)
+
+    def check(
+        self, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> CheckedRequest:
+        """Check a tokenised prompt (from ``tokenize_prompt``: its ids are in the
+        vocabulary) and its parameters against this engine; ``ValueError`` naming the bad
+        field. ``params`` is validated unless it passed ``validate()`` since its fields were
+        last set (``SamplingParams.validate_if_changed``)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
-        params.validate()
+        params.validate_if_changed()
         if (
             not isinstance(priority, int)
             or isinstance(priority, bool)
@@ -53,7 +83,7 @@ class InputProcessor:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             structured.check(params.structured_outputs)  # parses: the core compiles it
-        n = num_prompt_tokens
+        n = len(token_ids)
         if n < 1:
             raise ValueError("prompt: must not be empty")
         if n >= self.max_model_len:
@@ -68,14 +98,14 @@ class InputProcessor:
                     f"min_tokens: {params.min_tokens} do not fit beside the {n}-token prompt "
                     f"in max_model_len ({self.max_model_len})"
                 )
-            return self.max_model_len - n
+            return CheckedRequest(prompt, token_ids, params, self.max_model_len - n, priority)
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: this model's maximum context length is {self.max_model_len} "
                 f"tokens, but {n + params.max_tokens} were requested ({n} in the prompt and "
                 f"{params.max_tokens} for the completion)"
             )
-        return params.max_tokens
+        return CheckedRequest(prompt, token_ids, params, params.max_tokens, priority)
 
     def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         kv = params.kv_transfer_params
@@ -101,13 +131,24 @@ class InputProcessor:
                 )
 
     def tokenize_prompt(
-        self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None = None
+        self,
+        prompt: str | Sequence[int] | dict | None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text or ids; ids are range-checked. Uses
-        only the tokenizer and immutable config, so any thread may call it."""
-        if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
+        """(text, token ids) of a prompt given as text, token ids or one of vLLM's prompt
+        dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``); ids are range-checked.
+        Anything else is a ``ValueError`` saying what a prompt may be. Uses only the
+        tokenizer and immutable config, so any thread may call it."""
+        if isinstance(prompt, dict) and prompt_token_ids is None:
+            prompt, prompt_token_ids = _prompt_dict(prompt)
+        elif prompt_token_ids is None and _is_ids(prompt):
             prompt_token_ids, prompt = prompt, None
         if prompt_token_ids is not None:
+            if not _is_ids(prompt_token_ids):
+                raise ValueError(
+                    f"prompt_token_ids: must be a list of token ids, got "
+                    f"{type(prompt_token_ids).__name__}"
+                )
             ids = list(prompt_token_ids)
             if not ids:
                 raise ValueError("prompt: must not be empty")
@@ -117,14 +158,55 @@ class InputProcessor:
                     raise ValueError(
                         f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})"
                     )
+            if prompt is not None and not isinstance(prompt, str):
+                raise ValueError(f"prompt: must be text beside prompt_token_ids, got {prompt!r}")
             return prompt, ids
         if not isinstance(prompt, str):
-            raise ValueError(
-                f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
+            raise ValueError(f"prompt: must be {PROMPT_FORMS}, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt: must not be empty")
+        check_unicode("prompt", prompt)
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("prompt: tokenizes to zero tokens")
         return prompt, ids
+
+
+PROMPT_FORMS = (
+    "a string, a list of token ids, {'prompt': text} or {'prompt_token_ids': [token ids]}"
+)
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _prompt_dict(prompt: dict) -> tuple[object, object]:
+    """(text, token ids) of one of vLLM's prompt dicts (``TextPrompt``, ``TokensPrompt``)."""
+    unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+    if unknown or not prompt:
+        what = f"{unknown[0]!r} is not supported" if unknown else "an empty dict"
+        raise ValueError(f"prompt: {what}; a prompt is {PROMPT_FORMS}")
+    if "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), prompt["prompt_token_ids"]
+    return prompt["prompt"], None
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a UTF-16 surrogate not paired into a character (JSON's
+    ``"\\ud800"``: no Unicode text can hold it, no tokenizer takes it); None if nowhere."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        return exc.start
+
+
+def check_unicode(name: str, text: str) -> None:
+    """``ValueError`` naming ``name`` if ``text`` holds a lone surrogate."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ValueError(
+            f"{name}: not valid Unicode text (a lone UTF-16 surrogate, "
+            f"U+{ord(text[at]):04X}, at character {at})"
+        )

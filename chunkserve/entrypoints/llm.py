@@ -7,10 +7,13 @@ from typing import Any
 
 from chunkserve.config import EngineConfig
 from chunkserve.engine.engine import Engine
+from chunkserve.engine.input_processor import PROMPT_FORMS
 from chunkserve.engine.output_processor import RequestOutput
 from chunkserve.scheduling.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or one of vLLM's prompt dicts ({"prompt": text},
+# {"prompt_token_ids": [ids]}); ``InputProcessor.tokenize_prompt`` reads each.
+Prompt = str | list[int] | dict[str, Any]
 
 
 # The offline token budget when none is named. ``generate`` returns when the whole batch is
@@ -53,11 +56,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in the prompts' order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        """Generate for every prompt; outputs in the prompts' order. A prompt is text, a
+        list of token ids, ``{"prompt": text}`` or ``{"prompt_token_ids": [ids]}`` (vLLM's
+        prompt dicts); one prompt or a list of them."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # one prompt
+        if not isinstance(prompts, Sequence):
+            raise ValueError(
+                f"prompts: must be a prompt or a list of prompts; a prompt is {PROMPT_FORMS}, "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: must not be empty")

@@ -66,6 +66,8 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from chunkserve.entrypoints.openai.responses import SSE_DONE, error_body, error_response, sse_event
+
 logger = logging.getLogger("chunkserve.router")
 
 Role = Literal["prefill", "decode", "data_parallel"]
@@ -91,20 +93,8 @@ _PASSTHROUGH_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id")
 _REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
-def error_body(
-    message: str, err_type: str, param: str | None = None, code: int | str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def _error_response(
-    status: int, message: str, err_type: str, param: str | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, param, status), status_code=status)
-
-
 def _sse(obj: dict[str, Any] | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+    return sse_event(obj).encode()
 
 
 def normalize_url(url: str) -> str:
@@ -429,13 +419,13 @@ class _Proxy:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error_response(400, f"malformed JSON body: {exc}", "invalid_request_error")
+            return error_response(400, f"malformed JSON body: {exc}", "invalid_request_error")
         if not isinstance(body, dict):
-            return _error_response(
+            return error_response(
                 400, "the request body must be a JSON object", "invalid_request_error"
             )
         if KV_TRANSFER_FIELD in body:
-            return _error_response(
+            return error_response(
                 400,
                 f"{KV_TRANSFER_FIELD}: set by the router, not by clients",
                 "invalid_request_error",
@@ -532,7 +522,7 @@ class _Proxy:
             self._upstream_failed(error)
             status = error.status
             yield _sse(error.body())
-            yield _sse("[DONE]")
+            yield _sse(SSE_DONE)
         except BaseException:
             status = CLIENT_CLOSED_STATUS
             raise
@@ -561,7 +551,7 @@ class _Proxy:
             return Response(
                 resp.content, status_code=resp.status_code, headers=_passthrough_headers(resp)
             )
-        return _error_response(
+        return error_response(
             502, f"no {role} instance answered /v1/models: " + "; ".join(failures), "bad_gateway"
         )
 
@@ -582,7 +572,7 @@ class _Proxy:
         missing = [role for role in roles if not status[role]["up"]]
         if missing:
             down = ", ".join(f"{role} {url}" for role in roles for url in status[role]["down"])
-            return _error_response(
+            return error_response(
                 503,
                 f"no healthy {' or '.join(missing)} instance (down: {down})",
                 "service_unavailable_error",
@@ -638,12 +628,12 @@ def build_router_app(
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return _error_response(exc.status_code, f"{request.url.path}: {message}", kind)
+        return error_response(exc.status_code, f"{request.url.path}: {message}", kind)
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("%s %s failed", request.method, request.url.path)
-        return _error_response(500, f"router error: {type(exc).__name__}", "server_error")
+        return error_response(500, f"router error: {type(exc).__name__}", "server_error")
 
     return app
 

@@ -1,6 +1,8 @@
 """A request's sampling parameters (the public ``SamplingParams``), its structured-output
 and KV-transfer parameters, and the caps one request may ask for. Each checks itself in
-``validate()``; the front end calls it once, at the edge.
+``validate()``. ``SamplingParams`` validates itself when built; the front end's edge check
+(``InputProcessor.check``) validates it again only if a field was set since
+(``validate_if_changed``), so an unchanged request is validated once.
 
 Pure Python (no torch).
 """
@@ -225,7 +227,22 @@ class SamplingParams:
                 raise ValueError(f"kv_transfer_params: {exc}") from None
         self.validate()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_validated", False)  # a field changed since validate()
+
+    def validate_if_changed(self) -> None:
+        """``validate()``, unless it passed and no field was set since. (A list or dict
+        changed in place is not seen: call ``validate()`` after that.)"""
+        if not self.__dict__.get("_validated", False):
+            self.validate()
+
     def validate(self) -> None:
+        """``ValueError`` naming the first field out of range."""
+        self._validate()
+        object.__setattr__(self, "_validated", True)
+
+    def _validate(self) -> None:
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",

@@ -176,7 +176,7 @@ class Scheduler:
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request the edge has checked (``Engine.check_request``: its length fits
+        """Queue a request the edge has checked (``InputProcessor.check``: its length fits
         ``max_model_len``, which the engine sized the cache to hold; its id is new)."""
         assert request.request_id not in self.requests, f"{request.request_id!r} is in use"
         needed = request.num_prompt_tokens + request.max_tokens

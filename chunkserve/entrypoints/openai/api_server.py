@@ -31,6 +31,7 @@ from chunkserve.engine.async_engine import (
     RequestHandle,
     RequestTimeoutError,
 )
+from chunkserve.engine.input_processor import CheckedRequest
 from chunkserve.engine.output_processor import RequestOutput, TokenLogprob
 from chunkserve.entrypoints.openai.metrics import Metrics
 from chunkserve.entrypoints.openai.protocol import (
@@ -39,11 +40,16 @@ from chunkserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
+    check_text,
     error_responses,
     param_of,
 )
-from chunkserve.scheduling.sampling_params import SamplingParams
+from chunkserve.entrypoints.openai.responses import (
+    SSE_DONE,
+    error_body,
+    error_response,
+    sse_event,
+)
 from chunkserve.version import __version__
 
 logger = logging.getLogger("chunkserve.server")
@@ -64,18 +70,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
         self.headers = headers
-
-
-def _error_response(
-    status: int,
-    message: str,
-    err_type: str,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(message, err_type, param, status), status_code=status, headers=headers
-    )
 
 
 class _BodyTooLarge(Exception):
@@ -115,7 +109,7 @@ class BodyLimitMiddleware:
             await self._reject(scope, receive, send)
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
-        response = _error_response(
+        response = error_response(
             413, f"request body is larger than {self.max_bytes} bytes", "invalid_request_error"
         )
         await response(scope, receive, send)
@@ -136,9 +130,7 @@ class APIKeyMiddleware:
             value = headers.get(b"authorization", b"")
             token = value[7:] if value[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
-                response = _error_response(
-                    401, "invalid or missing API key", "authentication_error"
-                )
+                response = error_response(401, "invalid or missing API key", "authentication_error")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -206,11 +198,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         else:
             where = ".".join(loc) or "body"
             message = f"{where}: {first.get('msg', 'invalid value')}"
-        return _error_response(400, message, "invalid_request_error", ".".join(loc) or None)
+        return error_response(400, message, "invalid_request_error", ".".join(loc) or None)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -220,29 +212,29 @@ def _install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
         )
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return _error_response(exc.status_code, message, kind, headers=exc.headers)
+        return error_response(exc.status_code, message, kind, headers=exc.headers)
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return _error_response(400, str(exc), "invalid_request_error", param_of(exc))
+        return error_response(400, str(exc), "invalid_request_error", param_of(exc))
 
     @app.exception_handler(OverloadedError)
     async def on_overload(request: Request, exc: OverloadedError) -> JSONResponse:
-        return _error_response(
+        return error_response(
             503, str(exc), "service_unavailable_error", headers={"Retry-After": "1"}
         )
 
     @app.exception_handler(RequestFailedError)
     async def on_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
-        return _error_response(500, f"request failed in the engine: {exc}", "server_error")
+        return error_response(500, f"request failed in the engine: {exc}", "server_error")
 
     @app.exception_handler(RequestTimeoutError)
     async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
-        return _error_response(504, str(exc), "timeout_error")
+        return error_response(504, str(exc), "timeout_error")
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(503, str(exc), "service_unavailable_error")
+        return error_response(503, str(exc), "service_unavailable_error")
 
 
 # ---- generation helpers ------------------------------------------------------------------------
@@ -250,9 +242,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _Choice:
     index: int
     prompt_index: int
-    token_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
+    request: CheckedRequest  # checked here, at the edge: the engine queues it as it is
 
 
 _Submitted = tuple[int, RequestHandle]  # a choice's index and its queued request
@@ -308,10 +298,6 @@ async def _until_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
             task.cancel()
 
 
-def _sse(obj: dict[str, Any] | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
 class _Handler:
     """Shared plumbing of the two generation endpoints."""
 
@@ -336,7 +322,8 @@ class _Handler:
         max_tokens: int | None,
         logprobs: int | None,
     ) -> list[_Choice]:
-        """Validate every (prompt, n) pair before anything is queued."""
+        """Check every (prompt, n) pair against the engine before anything is queued (the
+        engine queues the checked requests without checking them again)."""
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"{field}: not supported by this server", param=field)
@@ -351,12 +338,12 @@ class _Handler:
         for p_index, (text, ids) in enumerate(prompts):
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
-                self.engine.inputs.check_request(len(ids), params, body.priority)
-                choices.append(_Choice(len(choices), p_index, ids, text, params))
+                checked = self.engine.inputs.check(text, ids, params, body.priority)
+                choices.append(_Choice(len(choices), p_index, checked))
         self.state.engine.check_capacity(len(choices))
         return choices
 
-    def submit(self, choices: list[_Choice], base_id: str, priority: int) -> list[_Submitted]:
+    def submit(self, choices: list[_Choice], base_id: str) -> list[_Submitted]:
         """Queue every choice now, right after ``prepare`` admitted them (no await in
         between): they count against ``--max-waiting-requests`` from here, streaming or
         not. A response that never starts drops the handles, which aborts them."""
@@ -365,11 +352,8 @@ class _Handler:
             (
                 c.index,
                 eng.submit(
-                    c.token_ids,
-                    c.params,
-                    f"{base_id}-{c.index}",
-                    prompt=c.prompt_text,
-                    priority=priority,
+                    c.request,
+                    request_id=f"{base_id}-{c.index}",
                     timeout_s=self.state.request_timeout,
                 ),
             )
@@ -449,7 +433,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if not state.engine.healthy:
             why = "stuck: no step finished lately" if state.engine.stuck else "not running"
-            return _error_response(503, f"engine is {why}", "service_unavailable_error")
+            return error_response(503, f"engine is {why}", "service_unavailable_error")
         if state.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -487,6 +471,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_text(body)
         h.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -499,6 +484,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_text(body)
         h.check_model(body.model)
         vocab = engine.model_config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -512,6 +498,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_text(body)
         h.check_model(body.model)
         prompts = [engine.inputs.tokenize_prompt(p) for p in body.prompts()]
         prompts = [
@@ -520,7 +507,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         choices = h.prepare(prompts, body, body.max_tokens, body.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        submitted = h.submit(choices, base_id, body.priority)
+        submitted = h.submit(choices, base_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -533,7 +520,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         out_choices = []
         for c in choices:
             o = finals[c.index]
-            prefix = c.prompt_text if body.echo else ""
+            prefix = c.request.prompt if body.echo else ""
             texts = [h.token_str(t) for t in o.token_ids] if o.logprobs is not None else []
             out_choices.append(
                 {
@@ -557,6 +544,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_text(body)
         h.check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
@@ -564,7 +552,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        submitted = h.submit(choices, base_id, body.priority)
+        submitted = h.submit(choices, base_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -613,7 +601,7 @@ async def _sse_stream(
     continuous = bool(options and options.continuous_usage_stats)
     try:
         for choice in prelude or []:
-            yield _sse({**envelope, "choices": [choice]})
+            yield sse_event({**envelope, "choices": [choice]})
         async for index, out in _merge(submitted):
             counts[index] = len(out.token_ids)
             choice = render(index, out)
@@ -621,17 +609,18 @@ async def _sse_stream(
                 chunk = {**envelope, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = h.usage(prompts, list(counts.values()))
-                yield _sse(chunk)
+                yield sse_event(chunk)
         if include_usage:
             usage = h.usage(prompts, list(counts.values()))
-            yield _sse({**envelope, "choices": [], "usage": usage})
+            yield sse_event({**envelope, "choices": [], "usage": usage})
     except EngineDeadError as exc:
-        yield _sse(error_body(f"request failed: {exc}", "service_unavailable_error", None, 503))
+        event = error_body(f"request failed: {exc}", "service_unavailable_error", None, 503)
+        yield sse_event(event)
     except RequestTimeoutError as exc:
-        yield _sse(error_body(f"request failed: {exc}", "timeout_error", None, 504))
+        yield sse_event(error_body(f"request failed: {exc}", "timeout_error", None, 504))
     except (RequestFailedError, ValueError) as exc:
-        yield _sse(error_body(f"request failed: {exc}", "server_error", None, 500))
-    yield _sse("[DONE]")
+        yield sse_event(error_body(f"request failed: {exc}", "server_error", None, 500))
+    yield sse_event(SSE_DONE)
 
 
 def _stream_completion(
@@ -651,7 +640,7 @@ def _stream_completion(
         text = out.delta_text
         if body.echo and index not in echoed:
             echoed.add(index)
-            text = (choices[index].prompt_text or "") + text
+            text = (choices[index].request.prompt or "") + text
         if not text and not out.finished and not out.delta_logprobs:
             return None  # (a step whose text is held back still sends its logprobs)
         logprobs = None

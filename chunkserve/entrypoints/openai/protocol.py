@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from chunkserve.engine.input_processor import check_unicode
 from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
@@ -290,13 +291,25 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
 
 
-def error_body(
-    message: str,
-    err_type: str = "invalid_request_error",
-    param: str | None = None,
-    code: int | str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+def check_text(body: BaseModel) -> None:
+    """``ValueError`` naming the first string in a request body that is not Unicode text
+    (JSON lets ``"\\ud800"`` escape a lone UTF-16 surrogate; no tokenizer, template or
+    encoder takes it): ``prompt``, ``stop``, ``messages[0].content``, ... A string in a list
+    of strings names the list; a dict key names its dict."""
+    _check_text(body.model_dump(), "")
+
+
+def _check_text(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        check_unicode(path or "body", value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_unicode(path or "body", key)
+            _check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]" if isinstance(item, (dict, list)) else path)
 
 
 def param_of(exc: ValueError) -> str | None:
