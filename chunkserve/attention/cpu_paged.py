@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkserve.attention.base import BatchLayout
+from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 from chunkserve.attention.cpu_kernels import PagedAttentionKernel
-from chunkserve.attention.torch_ref import TorchAttentionBackend, _TorchMetadata
+from chunkserve.attention.torch_ref import TorchAttentionBackend, _Opts, _TorchMetadata
 
 # Chunks continuing a cached sequence of at most this many rows go to the kernel (None: any),
 # by dtype; longer ones to the torch path. bf16: torch's matmuls run at about twice the fp32
@@ -64,6 +64,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if dtype == torch.bfloat16 and kernel.bf16_tiles:
             self.kernel_max_rows = BF16_TILES_MAX_ROWS
 
+    def supports(self, spec: AttentionSpec | None) -> str | None:
+        """A scale only, for now: the kernel has no windows or caps yet."""
+        return AttentionBackend.supports(self, spec)
+
     def _new_metadata(self) -> _CpuMetadata:
         return _CpuMetadata()
 
@@ -89,15 +93,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         metadata: _TorchMetadata,
+        opts: _Opts,
     ) -> None:
         batch = metadata.kernel_batch
         if batch is None:
             return
         if torch.autograd._profiler_enabled():  # named in profiler tables (6 us a call)
             with torch.profiler.record_function("chunkserve::paged_attention"):
-                self._call_kernel(q, k_cache, v_cache, out, batch)
+                self._call_kernel(q, k_cache, v_cache, out, batch, opts)
         else:
-            self._call_kernel(q, k_cache, v_cache, out, batch)
+            self._call_kernel(q, k_cache, v_cache, out, batch, opts)
 
     def _call_kernel(
         self,
@@ -106,6 +111,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         batch: _KernelBatch,
+        opts: _Opts,
     ) -> None:
         self.kernel(
             q.contiguous(),
@@ -116,5 +122,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             batch.q_start,
             batch.q_len,
             batch.ctx_lens,
-            self.scale,
+            opts.scale,
         )
