@@ -29,6 +29,7 @@ needs_cpu_kernel = pytest.mark.skipif(
 )
 CPU_BACKENDS = [
     pytest.param("torch", id="torch"),
+    pytest.param("cpu", id="cpu-kernel", marks=needs_cpu_kernel),
 ]
 # (H, Hkv, head_dim): Llama-like 64 and 128 with G = 4; Gemma 3 270M's 4 heads of 256 over
 # one KV head; G = 1 (several rows of a draft stay on the kernel's row path).
@@ -207,6 +208,14 @@ def test_spec_validation_names_the_field() -> None:
             AttentionSpec(**kwargs)
     assert AttentionSpec().resolve_scale(256) == 256**-0.5
     assert AttentionSpec(scale=144**-0.5).resolve_scale(128) == 144**-0.5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_backends_support_every_spec(backend: str) -> None:
+    attn = get_attention_backend(backend, CPU, 8, 2, 64, torch.float32, 16)
+    spec = AttentionSpec(scale=0.1, sliding_window=4096, logit_softcap=50.0)
+    assert attn.supports(None) is None
+    assert attn.supports(spec) is None
 
 
 needs_triton = pytest.mark.skipif(

@@ -12,6 +12,11 @@ keys 56 -> 21 ms, 64 rows there 84 -> 69 ms, 128 rows after 1,000 67 -> 55 ms, b
 after 256 186 -> 374 ms (hence the bf16 limit); fp32 16 rows after 3,000 159 -> 33 ms, 128
 rows there 366 -> 211 ms, 512 rows 1,053 -> 1,012 ms. The row loop alone (before the tile
 path) had lost to the matmuls past 4 rows in bf16 and 17 in fp32.
+
+A layer's ``AttentionSpec`` reaches the kernel as its scale, window and soft-cap, on every
+path (rows, tiles, scalar loops); under a window W it reads only the blocks from the one
+holding the first row's window start (a decode at 8k keys with W = 512 reads ~33 blocks of
+16, not 512). The torch path it keeps for first chunks takes them as the torch backend does.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
+from chunkserve.attention.base import AttentionSpec, BatchLayout
 from chunkserve.attention.cpu_kernels import PagedAttentionKernel
 from chunkserve.attention.torch_ref import TorchAttentionBackend, _Opts, _TorchMetadata
 
@@ -65,8 +70,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self.kernel_max_rows = BF16_TILES_MAX_ROWS
 
     def supports(self, spec: AttentionSpec | None) -> str | None:
-        """A scale only, for now: the kernel has no windows or caps yet."""
-        return AttentionBackend.supports(self, spec)
+        """Every scale, window and soft-cap (the kernel takes them on all its paths)."""
+        return None
 
     def _new_metadata(self) -> _CpuMetadata:
         return _CpuMetadata()
@@ -123,4 +128,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             batch.q_len,
             batch.ctx_lens,
             opts.scale,
+            opts.window,
+            opts.softcap,
         )
