@@ -45,8 +45,9 @@ def _batches(bs: int) -> list[tuple[int, list, list]]:
         (100, [(20, 30), (0, 30)], [(7, 1), (150, 1)]),
         # a window one past a block, crossing block edges, chunks not block-aligned
         (bs + 1, [(bs - 2, 2 * bs), (3, 5)], [(3 * bs + 5, 1), (bs, 1)]),
-        # cached prefixes much longer than the window: the early blocks are never needed
-        (24, [(200, 17), (301, 64)], [(500, 1), (23, 1), (24, 1)]),
+        # cached prefixes much longer than the window: the early blocks are never needed;
+        # at 54 cached the first row's first key (54 - 24 + 1 = 31) is a block's last one
+        (24, [(200, 17), (301, 64), (54, 20)], [(500, 1), (23, 1), (24, 1), (54, 1)]),
         # decodes only, W one short of a block; short chunks (drafts) of 2-7 rows
         (bs - 1, [(90, 2), (41, 7)], [(1, 1), (bs - 1, 1), (bs, 1), (5 * bs + 3, 1)]),
         # W = 1: every row sees only itself

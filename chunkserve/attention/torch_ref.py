@@ -17,9 +17,10 @@ an einsum over ``[D, Hkv, G, hd]``.
 A layer's ``AttentionSpec`` (scale, sliding window, soft-cap) reaches every path as ``_Opts``.
 Without a window or a cap the paths above run as they are (only the scale changes). With
 them: prefill chunks go through ``_prefill_spec`` (query blocks, each against the keys its
-rows' windows hold, gathered from the first block a window reaches); decodes and short chunks
-keep their padded gathers, with the window's lower edge added to their masks (a mask per
-window, built once per step) and the cap applied to their scores.
+rows' windows hold, gathered from the first block a window reaches); decodes gather only the
+blocks their windows reach (a gather and mask per window, built once per step); short chunks
+keep their padded gathers with the window's lower edge added to their masks; the cap applies
+to every path's scores.
 """
 
 from __future__ import annotations
@@ -72,8 +73,18 @@ class _DecodeGroup:
     num_blocks: int  # max_blocks; S = max_blocks * block_size
     contiguous_start: int | None  # rows are start..start+n-1 (no scatter needed)
     seq_lens: torch.Tensor  # [n, 1, 1] keys each row sees (its position + 1)
-    # pad_mask with each window's lower edge added, by W (built on first use in a step)
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The group under each window W: only the blocks its windows reach (first use in a step)
+    windowed: dict[int, _WindowedDecodes] = field(default_factory=dict)
+
+
+@dataclass
+class _WindowedDecodes:
+    """A decode group's gather under a window W: row i reads its blocks from the one holding
+    key ``len_i - W`` on, ``num_blocks`` of them (padded with the null block)."""
+
+    block_ids: torch.Tensor  # [n * num_blocks] int64
+    mask: torch.Tensor  # [n, 1, num_blocks * block_size] bool, True = outside the window
+    num_blocks: int
 
 
 @dataclass
@@ -89,7 +100,8 @@ class _ShortGroup:
     mask: torch.Tensor  # [m, r, 1, S] bool, True = a key the row must not see
     num_blocks: int
     limits: torch.Tensor  # [m, r, 1, 1] keys each row sees (its position + 1)
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # as _DecodeGroup's
+    # mask with each window's lower edge added, by W (built on first use in a step)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -534,29 +546,26 @@ class TorchAttentionBackend(AttentionBackend):
         group: _DecodeGroup,
         opts: _Opts,
     ) -> torch.Tensor:
-        """One group of decode rows: [n, H, hd] -> [n, H, hd]."""
+        """One group of decode rows: [n, H, hd] -> [n, H, hd]. Under a window only the
+        blocks the rows' windows reach are gathered."""
         n = q.shape[0]
-        seq = group.num_blocks * k_cache.shape[1]
+        block_ids, mask, num_blocks = group.block_ids, group.pad_mask, group.num_blocks
+        if opts.window is not None:
+            windowed = _windowed_decodes(group, opts.window, k_cache.shape[1])
+            block_ids, mask, num_blocks = windowed.block_ids, windowed.mask, windowed.num_blocks
+        seq = num_blocks * k_cache.shape[1]
         width = self.num_kv_heads * self.head_dim
-        total_blocks = group.block_ids.numel()
-        kd = torch.index_select(
-            k_cache, 0, group.block_ids, out=self._buffer(0, k_cache, total_blocks)
-        )
-        vd = torch.index_select(
-            v_cache, 0, group.block_ids, out=self._buffer(1, v_cache, total_blocks)
-        )
+        total_blocks = block_ids.numel()
+        kd = torch.index_select(k_cache, 0, block_ids, out=self._buffer(0, k_cache, total_blocks))
+        vd = torch.index_select(v_cache, 0, block_ids, out=self._buffer(1, v_cache, total_blocks))
         kd = kd.view(n, seq, width)  # [n, S, Hkv * hd]
         vd = vd.view(n, seq, width)
         # Queries block-diagonal over KV heads: row h is non-zero in head h // G's columns.
         qb = q.new_zeros(n, self.num_heads, self.num_kv_heads, self.head_dim)
         qb[:, self._head_idx, self._kv_head_idx] = q * opts.scale
         scores = torch.bmm(qb.view(n, self.num_heads, width), kd.transpose(1, 2))  # [n, H, S]
-        if opts.plain:
-            scores.masked_fill_(group.pad_mask, float("-inf"))
-        else:
-            self._cap(scores, opts)
-            mask = _window_mask(group.pad_mask, group.seq_lens, opts, group.window_masks)
-            scores.masked_fill_(mask, float("-inf"))
+        self._cap(scores, opts)
+        scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # fp32 inside; 5x faster than dtype=fp32
         o = torch.bmm(probs, vd).view(n, self.num_heads, self.num_kv_heads, self.head_dim)
         return o[:, self._head_idx, self._kv_head_idx]  # each head's own KV head block
@@ -582,4 +591,25 @@ def _window_mask(
         key_pos = torch.arange(mask.shape[-1], device=mask.device)
         out = mask | (key_pos < limits - w)
         cache[w] = out
+    return out
+
+
+def _windowed_decodes(group: _DecodeGroup, window: int, block_size: int) -> _WindowedDecodes:
+    """``group`` under ``window`` (built once per step and W): each row's blocks from the one
+    holding its window's first key, ``len - W`` (or 0), to its last."""
+    out = group.windowed.get(window)
+    if out is None:
+        n, bs = group.seq_lens.numel(), block_size
+        lens = group.seq_lens.view(-1)  # [n]
+        first = (lens - window).clamp(min=0) // bs  # [n] first block each row reads
+        end = (lens + bs - 1) // bs  # [n] one past its last
+        count = int((end - first).max())
+        cols = first[:, None] + torch.arange(count, device=lens.device)  # [n, count]
+        table = group.block_ids.view(n, group.num_blocks)
+        ids = table.gather(1, cols.clamp(max=group.num_blocks - 1))
+        ids = ids.masked_fill(cols >= end[:, None], 0)  # past a row's end: the null block
+        key_pos = first[:, None] * bs + torch.arange(count * bs, device=lens.device)
+        hidden = (key_pos >= lens[:, None]) | (key_pos < lens[:, None] - window)
+        out = _WindowedDecodes(ids.reshape(-1), hidden[:, None, :], count)
+        group.windowed[window] = out
     return out
