@@ -580,8 +580,9 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
             const char *kb = (const char *)kc + (table[b] * block_stride + kvh * D) * esize;
             const char *vb = (const char *)vc + (table[b] * block_stride + kvh * D) * esize;
             if (vector) { /* the KV head's rows (j, g), in groups of up to MR */
-                /* 16 (or 32) query vectors at most */
-                const int group = D == 64 ? MR : D == 128 ? 2 : 1;
+                /* 16, 16 or 32 query vectors: at D = 256 two rows still beat one (and the
+                 * scalar loops): each key row loaded (and widened from bf16) once for both */
+                const int group = D == 64 ? MR : 2;
                 const float *qp[MR];
                 int64_t lo[MR], n[MR];
                 stat_t *ist[MR];
