@@ -23,17 +23,24 @@ from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
 H, HKV, HD = 6, 2, 32
 
 
-def dense_reference(q_rows, k_all, v_all, positions, scale):
+def dense_reference(q_rows, k_all, v_all, positions, scale, window=None, softcap=None):
     """q_rows: [n, H, hd] of one request at ``positions``; k_all/v_all: [ctx, Hkv, hd] of
-    that request from position 0. Each row sees keys 0..its position."""
+    that request from position 0. Each row sees keys 0..its position; with a ``window`` W
+    only keys > position - W (HF transformers' ``kv_idx > q_idx - sliding_window``). Scores
+    ``scale * q . k``, then ``softcap * tanh(s / softcap)``, then the mask, then softmax."""
     g = q_rows.shape[1] // k_all.shape[1]
-    out = torch.empty_like(q_rows)
-    for i, pos in enumerate(positions):
-        k = k_all[: pos + 1].repeat_interleave(g, dim=1)  # [pos+1, H, hd]
-        v = v_all[: pos + 1].repeat_interleave(g, dim=1)
-        scores = torch.einsum("hd,khd->hk", q_rows[i].float(), k.float()) * scale
-        probs = scores.softmax(-1)
-        out[i] = torch.einsum("hk,khd->hd", probs, v.float()).to(q_rows.dtype)
+    k = k_all.repeat_interleave(g, dim=1).float()  # [ctx, H, hd]
+    v = v_all.repeat_interleave(g, dim=1).float()
+    key_pos = torch.arange(k_all.shape[0], device=k_all.device).view(1, -1)
+    pos = torch.tensor(positions, device=k_all.device).view(-1, 1)
+    visible = key_pos <= pos  # [n, ctx]: an explicit mask over every key of the request
+    if window is not None:
+        visible &= key_pos > pos - window
+    scores = torch.einsum("nhd,khd->nhk", q_rows.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1)
+    out = torch.einsum("nhk,khd->nhd", probs, v).to(q_rows.dtype)
     return out
 
 
@@ -94,11 +101,16 @@ def _check_random_batch(
     heads=(H, HKV, HD),
     batch=None,
     all_to_kernel=False,
-) -> None:
+    spec=None,
+    tol=None,
+    want_spec="same",
+) -> tuple[float, torch.Tensor]:
     """One batch (``random_batch``'s, or ``batch``: (prefills, decodes)) through the backend
     against the dense reference, the pool poisoned with NaN outside what was written.
     ``all_to_kernel``: the cpu backend sends every chunk with a cached prefix to its kernel,
-    however long."""
+    however long. ``spec``: the ``AttentionSpec`` passed to forward; the reference uses
+    ``want_spec`` ("same": that one). Returns the largest error seen (under ``tol``) and the
+    backend's output."""
     H, HKV, HD = heads  # the module's names, for these heads
     prefills, decodes = batch or random_batch(rng, block_size)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in prefills + decodes) + 40
@@ -155,21 +167,32 @@ def _check_random_batch(
         v_new[row : row + c.num_tokens] = full_v[rid][c.start : c.end]
         row += c.num_tokens
     meta = attn.prepare(layout)
-    got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta)
+    if spec is None:
+        got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta)
+    else:
+        got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta, spec=spec)
     assert not got[layout.num_tokens :].any()  # padding rows stay zero
 
     row = 0
-    tol = 2e-5 if dtype == torch.float32 else 6e-2  # bf16 rounds scores and probabilities
+    if tol is None:
+        tol = 2e-5 if dtype == torch.float32 else 6e-2  # bf16 rounds scores and probabilities
+    ref = spec if want_spec == "same" else want_spec
+    scale = HD**-0.5 if ref is None or ref.scale is None else ref.scale
+    window = None if ref is None else ref.sliding_window
+    softcap = None if ref is None else ref.logit_softcap
+    worst = 0.0
     for c in out.chunks:
         rid = c.request.request_id
         rows = slice(row, row + c.num_tokens)
         want = dense_reference(
-            q[rows], full_k[rid], full_v[rid], list(range(c.start, c.end)), HD**-0.5
+            q[rows], full_k[rid], full_v[rid], list(range(c.start, c.end)), scale, window, softcap
         )
         err = (got[rows].float() - want.float()).abs().max().item()
         assert err < tol, (
-            f"seed={seed} bs={block_size} {rid} start={c.start} n={c.num_tokens}: max err {err}"
+            f"seed={seed} bs={block_size} {rid} start={c.start} n={c.num_tokens} spec={spec}: "
+            f"max err {err}"
         )
+        worst = max(worst, err)
         row += c.num_tokens
     # The new K/V landed in the cache at the request's slots.
     for c in out.chunks:
@@ -177,6 +200,7 @@ def _check_random_batch(
         for pos in range(c.start, c.end):
             slot = r.block_ids[pos // block_size] * block_size + pos % block_size
             assert torch.equal(k_cache.view(-1, HKV, HD)[slot], full_k[r.request_id][pos])
+    return worst, got
 
 
 def test_unknown_backend_is_a_clear_error() -> None:
@@ -205,10 +229,10 @@ def test_fp32_prefill_through_sdpa_matches_the_blocked_path(start: int) -> None:
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> None:
-    """Head sizes of 64 and 128 take the kernel's vector path; a lone long decode (a
+    """Head sizes of 64, 128 and 256 take the kernel's vector path; a lone long decode (a
     prompt's first token after a long prefill) and a few long rows are split over key ranges
     merged at the end; short chunks of several rows see their causal limits."""
     seed = random.randrange(1 << 30)
@@ -224,7 +248,7 @@ def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> N
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256)], ids=str)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_tile_path_for_long_chunks(heads, block_size: int, dtype) -> None:

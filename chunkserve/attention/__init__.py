@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from chunkserve.attention.base import AttentionBackend, BatchLayout
+from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 from chunkserve.config import ATTENTION_BACKENDS
 
 
@@ -75,4 +75,10 @@ def _cpu_kernel(device: torch.device, dtype: torch.dtype, block_size: int, head_
     return cpu_kernels.load()
 
 
-__all__ = ["AttentionBackend", "BatchLayout", "get_attention_backend", "triton_usable"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionSpec",
+    "BatchLayout",
+    "get_attention_backend",
+    "triton_usable",
+]

@@ -19,11 +19,46 @@ created and never written.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention computes beyond plain causal softmax attention; the
+    model passes it to ``AttentionBackend.forward`` per layer (``None`` there: all defaults).
+
+    - ``scale``: the factor on q . k before the softmax; ``None`` means ``head_dim ** -0.5``
+      (Gemma 2 uses ``query_pre_attn_scalar ** -0.5``).
+    - ``sliding_window`` W: the query at absolute position ``p`` sees the keys at positions
+      ``max(0, p - W + 1) .. p`` (W keys, itself included), as HF transformers' sliding
+      window mask (``kv_idx > q_idx - W``) and its configs' ``sliding_window`` mean it. So
+      query ``i`` of a chunk starting at position ``s`` sees ``max(0, s+i-W+1) .. s+i``,
+      whatever the chunk size, block size or cached prefix. ``None``: no window.
+    - ``logit_softcap`` c: scores (already scaled) become ``c * tanh(scores / c)`` before
+      masking and softmax (Gemma 2's ``attn_logit_softcapping``). ``None``: none.
+    """
+
+    scale: float | None = None
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale: must be a finite number > 0, got {self.scale!r}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window: must be an int >= 1 or None, got {w!r}")
+        c = self.logit_softcap
+        if c is not None and not (math.isfinite(c) and c > 0):
+            raise ValueError(f"logit_softcap: must be a finite number > 0 or None, got {c!r}")
+
+    def resolve_scale(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else float(self.scale)
 
 
 @dataclass
@@ -70,6 +105,9 @@ class AttentionBackend(ABC):
     - row r of a prefill chunk starting at position p attends to keys 0..p+i of its own
       request (i = r's index within the chunk); a decode row attends to its own request's
       keys 0..position; nothing crosses requests;
+    - with a ``spec`` (``AttentionSpec``), its scale, and keys ``max(0, p+i-W+1)..p+i``
+      under a sliding window W, and scores soft-capped; ``spec=None`` is the default scale,
+      no window, no cap (and no extra cost);
     - returns [T, num_heads, head_dim] in ``q.dtype``.
     """
 
@@ -83,6 +121,32 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+
+    def supports(self, spec: AttentionSpec | None) -> str | None:
+        """None if ``forward`` computes ``spec``, else why not (naming what is missing).
+        The base takes only specs with nothing but a scale; backends override."""
+        if spec is None:
+            return None
+        missing = [
+            name
+            for name, value in (
+                ("sliding_window", spec.sliding_window),
+                ("logit_softcap", spec.logit_softcap),
+            )
+            if value is not None
+        ]
+        if missing:
+            return (
+                f"the {self.name} attention backend does not implement {' or '.join(missing)}"
+                " (the torch and cpu backends do)"
+            )
+        return None
+
+    def check_spec(self, spec: AttentionSpec | None) -> None:
+        """Raise a ValueError naming what ``spec`` asks that this backend lacks."""
+        why = self.supports(spec)
+        if why is not None:
+            raise ValueError(f"attention spec {spec}: {why}")
 
     @abstractmethod
     def prepare(self, layout: BatchLayout) -> Any:
@@ -116,5 +180,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         layout: BatchLayout,
         metadata: Any,
+        spec: AttentionSpec | None = None,
     ) -> torch.Tensor:
-        """Write ``k``/``v`` at ``layout.slot_mapping`` and return the attention output."""
+        """Write ``k``/``v`` at ``layout.slot_mapping`` and return the attention output.
+        ``spec``: this layer's scale, window and soft-cap (None: the defaults); one this
+        backend does not support (``supports``) is a ValueError."""

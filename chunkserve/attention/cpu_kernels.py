@@ -60,7 +60,7 @@ class PagedAttentionKernel:
         fn = lib.paged_attention
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64]
-        fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64]
+        fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
         lib.paged_attention_bf16_tiles.restype = ctypes.c_int
@@ -79,11 +79,15 @@ class PagedAttentionKernel:
         q_len: torch.Tensor,
         ctx_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Rows ``q_start[s] .. q_start[s] + q_len[s] - 1`` of ``q`` [T, H, D] attend to the
-        first ``ctx_lens[s]`` keys of sequence ``s`` (row j sees ``ctx - q_len + 1 + j``),
-        whose blocks are ``tables[s]``; the result goes to the same rows of ``out``. Every
-        tensor contiguous, on the CPU; the index tensors int64."""
+        first ``ctx_lens[s]`` keys of sequence ``s`` (row j sees ``ctx - q_len + 1 + j``, or
+        with a ``window`` W only the last W of those), whose blocks are ``tables[s]``; the
+        result goes to the same rows of ``out``. Scores are ``scale * q . k``, soft-capped to
+        ``softcap * tanh(s / softcap)`` when one is given. Every tensor contiguous, on the
+        CPU; the index tensors int64."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         rc = self._fn(
             q.data_ptr(),
@@ -102,6 +106,8 @@ class PagedAttentionKernel:
             head_dim,
             block_size,
             scale,
+            window or 0,
+            softcap or 0.0,
             torch.get_num_threads(),
         )
         if rc:  # the backend only sends what the kernel takes: a bug, not a fallback

@@ -12,6 +12,11 @@ keys 56 -> 21 ms, 64 rows there 84 -> 69 ms, 128 rows after 1,000 67 -> 55 ms, b
 after 256 186 -> 374 ms (hence the bf16 limit); fp32 16 rows after 3,000 159 -> 33 ms, 128
 rows there 366 -> 211 ms, 512 rows 1,053 -> 1,012 ms. The row loop alone (before the tile
 path) had lost to the matmuls past 4 rows in bf16 and 17 in fp32.
+
+A layer's ``AttentionSpec`` reaches the kernel as its scale, window and soft-cap, on every
+path (rows, tiles, scalar loops); under a window W it reads only the blocks from the one
+holding the first row's window start (a decode at 8k keys with W = 512 reads ~33 blocks of
+16, not 512). The torch path it keeps for first chunks takes them as the torch backend does.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkserve.attention.base import BatchLayout
+from chunkserve.attention.base import AttentionSpec, BatchLayout
 from chunkserve.attention.cpu_kernels import PagedAttentionKernel
-from chunkserve.attention.torch_ref import TorchAttentionBackend, _TorchMetadata
+from chunkserve.attention.torch_ref import TorchAttentionBackend, _Opts, _TorchMetadata
 
 # Chunks continuing a cached sequence of at most this many rows go to the kernel (None: any),
 # by dtype; longer ones to the torch path. bf16: torch's matmuls run at about twice the fp32
@@ -64,6 +69,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if dtype == torch.bfloat16 and kernel.bf16_tiles:
             self.kernel_max_rows = BF16_TILES_MAX_ROWS
 
+    def supports(self, spec: AttentionSpec | None) -> str | None:
+        """Every scale, window and soft-cap (the kernel takes them on all its paths)."""
+        return None
+
     def _new_metadata(self) -> _CpuMetadata:
         return _CpuMetadata()
 
@@ -89,15 +98,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         metadata: _TorchMetadata,
+        opts: _Opts,
     ) -> None:
         batch = metadata.kernel_batch
         if batch is None:
             return
         if torch.autograd._profiler_enabled():  # named in profiler tables (6 us a call)
             with torch.profiler.record_function("chunkserve::paged_attention"):
-                self._call_kernel(q, k_cache, v_cache, out, batch)
+                self._call_kernel(q, k_cache, v_cache, out, batch, opts)
         else:
-            self._call_kernel(q, k_cache, v_cache, out, batch)
+            self._call_kernel(q, k_cache, v_cache, out, batch, opts)
 
     def _call_kernel(
         self,
@@ -106,6 +116,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         batch: _KernelBatch,
+        opts: _Opts,
     ) -> None:
         self.kernel(
             q.contiguous(),
@@ -116,5 +127,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             batch.q_start,
             batch.q_len,
             batch.ctx_lens,
-            self.scale,
+            opts.scale,
+            opts.window,
+            opts.softcap,
         )

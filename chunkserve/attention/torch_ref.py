@@ -13,6 +13,14 @@ Decode attention is two batched matmuls over the gathered keys as they lie in th
 other heads' columns). That reads K and V in place, no transposed copy: 3x the FLOPs of
 grouped-query attention but on a CPU this step is bound by memory, and it is 4x faster than
 an einsum over ``[D, Hkv, G, hd]``.
+
+A layer's ``AttentionSpec`` (scale, sliding window, soft-cap) reaches every path as ``_Opts``.
+Without a window or a cap the paths above run as they are (only the scale changes). With
+them: prefill chunks go through ``_prefill_spec`` (query blocks, each against the keys its
+rows' windows hold, gathered from the first block a window reaches); decodes gather only the
+blocks their windows reach (a gather and mask per window, built once per step); short chunks
+keep their padded gathers with the window's lower edge added to their masks; the cap applies
+to every path's scores.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from chunkserve.attention.base import AttentionBackend, BatchLayout
+from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 from chunkserve.scheduling.decode_groups import split_decode_groups
 
 PREFILL_BLOCK_ROWS = 128
@@ -30,6 +38,22 @@ PREFILL_BLOCK_ROWS = 128
 # tokens being verified, or the short tail of a prompt) are batched like decodes: one padded
 # gather and two matmuls per group instead of a gather and a loop per chunk.
 SHORT_CHUNK_ROWS = 17
+# Query rows per SDPA call of a windowed fp32 chunk (each call reads its rows' keys only).
+SDPA_WINDOW_ROWS = 512
+
+
+@dataclass(frozen=True)
+class _Opts:
+    """A layer's ``AttentionSpec`` resolved for this backend's head size."""
+
+    scale: float
+    window: int | None = None  # W: position p sees keys max(0, p - W + 1) .. p
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No window and no cap: the paths of ``spec=None`` (at this scale)."""
+        return self.window is None and self.softcap is None
 
 
 @dataclass
@@ -48,6 +72,19 @@ class _DecodeGroup:
     pad_mask: torch.Tensor  # [n, 1, S] bool, True = padding
     num_blocks: int  # max_blocks; S = max_blocks * block_size
     contiguous_start: int | None  # rows are start..start+n-1 (no scatter needed)
+    seq_lens: torch.Tensor  # [n, 1, 1] keys each row sees (its position + 1)
+    # The group under each window W: only the blocks its windows reach (first use in a step)
+    windowed: dict[int, _WindowedDecodes] = field(default_factory=dict)
+
+
+@dataclass
+class _WindowedDecodes:
+    """A decode group's gather under a window W: row i reads its blocks from the one holding
+    key ``len_i - W`` on, ``num_blocks`` of them (padded with the null block)."""
+
+    block_ids: torch.Tensor  # [n * num_blocks] int64
+    mask: torch.Tensor  # [n, 1, num_blocks * block_size] bool, True = outside the window
+    num_blocks: int
 
 
 @dataclass
@@ -62,6 +99,9 @@ class _ShortGroup:
     block_ids: torch.Tensor  # [m * num_blocks] int64
     mask: torch.Tensor  # [m, r, 1, S] bool, True = a key the row must not see
     num_blocks: int
+    limits: torch.Tensor  # [m, r, 1, 1] keys each row sees (its position + 1)
+    # mask with each window's lower edge added, by W (built on first use in a step)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,6 +125,23 @@ class TorchAttentionBackend(AttentionBackend):
         # Reused gather buffers: fresh multi-MB allocations page-fault on every layer.
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._masks: dict[tuple, torch.Tensor] = {}
+        self._plain = _Opts(self.scale)
+        self._specs: dict[AttentionSpec, _Opts] = {}
+
+    def supports(self, spec: AttentionSpec | None) -> str | None:
+        """Every scale, window and soft-cap."""
+        return None
+
+    def _opts(self, spec: AttentionSpec | None) -> _Opts:
+        """``spec`` resolved (checked once per distinct spec, then looked up)."""
+        if spec is None:
+            return self._plain
+        opts = self._specs.get(spec)
+        if opts is None:
+            self.check_spec(spec)
+            opts = _Opts(spec.resolve_scale(self.head_dim), spec.sliding_window, spec.logit_softcap)
+            self._specs[spec] = opts
+        return opts
 
     def _buffer(self, slot: int, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
         key = (slot, like.dtype, like.device)
@@ -189,6 +246,7 @@ class TorchAttentionBackend(AttentionBackend):
             block_ids=block_ids,
             mask=key_pos.view(1, 1, 1, -1) >= limit,
             num_blocks=max_blocks,
+            limits=limit,
         )
 
     def _decode_group(
@@ -210,6 +268,7 @@ class TorchAttentionBackend(AttentionBackend):
             pad_mask=pad,
             num_blocks=max_blocks,
             contiguous_start=row0 + group[0] if contiguous else None,
+            seq_lens=seq.view(-1, 1, 1),
         )
 
     def forward(
@@ -221,13 +280,15 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         layout: BatchLayout,
         metadata: _TorchMetadata,
+        spec: AttentionSpec | None = None,
     ) -> torch.Tensor:
+        opts = self._opts(spec)
         self.write_kv(k, v, k_cache, v_cache, layout)
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T_padded, H, hd]
         out[layout.num_tokens :] = 0  # padding rows (see ModelRunner.build_layout)
-        self._forward_prefills(q, k, v, k_cache, v_cache, out, metadata)
-        self._forward_runs(q, k_cache, v_cache, out, metadata)
+        self._forward_prefills(q, k, v, k_cache, v_cache, out, metadata, opts)
+        self._forward_runs(q, k_cache, v_cache, out, metadata, opts)
         return out
 
     def _forward_prefills(
@@ -239,19 +300,28 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         metadata: _TorchMetadata,
+        opts: _Opts,
     ) -> None:
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        bs = k_cache.shape[1]
         for chunk in metadata.prefills:
             rows = slice(chunk.row_start, chunk.row_end)
+            start = chunk.ctx_len - (chunk.row_end - chunk.row_start)
+            key0 = 0  # position of kc's first key
             if chunk.block_ids is None:  # starts at position 0: its own fresh K/V
                 kc, vc = k[rows], v[rows]
             else:
-                kc = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
-                vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
-                kc, vc = kc[: chunk.ctx_len], vc[: chunk.ctx_len]
-            out[rows] = self._prefill(
-                q[rows], kc, vc, chunk.ctx_len - (chunk.row_end - chunk.row_start)
-            )
+                block_ids = chunk.block_ids
+                if opts.window is not None:  # from the block holding the first row's window
+                    first_block = max(0, start - opts.window + 1) // bs
+                    block_ids, key0 = block_ids[first_block:], first_block * bs
+                kc = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+                vc = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+                kc, vc = kc[: chunk.ctx_len - key0], vc[: chunk.ctx_len - key0]
+            if opts.plain:
+                out[rows] = self._prefill(q[rows], kc, vc, start, opts.scale)
+            else:
+                out[rows] = self._prefill_spec(q[rows], kc, vc, start, key0, opts)
 
     def _forward_runs(
         self,
@@ -260,23 +330,29 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         metadata: _TorchMetadata,
+        opts: _Opts,
     ) -> None:
         """Short chunks and decodes (``_prepare_runs``), into their rows of ``out``."""
         for short in metadata.short_groups:
-            o = self._short(q.index_select(0, short.q_index), k_cache, v_cache, short)
+            o = self._short(q.index_select(0, short.q_index), k_cache, v_cache, short, opts)
             out.index_copy_(0, short.out_rows, o[short.valid])
 
         for group in metadata.decode_groups:
             if group.contiguous_start is not None:
                 r0 = group.contiguous_start
                 qg = q[r0 : r0 + group.rows.numel()]
-                out[r0 : r0 + group.rows.numel()] = self._decode(qg, k_cache, v_cache, group)
+                out[r0 : r0 + group.rows.numel()] = self._decode(qg, k_cache, v_cache, group, opts)
             else:
                 qg = q.index_select(0, group.rows)
-                out.index_copy_(0, group.rows, self._decode(qg, k_cache, v_cache, group))
+                out.index_copy_(0, group.rows, self._decode(qg, k_cache, v_cache, group, opts))
 
     def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """One chunk: ``q`` [L, H, hd] at positions start..start+L-1; ``k``/``v``
         [start+L, Hkv, hd] from position 0.
@@ -285,17 +361,93 @@ class TorchAttentionBackend(AttentionBackend):
         softmax, no score matrix), measured at 2 threads on the 2-core EPYC per layer of the
         embedded model's shapes: a 2,048-token prompt 74 -> 43 ms, 512 rows after 1,536
         cached 50 -> 25 ms. In bf16 the same kernel is 1.2x slower than ``_prefill_blocked``
-        (39 vs 48 ms, 20 vs 23 ms), so bf16 and fp16 stay blocked."""
+        (39 vs 48 ms, 20 vs 23 ms), so bf16 and fp16 stay blocked.
+        ``scale``: None is ``head_dim ** -0.5``."""
         if q.dtype != torch.float32:
-            return self._prefill_blocked(q, k, v, start)
+            return self._prefill_blocked(q, k, v, start, scale)
         num_rows = q.shape[0]
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, hd]
         if start == 0:
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             mask = self._chunk_mask(num_rows, start, q.device)
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         return o[0].transpose(0, 1)
+
+    def _prefill_spec(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        key0: int,
+        opts: _Opts,
+    ) -> torch.Tensor:
+        """One chunk under a window and/or a soft-cap: ``q`` [L, H, hd] at positions
+        start..start+L-1; ``k``/``v`` [start+L-key0, Hkv, hd] the keys from position
+        ``key0`` (at most the first row's window start). In blocks of query rows, each block
+        against the keys from its first row's window start to its last row: fp32 without a
+        cap through SDPA with the block's mask, else scores in fp32 (capped, masked) and a
+        softmax by hand."""
+        num_rows = q.shape[0]
+        h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        g, w, cap = h // hkv, opts.window, opts.softcap
+        sdpa = q.dtype == torch.float32 and cap is None
+        block = SDPA_WINDOW_ROWS if sdpa else PREFILL_BLOCK_ROWS
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, keys, hd]
+        out = torch.empty(num_rows, h, hd, dtype=q.dtype, device=q.device)
+        for r0 in range(0, num_rows, block):
+            r1 = min(num_rows, r0 + block)
+            n, p0 = r1 - r0, start + r0  # rows at positions p0 .. p0 + n - 1
+            lo = max(key0, 0 if w is None else p0 - w + 1)  # the block's first key
+            a, b = lo - key0, start + r1 - key0  # its keys in k, v
+            visible = self._band_mask(n, p0, lo, w, q.device)  # [n, b - a]
+            if sdpa:
+                o = F.scaled_dot_product_attention(
+                    q[r0:r1].transpose(0, 1).unsqueeze(0),
+                    kh[:, a:b].unsqueeze(0),
+                    vh[:, a:b].unsqueeze(0),
+                    attn_mask=visible,
+                    scale=opts.scale,
+                    enable_gqa=True,
+                )
+                out[r0:r1] = o[0].transpose(0, 1)
+                continue
+            qb = q[r0:r1].view(n, hkv, g, hd).permute(1, 2, 0, 3).reshape(hkv, g * n, hd)
+            scores = torch.bmm(qb, kh[:, a:b].transpose(1, 2)).float().mul_(opts.scale)
+            if cap is not None:
+                scores.div_(cap).tanh_().mul_(cap)
+            scores = scores.view(hkv, g, n, b - a).masked_fill_(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, g * n, b - a)
+            o = torch.bmm(probs, vh[:, a:b]).view(hkv, g, n, hd)
+            out[r0:r1] = o.permute(2, 0, 1, 3).reshape(n, h, hd)
+        return out
+
+    def _band_mask(
+        self, n: int, p0: int, lo: int, window: int | None, device: torch.device
+    ) -> torch.Tensor:
+        """[n, p0 + n - lo] bool, True where row i (position p0 + i) sees key lo + j:
+        lo + j <= p0 + i, and lo + j > p0 + i - window. Kept for the step's other layers."""
+        key = ("band", n, p0, lo, window, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            self._evict_masks()
+            qpos = torch.arange(p0, p0 + n, device=device).view(-1, 1)
+            kpos = torch.arange(lo, p0 + n, device=device).view(1, -1)
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            self._masks[key] = mask
+        return mask
+
+    def _evict_masks(self) -> None:
+        """One step's chunk masks are kept; past 64 the older steps' go."""
+        if len(self._masks) > 64:
+            self._masks = {k: m for k, m in self._masks.items() if k[0] not in ("chunk", "band")}
 
     def _chunk_mask(self, n: int, start: int, device: torch.device) -> torch.Tensor:
         """[n, start + n] bool, True where row i (position start + i) may look: keys
@@ -303,14 +455,18 @@ class TorchAttentionBackend(AttentionBackend):
         key = ("chunk", n, start, device)
         mask = self._masks.get(key)
         if mask is None:
-            if len(self._masks) > 64:  # one step's chunks; older steps' masks go
-                self._masks = {k: m for k, m in self._masks.items() if k[0] != "chunk"}
+            self._evict_masks()
             mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril_(start)
             self._masks[key] = mask
         return mask
 
     def _prefill_blocked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """``_prefill`` in blocks of ``PREFILL_BLOCK_ROWS`` query rows, each against only the
         keys it can see; the causal mask touches only the diagonal band. (PyTorch's CPU
@@ -318,7 +474,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_rows = q.shape[0]
         hkv, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # [Hkv, G, L, hd], pre-scaled (exact in bf16 when the scale is a power of two).
-        qg = (q * self.scale).view(num_rows, hkv, g, hd).permute(1, 2, 0, 3).contiguous()
+        scale = self.scale if scale is None else scale
+        qg = (q * scale).view(num_rows, hkv, g, hd).permute(1, 2, 0, 3).contiguous()
         # Keys head-major and read transposed by the matmul ([Hkv, hd, ctx] as a view):
         # moving whole 64-value rows is ~10x cheaper than the element-wise transpose a
         # contiguous [Hkv, hd, ctx] needs. Measured at 1 thread (bf16, one layer): a 16-row
@@ -340,7 +497,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out.permute(2, 0, 1, 3).reshape(num_rows, self.num_heads, hd)
 
     def _short(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _ShortGroup
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _ShortGroup,
+        opts: _Opts,
     ) -> torch.Tensor:
         """Short chunks as decodes with ``r`` query rows each: [m * r, H, hd] -> same."""
         m, r = group.m, group.r
@@ -356,9 +518,14 @@ class TorchAttentionBackend(AttentionBackend):
         ).view(m, seq, width)
         # Queries block-diagonal over KV heads, as in ``_decode``.
         qb = q.new_zeros(m * r, h, hkv, hd)
-        qb[:, self._head_idx, self._kv_head_idx] = q * self.scale
+        qb[:, self._head_idx, self._kv_head_idx] = q * opts.scale
         scores = torch.bmm(qb.view(m, r * h, width), kd.transpose(1, 2)).view(m, r, h, seq)
-        scores.masked_fill_(group.mask, float("-inf"))
+        if opts.plain:
+            scores.masked_fill_(group.mask, float("-inf"))
+        else:
+            self._cap(scores, opts)
+            mask = _window_mask(group.mask, group.limits, opts, group.window_masks)
+            scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(m, r * h, seq)
         o = torch.bmm(probs, vd).view(m * r, h, hkv, hd)
         return o[:, self._head_idx, self._kv_head_idx]
@@ -372,26 +539,77 @@ class TorchAttentionBackend(AttentionBackend):
         return mask
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _DecodeGroup,
+        opts: _Opts,
     ) -> torch.Tensor:
-        """One group of decode rows: [n, H, hd] -> [n, H, hd]."""
+        """One group of decode rows: [n, H, hd] -> [n, H, hd]. Under a window only the
+        blocks the rows' windows reach are gathered."""
         n = q.shape[0]
-        seq = group.num_blocks * k_cache.shape[1]
+        block_ids, mask, num_blocks = group.block_ids, group.pad_mask, group.num_blocks
+        if opts.window is not None:
+            windowed = _windowed_decodes(group, opts.window, k_cache.shape[1])
+            block_ids, mask, num_blocks = windowed.block_ids, windowed.mask, windowed.num_blocks
+        seq = num_blocks * k_cache.shape[1]
         width = self.num_kv_heads * self.head_dim
-        total_blocks = group.block_ids.numel()
-        kd = torch.index_select(
-            k_cache, 0, group.block_ids, out=self._buffer(0, k_cache, total_blocks)
-        )
-        vd = torch.index_select(
-            v_cache, 0, group.block_ids, out=self._buffer(1, v_cache, total_blocks)
-        )
+        total_blocks = block_ids.numel()
+        kd = torch.index_select(k_cache, 0, block_ids, out=self._buffer(0, k_cache, total_blocks))
+        vd = torch.index_select(v_cache, 0, block_ids, out=self._buffer(1, v_cache, total_blocks))
         kd = kd.view(n, seq, width)  # [n, S, Hkv * hd]
         vd = vd.view(n, seq, width)
         # Queries block-diagonal over KV heads: row h is non-zero in head h // G's columns.
         qb = q.new_zeros(n, self.num_heads, self.num_kv_heads, self.head_dim)
-        qb[:, self._head_idx, self._kv_head_idx] = q * self.scale
+        qb[:, self._head_idx, self._kv_head_idx] = q * opts.scale
         scores = torch.bmm(qb.view(n, self.num_heads, width), kd.transpose(1, 2))  # [n, H, S]
-        scores.masked_fill_(group.pad_mask, float("-inf"))
+        self._cap(scores, opts)
+        scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # fp32 inside; 5x faster than dtype=fp32
         o = torch.bmm(probs, vd).view(n, self.num_heads, self.num_kv_heads, self.head_dim)
         return o[:, self._head_idx, self._kv_head_idx]  # each head's own KV head block
+
+    @staticmethod
+    def _cap(scores: torch.Tensor, opts: _Opts) -> None:
+        """Soft-cap scaled scores in place: c * tanh(s / c)."""
+        if opts.softcap is not None:
+            scores.div_(opts.softcap).tanh_().mul_(opts.softcap)
+
+
+def _window_mask(
+    mask: torch.Tensor, limits: torch.Tensor, opts: _Opts, cache: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    """``mask`` (True = hidden; keys in its last dimension at positions 0..S-1) with the keys
+    before each row's window hidden too: key j is out of the window of a row that sees
+    ``limit`` keys (positions 0..limit-1) when j < limit - W. Built once per step and W."""
+    w = opts.window
+    if w is None:
+        return mask
+    out = cache.get(w)
+    if out is None:
+        key_pos = torch.arange(mask.shape[-1], device=mask.device)
+        out = mask | (key_pos < limits - w)
+        cache[w] = out
+    return out
+
+
+def _windowed_decodes(group: _DecodeGroup, window: int, block_size: int) -> _WindowedDecodes:
+    """``group`` under ``window`` (built once per step and W): each row's blocks from the one
+    holding its window's first key, ``len - W`` (or 0), to its last."""
+    out = group.windowed.get(window)
+    if out is None:
+        n, bs = group.seq_lens.numel(), block_size
+        lens = group.seq_lens.view(-1)  # [n]
+        first = (lens - window).clamp(min=0) // bs  # [n] first block each row reads
+        end = (lens + bs - 1) // bs  # [n] one past its last
+        count = int((end - first).max())
+        cols = first[:, None] + torch.arange(count, device=lens.device)  # [n, count]
+        table = group.block_ids.view(n, group.num_blocks)
+        ids = table.gather(1, cols.clamp(max=group.num_blocks - 1))
+        ids = ids.masked_fill(cols >= end[:, None], 0)  # past a row's end: the null block
+        key_pos = first[:, None] * bs + torch.arange(count * bs, device=lens.device)
+        hidden = (key_pos >= lens[:, None]) | (key_pos < lens[:, None] - window)
+        out = _WindowedDecodes(ids.reshape(-1), hidden[:, None, :], count)
+        group.windowed[window] = out
+    return out

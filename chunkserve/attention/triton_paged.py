@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkserve.attention.base import AttentionBackend, BatchLayout
+from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 
 LOG2_E = 1.4426950408889634
 
@@ -253,7 +253,12 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         layout: BatchLayout,
         metadata: _TritonMetadata,
+        spec: AttentionSpec | None = None,
     ) -> torch.Tensor:
+        scale = self.scale
+        if spec is not None:  # a scale only: windows and caps are refused (``supports``)
+            self.check_spec(spec)
+            scale = spec.resolve_scale(self.head_dim)
         if k.stride(2) != 1 or q.stride(2) != 1 or k_cache.stride(3) != 1:
             raise ValueError("triton attention: head_dim must be the contiguous dimension")
         self.write_kv(k, v, k_cache, v_cache, layout)
@@ -290,7 +295,7 @@ class TritonAttentionBackend(AttentionBackend):
             layout.cu_seqlens_q,
             layout.seq_lens_k,
         )
-        scale_log2 = self.scale * LOG2_E
+        scale_log2 = scale * LOG2_E
         meta = metadata
         if meta.num_prefill_seqs:
             grid = (

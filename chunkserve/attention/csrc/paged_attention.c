@@ -16,7 +16,12 @@
  * many rows (a chunk) take the tile path instead (see tile_block): 16 rows per vector, as a
  * matrix product would.
  *
- * Row j (0-based) of a sequence with r query rows and ctx keys sees keys [0, ctx - r + 1 + j).
+ * Row j (0-based) of a sequence with r query rows and ctx keys sees keys [0, ctx - r + 1 + j),
+ * or with a sliding window W > 0 the last W of them: [max(0, ctx - r + 1 + j - W),
+ * ctx - r + 1 + j) (the row's position p = ctx - r + j sees p - W + 1 .. p). Blocks wholly
+ * before the first row's window are never read: a sequence's work covers only the blocks
+ * its windows reach. softcap c > 0: each scaled score s becomes c * tanh(s / c) before the
+ * softmax (0: none).
  * Layouts: q, out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int64
  * [num_seqs, table_stride]; q_start int64 [num_seqs + 1]; ctx_lens int64 [num_seqs].
  * dtype 0: float32 q/caches/out; 1: bfloat16.  Returns 0, or a code for arguments the
@@ -68,13 +73,14 @@ static inline void rows_to_f32(float *restrict dst, const void *src, int dtype, 
  * then the online-softmax update of (m, l, acc). */
 static inline void block_update(const float *restrict q, const float *restrict k,
                                 const float *restrict v, int64_t kstride, int64_t n,
-                                int64_t D, stat_t *st, float *restrict acc) {
+                                int64_t D, float cap, stat_t *st, float *restrict acc) {
     float s[MAX_BLOCK];
     float mx = st->m;
     for (int64_t t = 0; t < n; t++) {
         const float *restrict kt = k + t * kstride;
         float dot = 0.f;
         for (int64_t d = 0; d < D; d++) dot += q[d] * kt[d];
+        if (cap > 0.f) dot = cap * tanhf(dot / cap);
         s[t] = dot;
         mx = dot > mx ? dot : mx;
     }
@@ -92,7 +98,7 @@ static inline void block_update(const float *restrict q, const float *restrict k
     }
 }
 
-/* The vector path, for D a multiple of 16 (64 or 128) and blocks of at most 16 tokens: in
+/* The vector path, for D a multiple of 16 (64, 128 or 256) and blocks of at most 16 tokens: in
  * 16-lane vectors (one AVX-512 register, or two AVX2 ones); the n <= 16 scores of a block
  * land in the lanes of one vector through a tree of shuffles (4 levels) instead of a
  * horizontal sum per key, and the accumulators stay in registers across the block's keys. */
@@ -167,6 +173,16 @@ static inline v16f exp16(v16f x) {
     return select16(under, zero, p * scale);
 }
 
+/* c * tanh(x / c) of 16 lanes (the soft-cap), as 1 - 2 / (exp(2y) + 1) with y = x / c clamped
+ * to [-9, 9] (tanh is 1 to fp32's precision past 9): absolute error about 2e-7 * c. */
+static inline v16f softcap16(v16f x, float c) {
+    const v16f zero = {0};
+    v16f y = x * (2.f / c);
+    y = select16(y > 18.f, zero + 18.f, y);
+    y = select16(y < -18.f, zero - 18.f, y);
+    return (1.f - 2.f / (exp16(y) + 1.f)) * c;
+}
+
 static inline float hmax16(v16f v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
@@ -193,11 +209,13 @@ static inline v16f load_bf16(const uint16_t *p) { /* 16 bf16 -> fp32 in register
 /* Up to MR query rows that share a KV head, over one block of keys (D = 16 * NV, block_size
  * <= 16), K and V read as they lie in the pool (fp32, or bf16 widened in registers): each
  * key row is loaded once for all the rows, its dot products reduced 16 keys at a time, one
- * online-softmax rescale per row and block. n[i]: keys of the block row i sees. */
+ * online-softmax rescale per row and block. Row i sees keys lo[i] .. n[i] - 1 of the block
+ * (lo[i] < n[i]); cap > 0: scores soft-capped. */
 #define MR 4
 #define BLOCK_ROWS(NAME, ET, LOAD, NV)                                                         \
     static void NAME(const float **q, int nr, const ET *restrict k, const ET *restrict v,      \
-                     int64_t stride, const int64_t *n, stat_t **st, float **acc) {              \
+                     int64_t stride, const int64_t *lo, const int64_t *n, float cap,            \
+                     stat_t **st, float **acc) {                                                \
         const v16f lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};              \
         v16f qv[MR][NV], parts[MR][16], p[MR];                                                 \
         float corr[MR];                                                                        \
@@ -221,7 +239,9 @@ static inline v16f load_bf16(const uint16_t *p) { /* 16 bf16 -> fp32 in register
         }                                                                                      \
         for (int i = 0; i < nr; i++) {                                                         \
             v16f sc = reduce16(parts[i]);                                                      \
-            sc = select16(lane >= (float)n[i], (v16f){0} - INFINITY, sc);                      \
+            if (cap > 0.f) sc = softcap16(sc, cap);                                            \
+            sc = select16((lane >= (float)n[i]) | (lane < (float)lo[i]), (v16f){0} - INFINITY, \
+                          sc);                                                                 \
             const float bmax = hmax16(sc);                                                     \
             const float mx = bmax > st[i]->m ? bmax : st[i]->m;                                \
             corr[i] = expf(st[i]->m - mx);                                                     \
@@ -245,17 +265,26 @@ BLOCK_ROWS(rows_f32_v4, float, loadu, 4)
 BLOCK_ROWS(rows_f32_v8, float, loadu, 8)
 BLOCK_ROWS(rows_bf16_v4, uint16_t, load_bf16, 4)
 BLOCK_ROWS(rows_bf16_v8, uint16_t, load_bf16, 8)
+BLOCK_ROWS(rows_f32_v16, float, loadu, 16)
+BLOCK_ROWS(rows_bf16_v16, uint16_t, load_bf16, 16)
 
 static void run_rows(const float **q, int nr, const char *k, const char *v, int dtype,
-                     int64_t D, int64_t stride, const int64_t *n, stat_t **st, float **acc) {
+                     int64_t D, int64_t stride, const int64_t *lo, const int64_t *n, float cap,
+                     stat_t **st, float **acc) {
+    const float *kf = (const float *)k, *vf = (const float *)v;
+    const uint16_t *kh = (const uint16_t *)k, *vh = (const uint16_t *)v;
     if (dtype == 0 && D == 64)
-        rows_f32_v4(q, nr, (const float *)k, (const float *)v, stride, n, st, acc);
+        rows_f32_v4(q, nr, kf, vf, stride, lo, n, cap, st, acc);
+    else if (dtype == 0 && D == 128)
+        rows_f32_v8(q, nr, kf, vf, stride, lo, n, cap, st, acc);
     else if (dtype == 0)
-        rows_f32_v8(q, nr, (const float *)k, (const float *)v, stride, n, st, acc);
+        rows_f32_v16(q, nr, kf, vf, stride, lo, n, cap, st, acc);
     else if (D == 64)
-        rows_bf16_v4(q, nr, (const uint16_t *)k, (const uint16_t *)v, stride, n, st, acc);
+        rows_bf16_v4(q, nr, kh, vh, stride, lo, n, cap, st, acc);
+    else if (D == 128)
+        rows_bf16_v8(q, nr, kh, vh, stride, lo, n, cap, st, acc);
     else
-        rows_bf16_v8(q, nr, (const uint16_t *)k, (const uint16_t *)v, stride, n, st, acc);
+        rows_bf16_v16(q, nr, kh, vh, stride, lo, n, cap, st, acc);
 }
 
 static inline void prefetch_block(const char *p, int64_t bytes) {
@@ -280,15 +309,17 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
 static inline v16f max16v(v16f a, v16f b) { return select16(a > b, a, b); }
 
 /* The online-softmax step of a tile over one block of n keys: s[t] the (scaled) scores of
- * key first + t, masked past the block's end and where the lane's row sees fewer keys (lim),
- * turned into their exponentials; m and l updated. Returns the factor the accumulators are
- * rescaled by. */
-static inline v16f tile_softmax(v16f *s, int64_t n, int64_t first, v16f lim, v16f *m,
-                                v16f *l) {
+ * key first + t, soft-capped (cap > 0), masked past the block's end and where the lane's row
+ * does not see it (keys [low, lim) of each lane), turned into their exponentials; m and l
+ * updated. Returns the factor the accumulators are rescaled by. */
+static inline v16f tile_softmax(v16f *s, int64_t n, int64_t first, v16f low, v16f lim,
+                                float cap, v16f *m, v16f *l) {
     const v16f zero = {0}, ninf = zero - INFINITY;
     v16f bmax = ninf;
     for (int t = 0; t < TL; t++) {
-        s[t] = t < n ? select16(zero + (float)(first + t) < lim, s[t], ninf) : ninf;
+        const v16f key = zero + (float)(first + t);
+        if (cap > 0.f && t < n) s[t] = softcap16(s[t], cap);
+        s[t] = t < n ? select16((key < lim) & (key >= low), s[t], ninf) : ninf;
         bmax = max16v(bmax, s[t]);
     }
     const v16f mnew = max16v(*m, bmax);
@@ -307,15 +338,15 @@ static inline v16f tile_softmax(v16f *s, int64_t n, int64_t first, v16f lim, v16
 /* fp32: qt [D][16] a tile's queries (scaled), kf and vf [16][D] the block's keys and
  * values (rows past the block's end zero); acct [D][16] the tile's accumulators. */
 static void tile_block(const float *restrict qt, const float *restrict kf,
-                       const float *restrict vf, int64_t D, int64_t n, int64_t first, v16f lim,
-                       v16f *m, v16f *l, float *restrict acct) {
+                       const float *restrict vf, int64_t D, int64_t n, int64_t first, v16f low,
+                       v16f lim, float cap, v16f *m, v16f *l, float *restrict acct) {
     v16f s[TL];
     for (int t = 0; t < TL; t++) s[t] = (v16f){0};
     for (int64_t d = 0; d < D; d++) {
         const v16f qd = loadu(qt + TL * d);
         for (int t = 0; t < TL; t++) s[t] += qd * kf[t * D + d];
     }
-    const v16f corr = tile_softmax(s, n, first, lim, m, l);
+    const v16f corr = tile_softmax(s, n, first, low, lim, cap, m, l);
     for (int64_t d0 = 0; d0 < D; d0 += DC) {
         v16f a[DC];
         for (int c = 0; c < DC; c++) a[c] = loadu(acct + TL * (d0 + c)) * corr;
@@ -346,7 +377,8 @@ static inline v16f from_m512(__m512 x) {
  * paired over keys (v[2u][d], v[2u+1][d]), zero past its end. */
 static void tile_block_bf16(const uint32_t *restrict qt2, const uint16_t *const *k,
                             const uint32_t *restrict vp, int64_t D, float scale, int64_t n,
-                            int64_t first, v16f lim, v16f *m, v16f *l, float *restrict acct) {
+                            int64_t first, v16f low, v16f lim, float cap, v16f *m, v16f *l,
+                            float *restrict acct) {
     __m512 acc_s[TL];
     for (int t = 0; t < TL; t++) acc_s[t] = _mm512_setzero_ps();
     for (int64_t d2 = 0; d2 < D / 2; d2++) {
@@ -359,7 +391,7 @@ static void tile_block_bf16(const uint32_t *restrict qt2, const uint16_t *const 
     }
     v16f s[TL];
     for (int t = 0; t < TL; t++) s[t] = from_m512(acc_s[t]) * scale;
-    const v16f corr = tile_softmax(s, n, first, lim, m, l);
+    const v16f corr = tile_softmax(s, n, first, low, lim, cap, m, l);
     /* p2[u], lane i: (p[2u][i], p[2u+1][i]) as bf16 */
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
                                            9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
@@ -404,9 +436,10 @@ static void pair_values(uint32_t *restrict vp, const uint16_t *v, int64_t n, int
 static int run_item_tiled(const void *q, const void *kc, const void *vc, int dtype,
                           const int64_t *table, int64_t r, int64_t ctx, int64_t H,
                           int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
-                          float scale, const float *restrict qf, stat_t *st,
-                          float *restrict acc) {
+                          float scale, int64_t window, float cap, const float *restrict qf,
+                          stat_t *st, float *restrict acc) {
     const int64_t G = H / Hkv, R = r * G, nt = (R + TL - 1) / TL, tiles = Hkv * nt;
+    const int64_t group = D > 128 ? TILE_GROUP * 128 / D : TILE_GROUP; /* at most 256 KB */
     const int64_t esize = dtype ? 2 : 4, row_stride = Hkv * D, block_stride = bs * Hkv * D;
     const int64_t block_bytes = block_stride * esize;
 #ifdef BF16_TILES
@@ -419,16 +452,17 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
     /* queries [tiles][D][16] (fp32, or bf16 pairs in the first half), accumulators
      * [tiles][D][16], the block's fp32 keys and values [16][D] (or its paired values) */
     float *qt = (float *)calloc((size_t)(2 * tiles * D * TL + 2 * TL * D), sizeof(float));
-    /* m, l, lim of each tile (vectors: 64-byte aligned) */
-    v16f *state = (v16f *)aligned_alloc(sizeof(v16f), sizeof(v16f) * 3 * tiles);
+    /* m, l, lim, low of each tile (vectors: 64-byte aligned) */
+    v16f *state = (v16f *)aligned_alloc(sizeof(v16f), sizeof(v16f) * 4 * tiles);
     if (!qt || !state) {
         free(qt);
         free(state);
         return 4;
     }
     float *acct = qt + tiles * D * TL, *kf = acct + tiles * D * TL, *vf = kf + TL * D;
-    v16f *m = state, *l = state + tiles, *lim = state + 2 * tiles;
-    float top[tiles]; /* the most keys a row of the tile sees */
+    v16f *m = state, *l = state + tiles, *lim = state + 2 * tiles, *low = state + 3 * tiles;
+    float top[tiles];    /* the most keys a row of the tile sees */
+    float bottom[tiles]; /* the first key a row of the tile sees */
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
         for (int64_t x = 0; x < nt * TL; x++) { /* lane x % TL of tile x / TL: row (j, g) */
             const int64_t tile = kvh * nt + x / TL, lane = x % TL, j = x / G;
@@ -436,6 +470,7 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                 m[tile] = (v16f){0} - INFINITY;
                 l[tile] = (v16f){0};
                 lim[tile] = (v16f){0};
+                low[tile] = (v16f){0};
                 top[tile] = 0.f;
             }
             if (x >= R) continue; /* padding lanes see no key */
@@ -448,13 +483,15 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                 for (int64_t d = 0; d < D; d++) qt[(tile * D + d) * TL + lane] = qf[i * D + d];
             }
             lim[tile][lane] = (float)(ctx - r + 1 + j);
+            low[tile][lane] = window > 0 && lim[tile][lane] > window ? lim[tile][lane] - window : 0;
             top[tile] = lim[tile][lane];
+            if (lane == 0) bottom[tile] = low[tile][lane]; /* rows in order: the least */
         }
     /* A KV head's tiles in groups whose queries and accumulators stay in the core's cache
      * (a long chunk's all would not), each group over the item's blocks. */
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
-        for (int64_t t0 = kvh * nt; t0 < (kvh + 1) * nt; t0 += TILE_GROUP) {
-            const int64_t t1 = t0 + TILE_GROUP < (kvh + 1) * nt ? t0 + TILE_GROUP : (kvh + 1) * nt;
+        for (int64_t t0 = kvh * nt; t0 < (kvh + 1) * nt; t0 += group) {
+            const int64_t t1 = t0 + group < (kvh + 1) * nt ? t0 + group : (kvh + 1) * nt;
             for (int64_t b = blk0; b < blk1; b++) {
                 const int64_t first = b * bs;
                 if (b + 1 < blk1) {
@@ -464,6 +501,7 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                 if (top[t1 - 1] <= (float)first) break; /* no row of the group sees it */
                 int64_t n = ctx - first;
                 if (n > bs) n = bs;
+                if (bottom[t0] >= (float)(first + n)) continue; /* before every row's window */
                 const int64_t at = (table[b] * block_stride + kvh * D) * esize;
 #ifdef BF16_TILES
                 if (pairs) {
@@ -474,10 +512,10 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                     uint32_t *vp = (uint32_t *)kf;
                     pair_values(vp, (const uint16_t *)((const char *)vc + at), n, D, row_stride);
                     for (int64_t tile = t0; tile < t1; tile++)
-                        if (top[tile] > (float)first)
+                        if (top[tile] > (float)first && bottom[tile] < (float)(first + n))
                             tile_block_bf16((const uint32_t *)qt + tile * D * TL, krows, vp, D,
-                                            scale, n, first, lim[tile], m + tile, l + tile,
-                                            acct + tile * D * TL);
+                                            scale, n, first, low[tile], lim[tile], cap, m + tile,
+                                            l + tile, acct + tile * D * TL);
                     continue;
                 }
 #endif
@@ -486,9 +524,9 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                 memset(kf + n * D, 0, sizeof(float) * (TL - n) * D);
                 memset(vf + n * D, 0, sizeof(float) * (TL - n) * D);
                 for (int64_t tile = t0; tile < t1; tile++)
-                    if (top[tile] > (float)first)
-                        tile_block(qt + tile * D * TL, kf, vf, D, n, first, lim[tile],
-                                   m + tile, l + tile, acct + tile * D * TL);
+                    if (top[tile] > (float)first && bottom[tile] < (float)(first + n))
+                        tile_block(qt + tile * D * TL, kf, vf, D, n, first, low[tile], lim[tile],
+                                   cap, m + tile, l + tile, acct + tile * D * TL);
             }
         }
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
@@ -511,9 +549,11 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
 static int run_item(const void *q, const void *kc, const void *vc, int dtype,
                      const int64_t *table, int64_t r, int64_t q0, int64_t ctx, int64_t H,
                      int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
-                     float scale, float *restrict qf, stat_t *st, float *restrict acc) {
+                     float scale, int64_t window, float cap, float *restrict qf, stat_t *st,
+                     float *restrict acc) {
     const int64_t G = H / Hkv, rows = r * H, esize = dtype ? 2 : 4;
-    const int vector = (D == 64 || D == 128) && bs <= 16; /* else the scalar loops */
+    /* else the scalar loops */
+    const int vector = (D == 64 || D == 128 || D == 256) && bs <= 16;
     float kbuf[MAX_BLOCK * MAX_DIM], vbuf[MAX_BLOCK * MAX_DIM];
     /* row i = j * H + h: query row j, head h (KV head h / G) */
     rows_to_f32(qf, (const char *)q + q0 * H * D * esize, dtype, rows, D, D);
@@ -525,7 +565,7 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
     memset(acc, 0, sizeof(float) * rows * D);
     if (vector && r * G >= TILE_MIN_ROWS)
         return run_item_tiled((const char *)q + q0 * H * D * esize, kc, vc, dtype, table, r,
-                              ctx, H, Hkv, D, bs, blk0, blk1, scale, qf, st, acc);
+                              ctx, H, Hkv, D, bs, blk0, blk1, scale, window, cap, qf, st, acc);
     const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
     const int64_t block_bytes = block_stride * esize;
     for (int64_t b = blk0; b < blk1; b++) {
@@ -540,29 +580,36 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
             const char *kb = (const char *)kc + (table[b] * block_stride + kvh * D) * esize;
             const char *vb = (const char *)vc + (table[b] * block_stride + kvh * D) * esize;
             if (vector) { /* the KV head's rows (j, g), in groups of up to MR */
-                const int group = D == 64 ? MR : 2; /* 16 (or 32) query vectors at most */
+                /* 16, 16 or 32 query vectors: at D = 256 two rows still beat one (and the
+                 * scalar loops): each key row loaded (and widened from bf16) once for both */
+                const int group = D == 64 ? MR : 2;
                 const float *qp[MR];
-                int64_t n[MR];
+                int64_t lo[MR], n[MR];
                 stat_t *ist[MR];
                 float *iacc[MR];
                 int nr = 0;
                 for (int64_t j = 0; j < r; j++) {
-                    int64_t nj = ctx - r + 1 + j - first; /* keys of this block row j sees */
+                    const int64_t hi = ctx - r + 1 + j; /* row j sees keys [lo_j, hi) */
+                    int64_t nj = hi - first;            /* keys of this block row j sees */
                     if (nj <= 0) continue;
                     if (nj > bs) nj = bs;
+                    int64_t lj = window > 0 ? hi - window - first : 0; /* its first */
+                    if (lj >= nj) continue;
+                    if (lj < 0) lj = 0;
                     for (int64_t g = 0; g < G; g++) {
                         const int64_t i = j * H + kvh * G + g;
                         qp[nr] = qf + i * D;
+                        lo[nr] = lj;
                         n[nr] = nj;
                         ist[nr] = st + i;
                         iacc[nr] = acc + i * D;
                         if (++nr == group) {
-                            run_rows(qp, nr, kb, vb, dtype, D, row_stride, n, ist, iacc);
+                            run_rows(qp, nr, kb, vb, dtype, D, row_stride, lo, n, cap, ist, iacc);
                             nr = 0;
                         }
                     }
                 }
-                if (nr) run_rows(qp, nr, kb, vb, dtype, D, row_stride, n, ist, iacc);
+                if (nr) run_rows(qp, nr, kb, vb, dtype, D, row_stride, lo, n, cap, ist, iacc);
                 continue;
             }
             const float *k, *v;
@@ -579,12 +626,17 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
                 kstride = D;
             }
             for (int64_t j = 0; j < r; j++) {
-                int64_t n = ctx - r + 1 + j - first; /* keys of this block row j sees */
+                const int64_t hi = ctx - r + 1 + j; /* row j sees keys [lo_j, hi) */
+                int64_t n = hi - first;             /* keys of this block row j sees */
                 if (n <= 0) continue;
                 if (n > bs) n = bs;
+                int64_t o = window > 0 ? hi - window - first : 0; /* its first */
+                if (o >= n) continue;
+                if (o < 0) o = 0;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t i = j * H + kvh * G + g;
-                    block_update(qf + i * D, k, v, kstride, n, D, st + i, acc + i * D);
+                    block_update(qf + i * D, k + o * kstride, v + o * kstride, kstride, n - o, D,
+                                 cap, st + i, acc + i * D);
                 }
             }
         }
@@ -596,27 +648,35 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
                     const int64_t *tables, int64_t table_stride, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *ctx_lens, int64_t num_seqs,
                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                    int64_t num_threads) {
-    if (bs > MAX_BLOCK || D > MAX_DIM || Hkv <= 0 || H % Hkv || (dtype != 0 && dtype != 1))
+                    int64_t window, float softcap, int64_t num_threads) {
+    if (bs > MAX_BLOCK || D > MAX_DIM || Hkv <= 0 || H % Hkv || (dtype != 0 && dtype != 1) ||
+        window < 0 || !(softcap >= 0.f))
         return 1;
     if (num_seqs == 0) return 0;
-    /* Work items: a sequence's blocks split into ranges (of 8 blocks at least) by its share
-     * of the work (rows x blocks), about 4 items per thread in all, so a long prompt's chunk
-     * beside a few decodes, or a lone long decode, keeps every thread busy. Item it's
-     * scratch starts at row base[it] (rows: query rows x heads). */
-    int64_t work = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        if (q_len[s] < 1 || q_len[s] > ctx_lens[s]) return 2;
-        work += q_len[s] * ((ctx_lens[s] + bs - 1) / bs);
-    }
-    int64_t *split = (int64_t *)malloc(sizeof(int64_t) * (3 * num_seqs + 2));
+    /* Work items: a sequence's blocks (from the first its windows reach) split into ranges
+     * (of 8 blocks at least) by its share of the work (rows x blocks), about 4 items per
+     * thread in all, so a long prompt's chunk beside a few decodes, or a lone long decode,
+     * keeps every thread busy. Item it's scratch starts at row base[it] (rows: query rows x
+     * heads). */
+    int64_t *split = (int64_t *)malloc(sizeof(int64_t) * (4 * num_seqs + 2));
     if (!split) return 4;
     int64_t *first = split + num_seqs;  /* [num_seqs + 1]: each sequence's first item */
     int64_t *rows0 = first + num_seqs + 1; /* [num_seqs + 1]: its first row of all rows */
+    int64_t *blk_lo = rows0 + num_seqs + 1; /* [num_seqs]: the first block it reads */
+    int64_t work = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (q_len[s] < 1 || q_len[s] > ctx_lens[s]) {
+            free(split);
+            return 2;
+        }
+        const int64_t lo = window > 0 ? ctx_lens[s] - q_len[s] + 1 - window : 0; /* row 0's */
+        blk_lo[s] = lo > 0 ? lo / bs : 0;
+        work += q_len[s] * ((ctx_lens[s] + bs - 1) / bs - blk_lo[s]);
+    }
     const int64_t share = (work + 4 * num_threads - 1) / (4 * num_threads);
     first[0] = rows0[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t nb = (ctx_lens[s] + bs - 1) / bs, most = (nb + 7) / 8;
+        const int64_t nb = (ctx_lens[s] + bs - 1) / bs - blk_lo[s], most = (nb + 7) / 8;
         const int64_t n = (q_len[s] * nb + share - 1) / share;
         split[s] = n < 1 ? 1 : (n > most ? most : n);
         first[s + 1] = first[s] + split[s];
@@ -644,9 +704,9 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
         for (int64_t it = 0; it < items; it++) {
             const int64_t s = item_seq[it], part = it - first[s], splits = split[s];
-            const int64_t nb = (ctx_lens[s] + bs - 1) / bs;
-            const int64_t per = (nb + splits - 1) / splits;
-            const int64_t b0 = part * per, b1 = b0 + per < nb ? b0 + per : nb;
+            const int64_t nb = (ctx_lens[s] + bs - 1) / bs, from = blk_lo[s];
+            const int64_t per = (nb - from + splits - 1) / splits;
+            const int64_t b0 = from + part * per, b1 = b0 + per < nb ? b0 + per : nb;
             stat_t *ist = st + base[it];
             if (b0 >= b1) {
                 for (int64_t i = 0; i < q_len[s] * H; i++) {
@@ -656,8 +716,8 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
                 continue;
             }
             if (run_item(q, kc, vc, dtype, tables + s * table_stride, q_len[s], q_start[s],
-                         ctx_lens[s], H, Hkv, D, bs, b0, b1, scale, qf + base[it] * D, ist,
-                         acc + base[it] * D)) {
+                         ctx_lens[s], H, Hkv, D, bs, b0, b1, scale, window, softcap,
+                         qf + base[it] * D, ist, acc + base[it] * D)) {
 #pragma omp atomic write
                 failed = 1;
             }
