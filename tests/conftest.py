@@ -141,4 +141,4 @@ def no_weight_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the configuration was checked")
 
-    monkeypatch.setattr("chunkserve.worker.worker.LlamaModel.load_weights", refuse)
+    monkeypatch.setattr("chunkserve.model.decoder.DecoderLM.load_weights", refuse)
