@@ -21,8 +21,8 @@ import torch
 
 from chunkserve.attention import get_attention_backend
 from chunkserve.config import ModelConfig
-from chunkserve.model.registry import build_model
 from chunkserve.model.loader import ModelSource, iter_weights
+from chunkserve.model.registry import build_model
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches

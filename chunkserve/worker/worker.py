@@ -49,8 +49,8 @@ from chunkserve.distributed.launch import (
 )
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
-from chunkserve.model.registry import CausalLM, build_model, check_servable
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
+from chunkserve.model.registry import CausalLM, build_model, check_servable
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.request import Request
