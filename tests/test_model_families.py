@@ -10,6 +10,7 @@ tensor parallel 2 = 1 for two families; the errors a bad checkpoint gets before 
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -17,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from chunkserve.config import ModelConfig
 from chunkserve.engine.engine import Engine
 from chunkserve.model.registry import supported_families
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import assert_no_blocks_in_use, random_prompt
+from tests.test_invariance import PREEMPT_TOKENS, preemption_workload, run_staggered
 from tests.test_model_parity import all_row_logits
 
 VOCAB = 49152  # the embedded model's tokenizer's
@@ -134,6 +137,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 
+SHIPPED_JSON = {"qwen2": {"sliding_window": 24}}
 MAX_LEN = 480
 BLOCK = 16
 
@@ -161,6 +165,12 @@ def write_model(out: Path, config, tokenizer_dir: Path, seed: int = 0) -> Path:
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(out), safe_serialization=True)
+    # What the published config.json has that transformers does not write back: Qwen2.5's
+    # inert window (transformers writes null when use_sliding_window is false).
+    shipped = SHIPPED_JSON.get(config.model_type)
+    if shipped:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **shipped}, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     return out
@@ -239,3 +249,197 @@ def test_logits_and_greedy_tokens_match_transformers(model_dirs, family: str) ->
         assert run_all(engine, [ids], params) == [expected]
     assert_no_blocks_in_use(engine)
     print(f"{family}: worst relative logit error {worst:.2e}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_prefix_cached_and_preempted_match_unchunked(model_dirs, family: str) -> None:
+    path = model_dirs[family]
+    work = preemption_workload()  # 7 prompts of 33..260 tokens, 60 greedy tokens each
+    base = make_engine(path, enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    expected = run_staggered(base, work, PREEMPT_TOKENS)
+    assert base.core.scheduler.num_preemptions == 0
+    # Chunked at a budget of 16 tokens a step, prompts beside decodes.
+    chunked = make_engine(path, max_num_batched_tokens=16)
+    steps = []
+    chunked.step_listeners.append(steps.append)
+    assert run_staggered(chunked, work, PREEMPT_TOKENS) == expected
+    assert any(s.kind == "mixed" for s in steps)
+    # Again: every prompt's full blocks come from the prefix cache.
+    hits = chunked.core.kv.num_hit_tokens
+    assert run_staggered(chunked, work, PREEMPT_TOKENS) == expected
+    assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
+    assert_no_blocks_in_use(chunked)
+    # 30 blocks for requests that grow past them: preempted and recomputed.
+    per_block = chunked.core.worker.model_config.kv_bytes_per_token(4) * BLOCK
+    tight = make_engine(
+        path,
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=128,
+        kv_cache_memory=31 * per_block,
+    )
+    assert tight.core.worker.num_blocks == 30
+    assert run_staggered(tight, work, PREEMPT_TOKENS) == expected
+    assert tight.core.scheduler.num_preemptions > 0
+    assert_no_blocks_in_use(tight)
+
+
+def record_logits(engine: Engine) -> list[torch.Tensor]:
+    """Every step's logits as rank 0 gets them (after the gather)."""
+    model = engine.core.worker.runner.model
+    seen: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def recording(hidden):
+        out = original(hidden)
+        seen.append(out.clone())
+        return out
+
+    model.compute_logits = recording
+    return seen
+
+
+# Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks.
+@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
+def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
+    path = model_dirs[family]
+    tp1 = make_engine(path, max_num_batched_tokens=64)
+    tp2 = make_engine(path, max_num_batched_tokens=64, tensor_parallel_size=2)
+    try:
+        assert tp2.core.worker.shard.size == 2
+        work = [*prompts(), random_prompt(random.Random(3), 200)]
+        params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+        ref, got = record_logits(tp1), record_logits(tp2)
+        assert run_all(tp2, work, params) == run_all(tp1, work, params)
+        assert len(ref) == len(got) > 0
+        for a, b in zip(got, ref, strict=True):
+            assert a.shape == b.shape and a.shape[1] == VOCAB
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+        assert_no_blocks_in_use(tp2)
+    finally:
+        tp2.shutdown()
+
+
+# ---- errors before serving -----------------------------------------------------------------
+def variant(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of the model directory ``src`` with fields of its config.json changed (None
+    removes one)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unknown_architecture_names_itself_and_the_supported(model_dirs, tmp_path) -> None:
+    path = variant(
+        model_dirs["llama"], tmp_path / "m", architectures=["FooForCausalLM"], model_type="foo"
+    )
+    with pytest.raises(ValueError, match="FooForCausalLM") as err:
+        make_engine(path)
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM"):
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "factor"),
+        ({"hidden_act": "relu2"}, "relu2"),
+    ],
+)
+def test_unimplemented_numerics_are_refused(
+    model_dirs, tmp_path, changes, field, no_weight_loading
+) -> None:
+    path = variant(model_dirs["qwen3"], tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=field):
+        make_engine(path)
+
+
+def rewrite_weights(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_and_misshapen_tensors_are_named(model_dirs, tmp_path) -> None:
+    name = "model.layers.1.self_attn.q_norm.weight"
+    missing = variant(model_dirs["qwen3"], tmp_path / "missing")
+    rewrite_weights(missing, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"missing.*q_norm"):
+        make_engine(missing)
+    bad = variant(model_dirs["qwen3"], tmp_path / "bad")
+    rewrite_weights(bad, lambda t: t.__setitem__(name, torch.ones(16)))
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(16,\), expected \(32,\)"):
+        make_engine(bad)
+
+
+def test_a_sliding_window_is_refused_unless_no_sequence_reaches_it(
+    model_dirs, tmp_path, no_weight_loading
+) -> None:
+    mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=64)
+    with pytest.raises(ValueError, match="sliding window"):
+        make_engine(mistral)
+    # Qwen2 turned on: the layers from max_window_layers (1) on have the window. (A config
+    # that lists the layers' types decides by them: remove the list.)
+    qwen2 = variant(
+        model_dirs["qwen2"], tmp_path / "qwen2", use_sliding_window=True, layer_types=None
+    )
+    with pytest.raises(ValueError, match="sliding window"):
+        make_engine(qwen2)
+
+
+def test_a_window_longer_than_every_sequence_serves(model_dirs, tmp_path) -> None:
+    mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=MAX_LEN)
+    engine = make_engine(mistral)
+    assert engine.core.worker.model_config.sliding_window == MAX_LEN
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    assert len(run_all(engine, prompts(1), params)[0]) == 4
+
+
+# ---- rope variants against transformers' ---------------------------------------------------
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    ],
+)
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rope_frequencies_match_transformers(rope: dict, partial: float) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from chunkserve.model.layers import rope_inv_freq
+
+    params = {**rope, "rope_theta": 50000.0, "partial_rotary_factor": partial}
+    hf = LlamaConfig(
+        hidden_size=512, num_attention_heads=4, max_position_embeddings=4096,
+        rope_parameters=params, partial_rotary_factor=partial,
+    )  # fmt: skip
+    want, want_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, torch.device("cpu"))
+    ours = ModelConfig(
+        architecture="llama", vocab_size=10, hidden_size=512, intermediate_size=8,
+        num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128, rope_theta=50000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_scaling=params, partial_rotary_factor=partial,
+    )  # fmt: skip
+    got, factor = rope_inv_freq(ours, 4096)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(float(want_factor))

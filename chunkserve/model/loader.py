@@ -234,6 +234,9 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     layer_types = cfg.get("layer_types")
     if window is not None and layer_types and "sliding_attention" not in layer_types:
         window = None
+    # Qwen2 without layer types: the layers from max_window_layers on have the window.
+    if window is not None and not layer_types and cfg.get("max_window_layers", 0) >= num_layers:
+        window = None
     # SmolLM3: no_rope_layers[i] is 1 where layer i uses rope, 0 where it does not.
     no_rope = cfg.get("no_rope_layers") or []
     attn_mult = cfg.get("attention_multiplier")
