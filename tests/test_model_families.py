@@ -23,7 +23,7 @@ from chunkserve.engine.engine import Engine
 from chunkserve.model.registry import supported_families
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import assert_no_blocks_in_use, random_prompt
-from tests.test_invariance import PREEMPT_TOKENS, preemption_workload, run_staggered
+from tests.test_invariance import run_staggered
 from tests.test_model_parity import all_row_logits
 
 VOCAB = 49152  # the embedded model's tokenizer's
@@ -198,6 +198,7 @@ def make_engine(path: Path, **kwargs) -> Engine:
         max_model_len=MAX_LEN,
         kv_cache_memory=8 << 20,
         block_size=BLOCK,
+        num_threads=1,  # tiny matmuls: threads only wait for each other
     )
     base.update(kwargs)
     return Engine(**base)
@@ -239,11 +240,11 @@ def test_logits_and_greedy_tokens_match_transformers(model_dirs, family: str) ->
             rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
             worst = max(worst, rel)
     assert worst < 1e-4, f"{family}: worst relative error {worst:.2e}"
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
     for ids in prompts():
         with torch.no_grad():
             out = ref.generate(
-                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None
             )
         expected = out[0, len(ids) :].tolist()
         assert run_all(engine, [ids], params) == [expected]
@@ -251,34 +252,42 @@ def test_logits_and_greedy_tokens_match_transformers(model_dirs, family: str) ->
     print(f"{family}: worst relative logit error {worst:.2e}")
 
 
+# Prompts and output lengths for the chunked / prefix-cached / preempted runs: small, so a
+# run is a few dozen steps.
+CHUNK_WORK = (40, 70, 100, 25)
+CHUNK_TOKENS = 24
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chunked_prefix_cached_and_preempted_match_unchunked(model_dirs, family: str) -> None:
     path = model_dirs[family]
-    work = preemption_workload()  # 7 prompts of 33..260 tokens, 60 greedy tokens each
+    rng = random.Random(21)
+    work = [random_prompt(rng, n) for n in CHUNK_WORK]
     base = make_engine(path, enable_chunked_prefill=False, max_num_batched_tokens=2048)
-    expected = run_staggered(base, work, PREEMPT_TOKENS)
+    expected = run_staggered(base, work, CHUNK_TOKENS)
     assert base.core.scheduler.num_preemptions == 0
     # Chunked at a budget of 16 tokens a step, prompts beside decodes.
     chunked = make_engine(path, max_num_batched_tokens=16)
     steps = []
     chunked.step_listeners.append(steps.append)
-    assert run_staggered(chunked, work, PREEMPT_TOKENS) == expected
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
     assert any(s.kind == "mixed" for s in steps)
-    # Again: every prompt's full blocks come from the prefix cache.
+    # Again: every prompt's full blocks but the last come from the prefix cache.
     hits = chunked.core.kv.num_hit_tokens
-    assert run_staggered(chunked, work, PREEMPT_TOKENS) == expected
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
     assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
     assert_no_blocks_in_use(chunked)
-    # 30 blocks for requests that grow past them: preempted and recomputed.
+    # 10 blocks for requests that grow past them: preempted and recomputed.
     per_block = chunked.core.worker.model_config.kv_bytes_per_token(4) * BLOCK
     tight = make_engine(
         path,
         schedule_conservativeness=0.0,
-        max_num_batched_tokens=128,
-        kv_cache_memory=31 * per_block,
+        max_num_batched_tokens=64,
+        kv_cache_memory=11 * per_block,
+        max_model_len=10 * BLOCK,
     )
-    assert tight.core.worker.num_blocks == 30
-    assert run_staggered(tight, work, PREEMPT_TOKENS) == expected
+    assert tight.core.worker.num_blocks == 10
+    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
     assert tight.core.scheduler.num_preemptions > 0
     assert_no_blocks_in_use(tight)
 
@@ -306,7 +315,7 @@ def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
     tp2 = make_engine(path, max_num_batched_tokens=64, tensor_parallel_size=2)
     try:
         assert tp2.core.worker.shard.size == 2
-        work = [*prompts(), random_prompt(random.Random(3), 200)]
+        work = [*prompts(), random_prompt(random.Random(3), 100)]
         params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
         ref, got = record_logits(tp1), record_logits(tp2)
         assert run_all(tp2, work, params) == run_all(tp1, work, params)
