@@ -423,7 +423,7 @@ class GatedMLP(nn.Module):
         """The MLP over ``x``'s rows; on a CPU in slices of ``MLP_SLICE_ROWS``."""
         t = x.shape[0]
         if t <= MLP_SLICE_ROWS or x.device.type != "cpu":
-            return self.down(self._inner(x))
+            return self.down.forward(self._inner(x))
         out = torch.empty_like(x)
         for r0 in range(0, t, MLP_SLICE_ROWS):
             out[r0 : r0 + MLP_SLICE_ROWS] = F.linear(
@@ -434,7 +434,7 @@ class GatedMLP(nn.Module):
         return out if self.down.bias is None else out + self.down.bias
 
     def _inner(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
         return self.act(gate) * up
 
     def targets(self, prefix: str) -> dict[str, Target]:
@@ -516,7 +516,8 @@ class Attention(nn.Module):
         attn_meta: object,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -533,7 +534,7 @@ class Attention(nn.Module):
             q = q * self.q_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
-        return self.o(o.view(t, self.q_size))
+        return self.o.forward(o.view(t, self.q_size))
 
     def targets(self, prefix: str) -> dict[str, Target]:
         out = self.qkv.targets([prefix + "q_proj", prefix + "k_proj", prefix + "v_proj"])
