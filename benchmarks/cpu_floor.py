@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from chunkserve.entrypoints.llm import LLM
-from chunkserve.model.llama import LlamaModel
+from chunkserve.model.decoder import DecoderLM as LlamaModel
 from chunkserve.provenance import cpu_description, git_commit
 from chunkserve.scheduling.costmodel import StepShape
 from chunkserve.tuning.profiler import ShapeRunner
@@ -46,13 +46,15 @@ from chunkserve.tuning.profiler import ShapeRunner
 PROFILE_ROWS = 15
 
 
+def layer_weights(layer) -> tuple[torch.Tensor, ...]:
+    """A block's linear weights: fused QKV, output, fused gate/up, down."""
+    a, m = layer.attn, layer.mlp
+    return (a.qkv.weight, a.o.weight, m.gate_up.weight, m.down.weight)
+
+
 def linear_macs(model: LlamaModel) -> int:
     """Multiply-accumulates of the linear layers per token (the LM head not counted)."""
-    return sum(
-        w.numel()
-        for layer in model.layers
-        for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    )
+    return sum(w.numel() for layer in model.layers for w in layer_weights(layer))
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
@@ -85,10 +87,10 @@ def time_linears(model: LlamaModel, rows: int, head_rows: int, repeats: int) -> 
 
     def run() -> None:
         for layer in model.layers:
-            for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            for w in layer_weights(layer):
                 F.linear(x(w.shape[1], rows), w)
         if head_rows:
-            F.linear(x(model.lm_head.shape[1], head_rows), model.lm_head)
+            F.linear(x(model.lm_head.weight.shape[1], head_rows), model.lm_head.weight)
 
     if repeats > 1:
         run()  # warm-up (the paired timings run their step in between instead)
@@ -154,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     runner = ShapeRunner(core)
     reps = args.repeats
     lin = linear_macs(model)
-    head = model.lm_head.numel()
+    head = model.lm_head.weight.numel()
 
     matmul = {}
     for rows in (1, 64, 512):
@@ -231,12 +233,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 @torch.inference_mode()
 def time_linears_head(model: LlamaModel, rows: int, repeats: int) -> float:
-    x = torch.randn(rows, model.lm_head.shape[1], dtype=model.dtype)
-    F.linear(x, model.lm_head)
+    x = torch.randn(rows, model.lm_head.weight.shape[1], dtype=model.dtype)
+    F.linear(x, model.lm_head.weight)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        F.linear(x, model.lm_head)
+        F.linear(x, model.lm_head.weight)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -45,6 +45,17 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
+# What ``model.layers`` implements: rope scaling types and MLP activations (HF's names).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The type of an HF ``rope_scaling`` / ``rope_parameters`` dict ("default" if none)."""
+    scaling = scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
 def _require(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {message}")
@@ -52,7 +63,8 @@ def _require(cond: bool, name: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family model, as read from a GGUF or ``config.json``."""
+    """Architecture of a decoder model, as read from a GGUF or ``config.json``:
+    ``architecture`` names its family in ``model.registry`` (HF's ``model_type``)."""
 
     architecture: str
     vocab_size: int
@@ -71,6 +83,25 @@ class ModelConfig:
     # HF-style rope scaling ({"rope_type": "llama3", "factor": ..., ...}) or None.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     attention_bias: bool = False
+    hidden_act: str = "silu"
+    # The share of each head's dimensions that rotate (Phi-4-mini 0.75): ``rotary_dim``.
+    partial_rotary_factor: float = 1.0
+    # The window of sliding-window attention (Mistral, Qwen2 with use_sliding_window), or
+    # None: every layer attends to all earlier keys.
+    sliding_window: int | None = None
+    mlp_bias: bool = False
+    # Granite's multipliers: embeddings, the softmax scale (None: head_dim ** -0.5), the
+    # residual branches; logits are divided by ``logits_scaling``.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # Layers without rotary embeddings (SmolLM3: every 4th).
+    no_rope_layers: tuple[int, ...] = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +119,48 @@ class ModelConfig:
             self.num_heads % self.num_kv_heads == 0,
             "num_kv_heads",
             f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads",
+        )
+        # Fields that change the numbers: one we have not implemented is refused here,
+        # before any weight loads.
+        _require(
+            self.hidden_act in HIDDEN_ACTS,
+            "hidden_act",
+            f"activation {self.hidden_act!r} is not supported (supported: "
+            f"{', '.join(HIDDEN_ACTS)})",
+        )
+        kind = rope_type(self.rope_scaling)
+        _require(
+            kind in ROPE_TYPES,
+            "rope_scaling",
+            f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
+        )
+        needs = {
+            "linear": ("factor",),
+            "dynamic": ("factor",),
+            "llama3": ("factor", "original_max_position_embeddings"),
+            "yarn": ("factor",),
+        }.get(kind, ())
+        for key in needs:
+            _require(
+                key in (self.rope_scaling or {}),
+                "rope_scaling",
+                f"rope type {kind!r} needs {key!r}",
+            )
+        _require(
+            0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
+            "partial_rotary_factor",
+            f"{self.partial_rotary_factor} of head_dim {self.head_dim} is not an even "
+            f"number of dimensions in (0, head_dim]",
+        )
+        _require(
+            self.sliding_window is None or self.sliding_window > 0,
+            "sliding_window",
+            "must be positive",
+        )
+        _require(
+            all(0 <= i < self.num_layers for i in self.no_rope_layers),
+            "no_rope_layers",
+            f"layer indices must be in 0..{self.num_layers - 1}",
         )
 
     def kv_bytes_per_token(self, dtype_size: int, num_kv_heads: int | None = None) -> int:

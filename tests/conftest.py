@@ -141,7 +141,7 @@ def no_weight_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the configuration was checked")
 
-    monkeypatch.setattr("chunkserve.worker.worker.LlamaModel.load_weights", refuse)
+    monkeypatch.setattr("chunkserve.model.decoder.DecoderLM.load_weights", refuse)
 
 
 @pytest.fixture(scope="session", autouse=True)

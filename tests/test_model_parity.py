@@ -121,10 +121,10 @@ def test_bf16_close_to_fp32(engine: Engine) -> None:
 def test_mlp_in_row_slices_equals_the_whole(engine: Engine) -> None:
     """A step of more than ``MLP_SLICE_ROWS`` rows runs its MLP in slices on a CPU (its
     temporaries stay small): the same rows as one matmul over all of them."""
-    from chunkserve.model import llama
+    from chunkserve.model import layers
 
-    layer = engine.core.worker.model.layers[3]
-    x = torch.randn(2 * llama.MLP_SLICE_ROWS + 77, layer.gate_up_proj.shape[1])
-    sliced = layer.mlp(x)
-    torch.testing.assert_close(sliced, layer._mlp(x), rtol=1e-5, atol=1e-5)
-    assert layer.mlp(x[:5]).shape == (5, x.shape[1])
+    mlp = engine.core.worker.model.layers[3].mlp
+    x = torch.randn(2 * layers.MLP_SLICE_ROWS + 77, mlp.gate_up.weight.shape[1])
+    sliced = mlp(x)
+    torch.testing.assert_close(sliced, mlp.down(mlp._inner(x)), rtol=1e-5, atol=1e-5)
+    assert mlp(x[:5]).shape == (5, x.shape[1])

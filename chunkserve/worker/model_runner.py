@@ -14,7 +14,7 @@ import torch
 
 from chunkserve.attention import AttentionBackend, BatchLayout
 from chunkserve.distributed.group import OP_STEP, CollectiveError, TPGroup
-from chunkserve.model.llama import LlamaModel
+from chunkserve.model.registry import CausalLM
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.cuda_graphs import DecodeGraphs
@@ -155,7 +155,7 @@ def padded_num_tokens(num_tokens: int) -> int:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         attn: AttentionBackend,
         sampler: Sampler | None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -49,8 +49,8 @@ from chunkserve.distributed.launch import (
 )
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
-from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
+from chunkserve.model.registry import CausalLM, build_model, check_servable
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.request import Request
@@ -115,6 +115,8 @@ class Worker:
         self.rank_spec = rank
         self.rank = 0 if rank is None else rank.rank
         tp = config.tensor_parallel_size
+        # A family we serve, and numerics we implement (a sliding window: not yet).
+        check_servable(model_config, max_model_len)
         # This rank's share of the model; a model that cannot be split so fails here.
         self.shard = plan_shards(model_config, tp, self.rank)
         self.group: TPGroup | None = None
@@ -151,7 +153,7 @@ class Worker:
         self._sized_by_free_memory = self.device.type == "cuda" and config.kv_cache_memory is None
         if not self._sized_by_free_memory:
             self._size_kv_cache()
-        self.model: LlamaModel | None = None
+        self.model: CausalLM | None = None
         self.runner: ModelRunner | None = None
         self.cuda_graphs = False
         self.load_time = 0.0
@@ -163,6 +165,7 @@ class Worker:
             draft_config, reader = load_model_config(source)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        check_servable(draft_config, self.max_model_len, name)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"{name}: the draft model's vocabulary ({draft_config.vocab_size} tokens) "
@@ -230,7 +233,7 @@ class Worker:
         config, model_config = self.config, self.model_config
         self._join_group()
         t0 = time.perf_counter()
-        self.model = LlamaModel(
+        self.model = build_model(
             model_config,
             self.dtype,
             self.device,
@@ -277,7 +280,12 @@ class Worker:
             for k_cache, v_cache in kv_caches:
                 k_cache.zero_()
                 v_cache.zero_()
-        self.model.fused_ops = config.fused_ops and on_cuda and triton_usable(self.device)
+        self.model.fused_ops = (
+            config.fused_ops
+            and on_cuda
+            and self.model.supports_fused_ops
+            and triton_usable(self.device)
+        )
         leader = self.rank == 0  # samples; the other ranks only compute their shares
         self.sampler = (
             Sampler(model_config.vocab_size, self.device, seed=config.seed) if leader else None

@@ -1,0 +1,294 @@
+"""A decoder-only transformer built from ``layers``: embedding, blocks, final norm, LM head.
+
+A family (``llama.py``, ``qwen.py``, ...) is a subclass that says how its blocks differ:
+``qkv_bias`` (Qwen2's Q/K/V biases), ``qk_norm`` ("head": Qwen3, "all": OLMo 2),
+``norm_style`` ("pre": a norm before attention and before the MLP, as Llama; "post": OLMo 2's
+norms of the attention and MLP outputs before the residual adds), and the checkpoint's names.
+Config-driven numerics (Granite's multipliers, SmolLM3's layers without rope, partial rotary,
+the activation) come from ``ModelConfig``.
+
+``forward`` maps a ``BatchLayout`` to hidden states [T, hidden]; ``compute_logits`` maps the
+rows to sample to fp32 logits [S, vocab] (on rank 0; None on the other tensor-parallel ranks).
+On CUDA, a family with Llama's block (pre-norms, no q/k norm, full rotary, SiLU, no
+multipliers) can run the fused elementwise kernels of ``fused_ops`` (``fused_ops`` set True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from chunkserve.attention.base import AttentionBackend, BatchLayout
+from chunkserve.config import ModelConfig
+from chunkserve.distributed.shard import ShardPlan, plan_shards
+from chunkserve.model.layers import (
+    Attention,
+    GatedMLP,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    Target,
+    VocabParallelEmbedding,
+)
+
+if TYPE_CHECKING:
+    from chunkserve.distributed.group import TPGroup
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the model needs of the KV cache: one group of ``num_layers`` full-attention
+    layers of ``num_kv_heads`` (this rank's) x ``head_dim``; ``sliding_window``: the window
+    every layer attends within (None: all keys)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        model: type[DecoderLM],
+        index: int,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        shard: ShardPlan,
+        group: TPGroup | None,
+    ) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.attn = Attention(
+            config,
+            shard,
+            dtype,
+            device,
+            group,
+            qkv_bias=model.qkv_bias or config.attention_bias,
+            qk_norm=model.qk_norm,
+            use_rope=index not in config.no_rope_layers,
+            scale=config.attention_multiplier,
+        )
+        self.mlp = GatedMLP(config, shard, dtype, device, group)
+        self.post_norms = model.norm_style == "post"
+        # "pre": before attention, before the MLP; "post": after each, before the residual add.
+        self.norm1 = RMSNorm(h, eps, dtype, device)
+        self.norm2 = RMSNorm(h, eps, dtype, device)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        layout: BatchLayout,
+        attn_meta: object,
+    ) -> torch.Tensor:
+        # Submodules' ``forward`` called directly: nn.Module.__call__ costs two more Python
+        # calls each, ~500 a step over 30 layers.
+        m = self.residual_multiplier
+        norm1, norm2, mlp = self.norm1.forward, self.norm2.forward, self.mlp.forward
+        if self.post_norms:
+            out = norm1(
+                self.attn.forward(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
+            )
+            hidden = hidden + out if m == 1.0 else hidden + out * m
+            out = norm2(mlp(hidden))
+            return hidden + out if m == 1.0 else hidden + out * m
+        out = self.attn.forward(norm1(hidden), cos, sin, k_cache, v_cache, attn, layout, attn_meta)
+        hidden = hidden + out if m == 1.0 else hidden + out * m
+        out = mlp(norm2(hidden))
+        return hidden + out if m == 1.0 else hidden + out * m
+
+    def forward_fused(
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        layout: BatchLayout,
+        attn_meta: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of a Llama block with fused kernels (see ``fused_ops``): the hidden
+        state is carried as ``residual + delta`` so each residual add is fused into the next
+        norm. The first layer gets the embeddings as ``delta`` and no residual."""
+        from chunkserve.model import fused_ops as ops
+
+        a = self.attn
+        t = delta.shape[0]
+        x, residual = ops.add_rms_norm(delta, residual, self.norm1.weight, self.norm1.eps)
+        qkv = a.qkv.forward(x)
+        q, k, v = ops.rotary_qkv(
+            qkv, positions, rotary.cos, rotary.sin, a.num_heads, a.num_kv_heads, a.head_dim
+        )
+        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
+        x, residual = ops.add_rms_norm(
+            a.o.forward(o.view(t, a.q_size)), residual, self.norm2.weight, self.norm2.eps
+        )
+        mlp = self.mlp
+        delta = mlp.down.forward(ops.silu_mul(mlp.gate_up.forward(x)))
+        return delta, residual
+
+    def targets(self, prefix: str, names: dict[str, str]) -> dict[str, Target]:
+        out = self.attn.targets(prefix + "self_attn.")
+        out.update(self.mlp.targets(prefix + "mlp."))
+        out.update(self.norm1.targets(prefix + names["norm1"]))
+        out.update(self.norm2.targets(prefix + names["norm2"]))
+        return out
+
+
+class DecoderLM(nn.Module):
+    """The ``CausalLM`` of a decoder-only family (see ``registry``)."""
+
+    # What a family sets.
+    qkv_bias: ClassVar[bool] = False  # Q/K/V biases whatever the config says
+    qk_norm: ClassVar[str | None] = None
+    norm_style: ClassVar[str] = "pre"
+    # Checkpoint names of the block norms (after "model.layers.N.").
+    norm_names: ClassVar[dict[str, str]] = {
+        "norm1": "input_layernorm.weight",
+        "norm2": "post_attention_layernorm.weight",
+    }
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        shard: ShardPlan | None = None,
+        group: TPGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.shard = shard = shard or plan_shards(config, 1, 0)
+        self.group = group = group if shard.size > 1 else None
+        self.embed_tokens = VocabParallelEmbedding(config, shard, dtype, device, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(type(self), i, config, dtype, device, shard, group)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(config, self.embed_tokens, dtype, device, group)
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+        # Fused elementwise kernels (Triton; see fused_ops). The worker turns them on on
+        # CUDA where ``supports_fused_ops``.
+        self.fused_ops = False
+        self.supports_fused_ops = (
+            self.norm_style == "pre"
+            and self.qk_norm is None
+            and config.rotary_dim == config.head_dim
+            and not config.no_rope_layers
+            and config.hidden_act in ("silu", "swish")
+            and config.attention_multiplier is None
+            and config.residual_multiplier == 1.0
+            and not config.mlp_bias
+        )
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(
+            self.config.num_layers,
+            self.shard.num_kv_heads,
+            self.config.head_dim,
+            self.config.sliding_window,
+        )
+
+    def forward(
+        self,
+        layout: BatchLayout,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+        attn_meta: object,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens.forward(layout.input_ids)  # [T, hidden]
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
+        if self.fused_ops:
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer.forward_fused(
+                    hidden,
+                    residual,
+                    layout.positions,
+                    self.rotary,
+                    k_cache,
+                    v_cache,
+                    attn,
+                    layout,
+                    attn_meta,
+                )
+            return hidden if residual is None else residual + hidden
+        cos, sin = self.rotary(layout.positions, self.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer.forward(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(self.norm(hidden))
+        if logits is not None and self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits
+
+    def weight_targets(self) -> dict[str, Target]:
+        """HF weight name -> where it goes (see ``layers.Target``)."""
+        targets = self.embed_tokens.targets("model.embed_tokens.weight")
+        targets.update(self.norm.targets("model.norm.weight"))
+        targets.update(self.lm_head.targets("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.targets(f"model.layers.{i}.", self.norm_names))
+        return targets
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, drawn on the model's device (``load_format
+        dummy``): norms 1 (0 for a ``1 + w`` norm), biases 0, the rest N(0, 0.02) as HF
+        initialises Llama."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device)
+        gen.manual_seed(seed + self.shard.rank)
+        norms = {id(m.weight): m.offset for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, param in self.named_parameters():
+            if id(param) in norms:
+                param.fill_(0.0 if norms[id(param)] else 1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this
+        rank's (fused) parameters as they stream in, so peak memory is the model plus one
+        tensor. A missing tensor, an unexpected one or a wrong shape is a ValueError naming
+        it."""
+        targets = self.weight_targets()
+        for name, tensor in weights:
+            if name not in targets:
+                if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and self.config.tie_word_embeddings
+                ):
+                    continue  # derived, or a copy of the tied embedding
+                raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
+            dst, part, expected = targets.pop(name)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+                )
+            dst.copy_(tensor[part])
+        if targets:
+            missing = sorted(targets)
+            raise ValueError(
+                f"model: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}"
+            )

@@ -1,0 +1,545 @@
+"""The parts decoder families share: parallel linear layers that load their own shard of a
+checkpoint tensor, vocabulary-parallel embedding and LM head, RMSNorm variants, rotary
+embeddings (default, linear, dynamic, llama3, yarn; partial rotary), activations, the gated
+MLP and the attention module that calls an ``AttentionBackend``.
+
+Numerics follow HF transformers' eager path: norms in fp32, cast back before the weight
+multiply (Gemma's ``1 + w`` norm: the multiply in fp32, then cast).
+
+Weight loading: every layer that holds a checkpoint tensor says, for each HF name it takes,
+where the tensor goes (a parameter, or a row slice of a fused one), which part of the
+checkpoint tensor this tensor-parallel rank keeps, and the tensor's full shape in the
+checkpoint (``Target``). ``DecoderLM.load_weights`` streams the checkpoint through them.
+
+Tensor parallel (``distributed.shard``): column-parallel layers hold their rank's output rows
+(its heads, its MLP columns), row-parallel ones their input columns and sum the ranks' partial
+outputs (an all-reduce); norms are replicated, except a norm over all heads' q/k (OLMo 2),
+whose sum of squares is summed over the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunkserve.config import HIDDEN_ACTS, ROPE_TYPES, ModelConfig, rope_type
+from chunkserve.distributed.shard import ShardPlan
+
+if TYPE_CHECKING:
+    from chunkserve.attention.base import AttentionBackend, BatchLayout
+    from chunkserve.distributed.group import TPGroup
+
+
+class Target(NamedTuple):
+    """Where one checkpoint tensor goes: ``dst`` (a parameter or a view of one) takes
+    ``tensor[src]``; ``shape`` is the tensor's full shape in the checkpoint."""
+
+    dst: torch.Tensor
+    src: tuple[slice, ...]
+    shape: tuple[int, ...]
+
+
+WHOLE = (slice(None),)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# ---- norms ---------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension. ``offset``: Gemma's variant, ``x * (1 + w)`` in fp32.
+    ``group`` with ``full_width``: the normed dimension is split over tensor-parallel ranks
+    (a norm over all heads' q or k, OLMo 2): the sum of squares is summed over them."""
+
+    def __init__(
+        self,
+        width: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        offset: bool = False,
+        full_width: int | None = None,
+        group: TPGroup | None = None,
+        weight_slice: slice | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = _param(width, dtype=dtype, device=device)
+        self.eps = eps
+        self.offset = offset
+        self.full_width = full_width or width
+        self.group = group
+        self.weight_slice = weight_slice or slice(None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            xf = x.float()
+            ss = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+            xf = xf * torch.rsqrt(ss / self.full_width + self.eps)
+        elif self.offset:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            return rms_norm(x, self.weight, self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+    def targets(self, name: str) -> dict[str, Target]:
+        return {name: Target(self.weight, (self.weight_slice,), (self.full_width,))}
+
+
+# ---- rotary embeddings ---------------------------------------------------------------------
+def rope_inv_freq(
+    config: ModelConfig, max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim // 2] in fp32 and the factor cos/sin are scaled by
+    (yarn's attention factor; 1 otherwise), with HF's rope scaling variants. ``dynamic``
+    (NTK) is fixed at ``max_positions``: HF's values for a sequence of that length (HF's
+    default frequencies while it is within ``max_position_embeddings``)."""
+    dim = config.rotary_dim
+    base = config.rope_theta
+    exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exps)
+    scaling = config.rope_scaling or {}
+    kind = rope_type(scaling)
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "dynamic":
+        orig = config.max_position_embeddings
+        length = max_positions or orig
+        if length <= orig:
+            return inv_freq, 1.0
+        base = base * ((factor * length / orig) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base**exps), 1.0
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(config, scaling, factor, dim, base, exps)
+    raise ValueError(f"rope_scaling: type {kind!r} is not supported (supported: {ROPE_TYPES})")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(
+    config: ModelConfig, scaling: dict, factor: float, dim: int, base: float, exps: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies blended between interpolated (low) and extrapolated (high) by a
+    linear ramp over the dimensions whose wavelengths fall between ``beta_slow`` and
+    ``beta_fast`` rotations of the original context; cos/sin scaled by the attention factor."""
+    orig = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = base**exps
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables [max_positions, rotary_dim] indexed by absolute position
+    (HF's half-split "rotate_half" layout). ``rotary_dim`` < head_dim: partial rotary, the
+    first ``rotary_dim`` dimensions of each head rotate."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, attention_factor = rope_inv_freq(config, max_positions)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rd]
+        self.rotary_dim = config.rotary_dim
+        self.partial = config.rotary_dim < config.head_dim
+        self.register_buffer("cos", (emb.cos() * attention_factor).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_factor).to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, rd]: broadcast over heads.
+        return (
+            self.cos[positions].to(dtype)[:, None, :],
+            self.sin[positions].to(dtype)[:, None, :],
+        )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def apply_partial_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+# ---- activations ---------------------------------------------------------------------------
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+}
+assert set(ACTIVATIONS) == set(HIDDEN_ACTS)
+
+
+# ---- parallel linear layers ----------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows made of parts (fused Q/K/V, gate/up), each a
+    checkpoint tensor of which this rank holds a contiguous row range: ``parts`` is a list of
+    (checkpoint rows, (first, end) rows this rank takes)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: list[tuple[int, tuple[int, int]]],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = parts
+        self.sizes = [end - first for _, (first, end) in parts]
+        out = sum(self.sizes)
+        self.weight = _param(out, in_features, dtype=dtype, device=device)
+        self.bias = _param(out, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def targets(self, names: list[str]) -> dict[str, Target]:
+        """``names``: each part's checkpoint name without ``.weight`` / ``.bias``."""
+        out: dict[str, Target] = {}
+        row = 0
+        for name, size, (rows, (first, end)) in zip(names, self.sizes, self.parts, strict=True):
+            src = (slice(first, end),)
+            out[name + ".weight"] = Target(
+                self.weight[row : row + size], src, (rows, self.in_features)
+            )
+            if self.bias is not None:
+                out[name + ".bias"] = Target(self.bias[row : row + size], src, (rows,))
+            row += size
+        return out
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum over ranks of x_r W_r^T (+ b)``: this rank holds input columns
+    ``[first, end)`` of a checkpoint tensor with ``in_features`` columns; the all-reduce
+    follows (or is left to the caller: ``reduce=False``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        cols: tuple[int, int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TPGroup | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.cols = in_features, out_features, cols
+        self.weight = _param(out_features, cols[1] - cols[0], dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.group is not None:
+            y = self.group.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def targets(self, name: str) -> dict[str, Target]:
+        out = {
+            name + ".weight": Target(
+                self.weight, (slice(None), slice(*self.cols)), (self.out_features, self.in_features)
+            )
+        }
+        if self.bias is not None:
+            out[name + ".bias"] = Target(self.bias, WHOLE, (self.out_features,))
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """[T] token ids -> [T, hidden]. Vocabulary-parallel: each rank holds ``ceil(V / N)``
+    rows (the last rank's tail is zero padding), looks up the ids in its rows (zeros for the
+    others') and the all-reduce sums the ranks' parts."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: ShardPlan,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TPGroup | None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden = config.vocab_size, config.hidden_size
+        self.shard, self.group = shard, group
+        self.weight = nn.Parameter(
+            torch.zeros(shard.vocab_shard, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_shard)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def targets(self, name: str) -> dict[str, Target]:
+        v0, v1 = self.shard.vocab
+        return {
+            name: Target(self.weight[: v1 - v0], (slice(v0, v1),), (self.vocab_size, self.hidden))
+        }
+
+
+class ParallelLMHead(nn.Module):
+    """Hidden rows -> fp32 logits [S, V], vocabulary-parallel like the embedding (the ranks'
+    logits gathered to rank 0; None on the others). Tied: the embedding's weight."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embedding: VocabParallelEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TPGroup | None,
+    ) -> None:
+        super().__init__()
+        self.tied = config.tie_word_embeddings
+        self.vocab_size, self.hidden = config.vocab_size, config.hidden_size
+        self.shard, self.group = embedding.shard, group
+        self.weight = (
+            embedding.weight
+            if self.tied
+            else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(x, self.weight).float()  # [S, V], or [S, V / N] on a rank
+        if self.group is None:
+            return logits
+        return self.group.gather_vocab(logits, self.vocab_size)
+
+    def targets(self, name: str) -> dict[str, Target]:
+        if self.tied:
+            return {}
+        v0, v1 = self.shard.vocab
+        return {
+            name: Target(self.weight[: v1 - v0], (slice(v0, v1),), (self.vocab_size, self.hidden))
+        }
+
+
+# ---- MLP -----------------------------------------------------------------------------------
+# On a CPU, a step of more rows runs its MLP in slices of this many: the intermediate
+# activations (gate and up, 2 x 1,536 wide for the embedded model: 25 MB at 2,048 fp32 rows,
+# and SiLU's and the product's copies) are the largest temporaries of a step, and the heap
+# keeps its high-water mark resident (measured: the offline benchmark's peak RSS 50 MiB
+# higher at a 2,048-token budget than at 512). Matmuls of 512 rows already run at the
+# large-matrix rate.
+MLP_SLICE_ROWS = 512
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): gate and up one column-parallel matmul (this rank's MLP
+    columns of each), down row-parallel; the all-reduce after down is the caller's
+    (``reduce``), so a layer can fuse it with what follows."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: ShardPlan,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TPGroup | None,
+    ) -> None:
+        super().__init__()
+        inter = shard.intermediate
+        size = config.intermediate_size
+        self.gate_up = ColumnParallelLinear(
+            config.hidden_size, [(size, inter), (size, inter)], config.mlp_bias, dtype, device
+        )
+        self.down = RowParallelLinear(
+            size, config.hidden_size, inter, config.mlp_bias, dtype, device, group
+        )
+        self.intermediate_size = shard.intermediate_size
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.is_silu = self.act is F.silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP over ``x``'s rows; on a CPU in slices of ``MLP_SLICE_ROWS``."""
+        t = x.shape[0]
+        if t <= MLP_SLICE_ROWS or x.device.type != "cpu":
+            return self.down.forward(self._inner(x))
+        out = torch.empty_like(x)
+        for r0 in range(0, t, MLP_SLICE_ROWS):
+            out[r0 : r0 + MLP_SLICE_ROWS] = F.linear(
+                self._inner(x[r0 : r0 + MLP_SLICE_ROWS]), self.down.weight
+            )
+        if self.down.group is not None:
+            out = self.down.group.all_reduce(out)
+        return out if self.down.bias is None else out + self.down.bias
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
+        return self.act(gate) * up
+
+    def targets(self, prefix: str) -> dict[str, Target]:
+        return {
+            **self.gate_up.targets([prefix + "gate_proj", prefix + "up_proj"]),
+            **self.down.targets(prefix + "down_proj"),
+        }
+
+
+# ---- attention -----------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Grouped-query attention over the paged KV cache: fused QKV projection (this rank's
+    heads), optional q/k norms (``qk_norm``: "head", one RMSNorm over each head's dims as
+    Qwen3; "all", over all heads' dims as OLMo 2), rotary embeddings (full, partial, or none
+    for a layer without), the backend's attention, the output projection (all-reduced).
+
+    ``scale``: the softmax scale when it is not ``head_dim ** -0.5`` (the backends' own):
+    q is multiplied by their ratio first."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: ShardPlan,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TPGroup | None,
+        *,
+        qkv_bias: bool,
+        qk_norm: str | None = None,
+        use_rope: bool = True,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, hd
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
+        q_rows = (q0 * hd, q1 * hd)
+        kv_rows = (k0 * hd, k1 * hd)
+        full_q, full_kv = config.num_heads * hd, config.num_kv_heads * hd
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size,
+            [(full_q, q_rows), (full_kv, kv_rows), (full_kv, kv_rows)],
+            qkv_bias,
+            dtype,
+            device,
+        )
+        self.o = RowParallelLinear(full_q, config.hidden_size, q_rows, False, dtype, device, group)
+        self.qk_norm = qk_norm
+        self.q_norm = self.k_norm = None
+        eps = config.rms_norm_eps
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(hd, eps, dtype, device)
+            self.k_norm = RMSNorm(hd, eps, dtype, device)
+        elif qk_norm == "all":
+            self.q_norm = RMSNorm(
+                self.q_size, eps, dtype, device, full_width=full_q, group=group,
+                weight_slice=slice(*q_rows),
+            )  # fmt: skip
+            self.k_norm = RMSNorm(
+                self.kv_size, eps, dtype, device, full_width=full_kv, group=group,
+                weight_slice=slice(*kv_rows),
+            )  # fmt: skip
+        elif qk_norm is not None:
+            raise ValueError(f"qk_norm: {qk_norm!r} is not one of 'head', 'all'")
+        self.use_rope = use_rope
+        self.rotary_dim = config.rotary_dim
+        self.q_scale = None if scale is None else scale / hd**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        layout: BatchLayout,
+        attn_meta: object,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            if self.rotary_dim == self.head_dim:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            else:
+                q = apply_partial_rope(q, cos, sin, self.rotary_dim)
+                k = apply_partial_rope(k, cos, sin, self.rotary_dim)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
+        return self.o.forward(o.view(t, self.q_size))
+
+    def targets(self, prefix: str) -> dict[str, Target]:
+        out = self.qkv.targets([prefix + "q_proj", prefix + "k_proj", prefix + "v_proj"])
+        out.update(self.o.targets(prefix + "o_proj"))
+        if self.q_norm is not None:
+            out.update(self.q_norm.targets(prefix + "q_norm.weight"))
+            out.update(self.k_norm.targets(prefix + "k_norm.weight"))
+        return out

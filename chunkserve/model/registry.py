@@ -1,0 +1,162 @@
+"""Which class serves which checkpoint: HF ``architectures`` / ``model_type`` and GGUF
+``general.architecture`` -> a family (``ModelConfig.architecture``) -> a class implementing
+``CausalLM``. The worker, model runner, CUDA graphs, draft model and tensor parallel see only
+the protocol; a family registers itself with ``@register`` in its own module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from chunkserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from chunkserve.attention.base import AttentionBackend, BatchLayout
+    from chunkserve.distributed.group import TPGroup
+    from chunkserve.distributed.shard import ShardPlan
+    from chunkserve.model.decoder import KVLayout
+
+# The modules whose classes register themselves (imported on first lookup).
+_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3")
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A model the engine serves.
+
+    - ``forward(layout, kv_caches, attn, attn_meta)``: hidden states [T, hidden] of a step's
+      flat batch (``BatchLayout``), writing its K/V into ``kv_caches`` (one (k, v) per layer,
+      as ``kv_layout`` describes) through the attention backend;
+    - ``compute_logits(hidden)``: fp32 logits [S, vocab] of the rows that sample (on
+      tensor-parallel rank 0; None on the others);
+    - ``load_weights(iter of (HF name, tensor))``: a ValueError naming a missing, unexpected
+      or misshapen tensor; ``init_dummy_weights(seed)``: random weights of the right shapes;
+    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels.
+    """
+
+    config: ModelConfig
+    dtype: torch.dtype
+    fused_ops: bool
+    supports_fused_ops: bool
+
+    def __call__(
+        self,
+        layout: BatchLayout,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+        attn_meta: object,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def init_dummy_weights(self, seed: int = 0) -> None: ...
+
+    def kv_layout(self) -> KVLayout: ...
+
+
+_CLASSES: dict[str, type] = {}  # family -> class
+_HF_ARCHS: dict[str, str] = {}  # HF architectures entry -> family
+_GGUF_ARCHS: dict[str, str] = {}  # GGUF general.architecture -> family
+_loaded = False
+
+
+def register(
+    family: str, *, hf: Iterable[str] = (), gguf: Iterable[str] = ()
+) -> Callable[[type], type]:
+    """Class decorator: ``family`` (HF's ``model_type``) is served by the class; ``hf``: its
+    ``architectures`` names; ``gguf``: the ``general.architecture`` values it loads from."""
+
+    def deco(cls: type) -> type:
+        _CLASSES[family] = cls
+        for name in hf:
+            _HF_ARCHS[name] = family
+        for name in gguf:
+            _GGUF_ARCHS[name] = family
+        return cls
+
+    return deco
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in _FAMILY_MODULES:
+            importlib.import_module(f"chunkserve.model.{module}")
+
+
+def supported_families() -> list[str]:
+    _load()
+    return sorted(_CLASSES)
+
+
+def _unsupported(what: str, value: Any, names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"model: {what} {value!r} is not supported (supported: {', '.join(sorted(names))})"
+    )
+
+
+def family_of_hf(config: dict[str, Any]) -> str:
+    """The family of an HF ``config.json``: its ``architectures`` entry, else its
+    ``model_type`` (a config without either is Llama's, as older ones were)."""
+    _load()
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in _HF_ARCHS:
+            return _HF_ARCHS[arch]
+    model_type = config.get("model_type")
+    if model_type in _CLASSES:
+        return str(model_type)
+    if archs:
+        raise _unsupported("architecture", archs[0], _HF_ARCHS)
+    if model_type is None:
+        return "llama"
+    raise _unsupported("model_type", model_type, _CLASSES)
+
+
+def family_of_gguf(arch: str) -> str:
+    _load()
+    if arch not in _GGUF_ARCHS:
+        raise _unsupported("GGUF architecture", arch, _GGUF_ARCHS)
+    return _GGUF_ARCHS[arch]
+
+
+def model_class(config: ModelConfig) -> type:
+    _load()
+    if config.architecture not in _CLASSES:
+        raise _unsupported("architecture", config.architecture, _CLASSES)
+    return _CLASSES[config.architecture]
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    shard: ShardPlan | None = None,
+    group: TPGroup | None = None,
+) -> CausalLM:
+    """The family's model with uninitialised weights (tensor parallel: this rank's share)."""
+    cls = model_class(config)
+    return cls(config, dtype, device, max_positions=max_positions, shard=shard, group=group)
+
+
+def check_servable(config: ModelConfig, max_model_len: int, name: str = "model") -> None:
+    """A ValueError, before any weight loads, for a model we would serve wrongly: today one
+    whose sliding window is shorter than the longest sequence (the attention backends attend
+    to every earlier key)."""
+    model_class(config)
+    window = config.sliding_window
+    if window is not None and window < max_model_len:
+        raise ValueError(
+            f"{name}: this {config.architecture} model uses sliding window attention "
+            f"(sliding_window={window}) and the attention backends have no sliding window "
+            f"yet: serving sequences longer than {window} tokens would give wrong answers; "
+            f"pass max_model_len={window} (--max-model-len {window}) or less"
+        )

@@ -1,0 +1,454 @@
+"""Every family the registry serves, against HF transformers' eager implementation.
+
+Each family is a tiny random model built by transformers from its own config class with the
+config fields of a published checkpoint of that family, shrunk only in width and depth (tied
+heads where the checkpoint ties them), saved as an HF directory (safetensors, the embedded
+model's tokenizer). fp32 logits at every position within 1e-4 (relative) of transformers',
+greedy tokens identical; chunked at budget 16 = unchunked = prefix-cached = preempted;
+tensor parallel 2 = 1 for two families; the errors a bad checkpoint gets before serving.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkserve.config import ModelConfig
+from chunkserve.engine.engine import Engine
+from chunkserve.model.registry import supported_families
+from chunkserve.scheduling.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_in_use, random_prompt
+from tests.test_invariance import run_staggered
+from tests.test_model_parity import all_row_logits
+
+VOCAB = 49152  # the embedded model's tokenizer's
+# Shrunk: hidden 64, 4 query heads, 2 KV heads of 16 dims (Qwen3: 32, its head_dim is not
+# hidden / heads), MLP 128, 2 layers (SmolLM3: 4, so one has no rope).
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+
+# family -> (transformers config class, fields of the published checkpoint named).
+FAMILIES: dict[str, tuple[str, dict]] = {
+    # meta-llama/Llama-3.2-1B-Instruct
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
+    # mistralai/Mistral-7B-Instruct-v0.3 (no window)
+    "mistral": (
+        "MistralConfig",
+        dict(
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            max_position_embeddings=32768,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
+    # Qwen/Qwen2.5-0.5B-Instruct: its inert sliding_window (use_sliding_window false), here
+    # shorter than the prompts so that honouring it would change the logits.
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            use_sliding_window=False,
+            sliding_window=24,
+            max_window_layers=1,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
+    # Qwen/Qwen3-0.6B: head_dim 128 with hidden 1024 / 16 heads (here 32 with 64 / 4).
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
+    # ibm-granite/granite-3.0-2b-instruct
+    "granite": (
+        "GraniteConfig",
+        dict(
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    # allenai/OLMo-2-1124-7B-Instruct (as many KV heads as query heads)
+    "olmo2": (
+        "Olmo2Config",
+        dict(
+            num_key_value_heads=4,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+        ),
+    ),
+    # HuggingFaceTB/SmolLM3-3B: no rope on every 4th layer
+    "smollm3": (
+        "SmolLM3Config",
+        dict(
+            num_hidden_layers=4,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            max_position_embeddings=65536,
+            no_rope_layer_interval=4,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
+        ),
+    ),
+}
+
+SHIPPED_JSON = {"qwen2": {"sliding_window": 24}}
+MAX_LEN = 480
+BLOCK = 16
+
+
+def hf_config(family: str, **changes):
+    import transformers
+
+    cls_name, fields = FAMILIES[family]
+    kwargs = {**SMALL, **fields, **changes}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def write_model(out: Path, config, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random transformers model of ``config`` saved as an HF directory with the embedded
+    model's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # HF initialises norms to 1 (0 for OLMo's?): random ones test the norm weights too.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(out), safe_serialization=True)
+    # What the published config.json has that transformers does not write back: Qwen2.5's
+    # inert window (transformers writes null when use_sliding_window is false).
+    shipped = SHIPPED_JSON.get(config.model_type)
+    if shipped:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **shipped}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, hf_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_model(root / f, hf_config(f), hf_dir) for f in FAMILIES}
+
+
+def reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def make_engine(path: Path, **kwargs) -> Engine:
+    base = dict(
+        model=str(path),
+        dtype="float32",
+        max_model_len=MAX_LEN,
+        kv_cache_memory=8 << 20,
+        block_size=BLOCK,
+        num_threads=1,  # tiny matmuls: threads only wait for each other
+    )
+    base.update(kwargs)
+    return Engine(**base)
+
+
+def prompts(n: int = 3) -> list[list[int]]:
+    rng = random.Random(11)
+    return [random_prompt(rng, length) for length in (5, 37, 130)[:n]]
+
+
+def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+def test_every_family_is_tested() -> None:
+    assert set(supported_families()) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_greedy_tokens_match_transformers(model_dirs, family: str) -> None:
+    path = model_dirs[family]
+    ref = reference(path)
+    engine = make_engine(path)
+    assert engine.core.worker.model_config.architecture == family
+    worst = 0.0
+    for ids in prompts():
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0].float()
+        for chunk in (10_000, 7):
+            got = all_row_logits(engine, ids, chunk)
+            assert got.shape == want.shape
+            # Relative error of each position's logits.
+            rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+            worst = max(worst, rel)
+    assert worst < 1e-4, f"{family}: worst relative error {worst:.2e}"
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    for ids in prompts():
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        expected = out[0, len(ids) :].tolist()
+        assert run_all(engine, [ids], params) == [expected]
+    assert_no_blocks_in_use(engine)
+    print(f"{family}: worst relative logit error {worst:.2e}")
+
+
+# Prompts and output lengths for the chunked / prefix-cached / preempted runs: small, so a
+# run is a few dozen steps.
+CHUNK_WORK = (40, 70, 100, 25)
+CHUNK_TOKENS = 24
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_prefix_cached_and_preempted_match_unchunked(model_dirs, family: str) -> None:
+    path = model_dirs[family]
+    rng = random.Random(21)
+    work = [random_prompt(rng, n) for n in CHUNK_WORK]
+    base = make_engine(path, enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    expected = run_staggered(base, work, CHUNK_TOKENS)
+    assert base.core.scheduler.num_preemptions == 0
+    # Chunked at a budget of 16 tokens a step, prompts beside decodes.
+    chunked = make_engine(path, max_num_batched_tokens=16)
+    steps = []
+    chunked.step_listeners.append(steps.append)
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
+    assert any(s.kind == "mixed" for s in steps)
+    # Again: every prompt's full blocks but the last come from the prefix cache.
+    hits = chunked.core.kv.num_hit_tokens
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
+    assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
+    assert_no_blocks_in_use(chunked)
+    # 10 blocks for requests that grow past them: preempted and recomputed.
+    per_block = chunked.core.worker.model_config.kv_bytes_per_token(4) * BLOCK
+    tight = make_engine(
+        path,
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=64,
+        kv_cache_memory=11 * per_block,
+        max_model_len=10 * BLOCK,
+    )
+    assert tight.core.worker.num_blocks == 10
+    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
+    assert tight.core.scheduler.num_preemptions > 0
+    assert_no_blocks_in_use(tight)
+
+
+def record_logits(engine: Engine) -> list[torch.Tensor]:
+    """Every step's logits as rank 0 gets them (after the gather)."""
+    model = engine.core.worker.runner.model
+    seen: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def recording(hidden):
+        out = original(hidden)
+        seen.append(out.clone())
+        return out
+
+    model.compute_logits = recording
+    return seen
+
+
+# Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks.
+@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
+def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
+    path = model_dirs[family]
+    tp1 = make_engine(path, max_num_batched_tokens=64)
+    tp2 = make_engine(path, max_num_batched_tokens=64, tensor_parallel_size=2)
+    try:
+        assert tp2.core.worker.shard.size == 2
+        work = [*prompts(), random_prompt(random.Random(3), 100)]
+        params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+        ref, got = record_logits(tp1), record_logits(tp2)
+        assert run_all(tp2, work, params) == run_all(tp1, work, params)
+        assert len(ref) == len(got) > 0
+        for a, b in zip(got, ref, strict=True):
+            assert a.shape == b.shape and a.shape[1] == VOCAB
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+        assert_no_blocks_in_use(tp2)
+    finally:
+        tp2.shutdown()
+
+
+# ---- errors before serving -----------------------------------------------------------------
+def variant(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of the model directory ``src`` with fields of its config.json changed (None
+    removes one)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unknown_architecture_names_itself_and_the_supported(model_dirs, tmp_path) -> None:
+    path = variant(
+        model_dirs["llama"], tmp_path / "m", architectures=["FooForCausalLM"], model_type="foo"
+    )
+    with pytest.raises(ValueError, match="FooForCausalLM") as err:
+        make_engine(path)
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM"):
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "factor"),
+        ({"hidden_act": "relu2"}, "relu2"),
+    ],
+)
+def test_unimplemented_numerics_are_refused(
+    model_dirs, tmp_path, changes, field, no_weight_loading
+) -> None:
+    path = variant(model_dirs["qwen3"], tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=field):
+        make_engine(path)
+
+
+def rewrite_weights(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_and_misshapen_tensors_are_named(model_dirs, tmp_path) -> None:
+    name = "model.layers.1.self_attn.q_norm.weight"
+    missing = variant(model_dirs["qwen3"], tmp_path / "missing")
+    rewrite_weights(missing, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"missing.*q_norm"):
+        make_engine(missing)
+    bad = variant(model_dirs["qwen3"], tmp_path / "bad")
+    rewrite_weights(bad, lambda t: t.__setitem__(name, torch.ones(16)))
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(16,\), expected \(32,\)"):
+        make_engine(bad)
+
+
+def test_a_sliding_window_is_refused_unless_no_sequence_reaches_it(
+    model_dirs, tmp_path, no_weight_loading
+) -> None:
+    mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=64)
+    with pytest.raises(ValueError, match="sliding window"):
+        make_engine(mistral)
+    # Qwen2 turned on: the layers from max_window_layers (1) on have the window. (A config
+    # that lists the layers' types decides by them: remove the list.)
+    qwen2 = variant(
+        model_dirs["qwen2"], tmp_path / "qwen2", use_sliding_window=True, layer_types=None
+    )
+    with pytest.raises(ValueError, match="sliding window"):
+        make_engine(qwen2)
+
+
+def test_a_window_longer_than_every_sequence_serves(model_dirs, tmp_path) -> None:
+    mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=MAX_LEN)
+    engine = make_engine(mistral)
+    assert engine.core.worker.model_config.sliding_window == MAX_LEN
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    assert len(run_all(engine, prompts(1), params)[0]) == 4
+
+
+# ---- rope variants against transformers' ---------------------------------------------------
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    ],
+)
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rope_frequencies_match_transformers(rope: dict, partial: float) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from chunkserve.model.layers import rope_inv_freq
+
+    params = {**rope, "rope_theta": 50000.0, "partial_rotary_factor": partial}
+    hf = LlamaConfig(
+        hidden_size=512, num_attention_heads=4, max_position_embeddings=4096,
+        rope_parameters=params, partial_rotary_factor=partial,
+    )  # fmt: skip
+    want, want_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, torch.device("cpu"))
+    ours = ModelConfig(
+        architecture="llama", vocab_size=10, hidden_size=512, intermediate_size=8,
+        num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128, rope_theta=50000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_scaling=params, partial_rotary_factor=partial,
+    )  # fmt: skip
+    got, factor = rope_inv_freq(ours, 4096)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(float(want_factor))
