@@ -50,6 +50,7 @@ from chunkserve.engine.core_process import (
 )
 from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd
 from chunkserve.engine.output_processor import RequestOutput
+from chunkserve.scheduling.block_hash import block_hashes
 from chunkserve.worker.worker import DeviceError
 
 logger = logging.getLogger("chunkserve")
@@ -108,7 +109,7 @@ class MultiprocessEngine(FrontEnd):
         self._enc, self._dec = encoder(), report_decoder()
         self._cores: list[_Core] = []
         self._owner: dict[str, tuple[_Core, int]] = {}  # request id -> (core, its work)
-        self._routed: list[OrderedDict[int, None]] = []
+        self._routed: list[OrderedDict[bytes, None]] = []
         self._closed = False
         self._dead: str | None = None  # why the cores cannot serve, once they cannot
         spawn = multiprocessing.get_context("spawn")
@@ -301,7 +302,8 @@ class MultiprocessEngine(FrontEnd):
     def _route(self, request: CoreRequest) -> _Core:
         if len(self._cores) == 1:
             return self._cores[0]
-        hashes = prefix_hashes(request.prompt_token_ids, self.config.block_size)
+        # The prefix cache's own keys (one chain for both: ``scheduling.block_hash``).
+        hashes = block_hashes(request.prompt_token_ids, self.config.block_size)
         least = min(self._cores, key=lambda c: c.outstanding)
         best, best_len = least, 0
         for core, routed in zip(self._cores, self._routed):
@@ -363,13 +365,3 @@ class MultiprocessEngine(FrontEnd):
                     f"engine core {core.index} (pid {core.process.pid}) exited with code "
                     f"{core.process.exitcode}"
                 )
-
-
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """One hash per full leading block of the prompt, each covering every block before it
-    (a chain, as the prefix cache keys its blocks)."""
-    hashes, h = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[start : start + block_size])))
-        hashes.append(h)
-    return hashes
