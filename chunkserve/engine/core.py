@@ -427,7 +427,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running_decodes())
         if token_budget is None and self.controller is not None:
-            decision = self.controller.decide(self.scheduler)
+            decision = self.controller.decide(self.scheduler.view())
             token_budget, draft_budget = decision.token_budget, decision.draft_budget
         out = self.scheduler.schedule(token_budget, draft_budget)
         t_sched = time.perf_counter()

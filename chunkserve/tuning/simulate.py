@@ -128,7 +128,7 @@ def simulate(
             if next_i < len(order):
                 clock[0] = max(clock[0], requests[order[next_i]].arrival)
             continue
-        budget = controller.decide(sched).token_budget if controller else None
+        budget = controller.decide(sched.view()).token_budget if controller else None
         out = sched.schedule(budget)
         if out.is_empty:
             raise RuntimeError("simulate: the scheduler made no progress")
