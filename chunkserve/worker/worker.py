@@ -32,6 +32,7 @@ from chunkserve.config import (
     EngineConfig,
     ModelConfig,
 )
+from chunkserve.distributed.child import ProcessExited
 from chunkserve.distributed.group import (
     OP_PING,
     OP_SHUTDOWN,
@@ -42,7 +43,6 @@ from chunkserve.distributed.group import (
 )
 from chunkserve.distributed.launch import (
     LocalRanks,
-    RankExited,
     RankSpec,
     connect_store,
     launcher_env,
@@ -235,7 +235,7 @@ class Worker:
 
         def parent_alive() -> None:
             if os.getppid() != parent:
-                raise RankExited("tensor-parallel rank 0 is gone")
+                raise ProcessExited("tensor-parallel rank 0 is gone")
 
         return parent_alive
 
@@ -358,7 +358,7 @@ class Worker:
             if self.group is not None:
                 result.comm_time = self.group.take_comm_time()
             return result
-        except (CollectiveError, RankExited) as exc:
+        except (CollectiveError, ProcessExited) as exc:
             raise DeviceError(str(exc)) from exc
         except Exception as exc:
             if is_fatal_device_error(exc):
@@ -388,7 +388,7 @@ class Worker:
                 group.send(OP_PING)
             if self.local_ranks is not None:
                 self.local_ranks.check()
-        except (CollectiveError, RankExited) as exc:
+        except (CollectiveError, ProcessExited) as exc:
             raise DeviceError(str(exc)) from exc
 
     def shutdown(self) -> None:
