@@ -4,5 +4,5 @@ import sys
 
 from chunkserve.entrypoints.cli import main
 
-if __name__ == "__main__":  # not when a spawned engine-core process imports it
+if __name__ == "__main__":  # run, not imported
     sys.exit(main())

@@ -85,7 +85,7 @@ def drive(controller: BudgetController, steps: int, seed: int = 0, loop_s: float
     for _ in range(steps):
         if not sched.has_unfinished():
             break
-        decision = controller.decide(sched)
+        decision = controller.decide(sched.view())
         out = sched.schedule(decision.token_budget)
         measured = true_time(out)
         controller.observe(out, measured, measured + loop_s if out.decodes else None)
@@ -186,7 +186,7 @@ def test_decodes_alone_over_target_still_move_one_block_of_prefill(caplog) -> No
     feed(sched, rng, 1, 0)
     with caplog.at_level("INFO", logger="chunkserve.budget"):
         for step in range(3):
-            d = controller.decide(sched)
+            d = controller.decide(sched.view())
             assert d.over_target and d.prefill_room == 16
             out = sched.schedule(d.token_budget)
             assert len(out.decodes) == 20  # decodes never dropped
@@ -229,7 +229,7 @@ def decoding_scheduler(
 
 
 def step_with(controller: BudgetController, sched: Scheduler, clock: Clock, hardware):
-    decision = controller.decide(sched)
+    decision = controller.decide(sched.view())
     out = sched.schedule(decision.token_budget)
     measured = hardware.predict(StepShape.of(out))
     controller.observe(out, measured)
@@ -321,7 +321,7 @@ def test_adaptive_share_grows_with_the_prefill_load() -> None:
         backlog.append(sum(r.num_uncomputed_tokens for r in sched.waiting + sched.running))
     # A 1500-token prompt every 4 s is ~40% of this machine: more than the 1/6 share a 1.2x
     # slowdown gives, yet the backlog stays within a few prompts.
-    assert controller.prefill_load(sched) > 0.3
+    assert controller.prefill_load(sched.view()) > 0.3
     assert max(backlog[len(backlog) // 2 :]) < 4 * 1500
 
 
@@ -588,7 +588,7 @@ def test_a_long_step_not_taken_spends_no_credit() -> None:
     controller.long_credit = 5.0
     params = SamplingParams(max_tokens=4)
     sched.add_request(Request("m", [7] * 400, params, max_tokens=4, arrival_time=clock.t))
-    decision = controller.decide(sched)
+    decision = controller.decide(sched.view())
     assert decision.long
     out = sched.schedule(decision.token_budget // 4)
     assert not controller.long_step_served(out)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from chunkserve.config import EngineConfig
-from chunkserve.engine.multiprocess_engine import CoreDeadError, MultiprocessEngine, prefix_hashes
+from chunkserve.engine.multiprocess_engine import CoreDeadError, MultiprocessEngine
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import NATURAL_PROMPTS, random_prompt
 
@@ -148,13 +148,6 @@ def test_a_dead_or_hung_core_is_an_error_not_a_hang(how: str) -> None:
     finally:
         engine.shutdown(timeout=5)
     assert all(not c.process.is_alive() for c in engine._cores)
-
-
-def test_prefix_hashes_chain_full_blocks() -> None:
-    a = prefix_hashes(list(range(40)), 16)
-    b = prefix_hashes([*range(32), 99, 98], 16)
-    assert len(a) == 2 and a == b  # only full blocks; the third differs but is partial
-    assert prefix_hashes([5, *range(1, 40)], 16)[1] != a[1]  # a chain: block 0 counts
 
 
 def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:

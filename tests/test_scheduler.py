@@ -589,3 +589,24 @@ def test_new_token_ratio_reserve_holds_back_admission_until_it_decays() -> None:
     assert not a_running  # only once "a" has finished
     step, a_running = b_admitted(0.8, 0.2)
     assert a_running and 1 < step <= 10
+
+
+def test_view_is_what_a_budget_reads_before_a_step() -> None:
+    """``Scheduler.view()``: the running decodes' lengths, the prompts in progress, the
+    waiting ones, and those the next step would start whole, as the scheduler sees them."""
+    sched = make_scheduler(budget=12, max_num_seqs=3)
+    for rid, n in (("a", 4), ("b", 20), ("c", 6), ("d", 5)):
+        sched.add_request(make_request(rid, n, max_tokens=8))
+    out = sched.schedule()  # shortest first: a (4), d (5), then 3 tokens of c: 3 running
+    sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    view = sched.view()
+    assert view.decode_lens == [5, 6]  # a and d: prompt + one output
+    assert [r.request_id for r in view.prefilling] == ["c"]
+    assert [r.request_id for r in view.waiting] == ["b"]
+    assert view.prefilled_last_step(sched.requests["c"])
+    assert view.num_added == 4 and [r.request_id for r in view.arrivals] == list("abcd")
+    assert view.waiting_starts(64) == []  # max_num_seqs: b cannot start
+    sched.abort_request("a")  # c, in progress and shorter, still comes before b
+    assert sched.view().waiting_starts(64) == []
+    sched.abort_request("c")
+    assert [r.request_id for r in sched.view().waiting_starts(64)] == ["b"]

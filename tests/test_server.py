@@ -886,8 +886,8 @@ def test_sigterm_drains_then_ends_streams_with_an_error(lifecycle_server: Server
 
 
 def core_pids(server_pid: int) -> list[int]:
-    """The server's engine-core processes (multiprocessing's spawned children; not its
-    resource tracker)."""
+    """The server's engine-core processes (``distributed.child`` children running
+    ``core_process.run_core``)."""
     pids = []
     for task in os.listdir(f"/proc/{server_pid}/task"):
         with open(f"/proc/{server_pid}/task/{task}/children") as f:
@@ -895,7 +895,7 @@ def core_pids(server_pid: int) -> list[int]:
     cores = []
     for pid in pids:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"chunkserve.engine.core_process:run_core" in f.read():
                 cores.append(pid)
     return cores
 

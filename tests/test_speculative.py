@@ -431,7 +431,7 @@ def test_adaptive_budget_gives_drafts_room_and_prefill_one_block() -> None:
     controller = BudgetController(
         OnlineCostModel(TRUE.weights, prior_weight=1e4), BudgetPolicy("adaptive", 8192, 1.0)
     )
-    decision = controller.decide(sched)
+    decision = controller.decide(sched.view())
     # Slowdown 1: no room beside the decodes: one block of prefill, no drafts.
     assert decision.draft_budget == 0 and decision.prefill_room == 16
     out = sched.schedule(decision.token_budget, decision.draft_budget)
@@ -442,7 +442,7 @@ def test_adaptive_budget_gives_drafts_room_and_prefill_one_block() -> None:
     roomy = BudgetController(
         OnlineCostModel(TRUE.weights, prior_weight=1e4), BudgetPolicy("adaptive", 8192, 3.0)
     )
-    decision = roomy.decide(sched)
+    decision = roomy.decide(sched.view())
     assert decision.draft_budget == 32 and decision.prefill_room >= 16
     out = sched.schedule(decision.token_budget, decision.draft_budget)
     assert out.num_draft_tokens == 32 and out.num_prefill_tokens == decision.prefill_room

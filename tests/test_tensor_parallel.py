@@ -290,6 +290,38 @@ def test_a_killed_rank_ends_the_engine_with_an_error() -> None:
     assert not alive(pid)
 
 
+# A user's script: tensor parallel, and no shutdown; it simply ends.
+SCRIPT_THAT_ENDS = """
+from chunkserve import LLM, SamplingParams
+llm = LLM(tensor_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
+out = llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+print("ranks", *llm.engine.core_infos[0].tp_pids, flush=True)
+"""
+
+
+def test_a_script_that_simply_ends_stops_its_ranks_quietly() -> None:
+    """The leader's interpreter exits without ``shutdown``: its ranks stop on the way out (no
+    rank prints a broken-broadcast traceback) and none outlives it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT_THAT_ENDS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script's session: leader and its ranks
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "ERROR" not in stderr, stderr
+    pids = [int(p) for p in stdout.split("ranks", 1)[1].split()]
+    assert len(pids) == 1
+    assert not any(alive(pid) for pid in pids)  # waited for by the leader before it exited
+
+
 def test_served_with_a_hung_rank_goes_503_and_leaves_no_process() -> None:
     s = Server("--tensor-parallel-size", "2", "--watchdog-timeout", "3")
     try:

@@ -4,8 +4,8 @@ to start, and the main of a rank process.
 Three ways to get ``tensor_parallel_size`` ranks:
 
 - one node (the default): the engine core is rank 0; it starts ranks 1..N-1 as processes of
-  its own (``python -m chunkserve.worker.tp_rank``, the arguments pickled on stdin) and
-  hosts the group's store on a free loopback port;
+  its own (``child.ChildProcess`` running ``chunkserve.worker.tp_rank:main``, as engine
+  cores are started) and hosts the group's store on a free loopback port;
 - several nodes: every node runs ``chunkserve serve --tensor-parallel-size N --nnodes M
   --node-rank K`` with ``MASTER_ADDR`` / ``MASTER_PORT`` naming node 0 (which serves and hosts
   the store); node K starts ranks ``K * N/M .. (K+1) * N/M - 1``; nodes other than 0 serve
@@ -20,27 +20,21 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import pickle
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from chunkserve.config import EngineConfig
+from chunkserve.distributed import child
+from chunkserve.distributed.child import ChildProcess
 
 logger = logging.getLogger("chunkserve.tp")
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # ranks of other nodes may load slowly
 
 
-# The main of a rank process (``python -m``; its arguments pickled on stdin).
-RANK_MODULE = "chunkserve.worker.tp_rank"
-
-
-class RankExited(RuntimeError):
-    """A rank process of this node exited."""
+# The main of a rank process (``child.ChildProcess`` target).
+RANK_MAIN = "chunkserve.worker.tp_rank:main"
 
 
 @dataclass(frozen=True)
@@ -99,22 +93,20 @@ def connect_store(spec: RankSpec) -> dist.Store:
 
 
 class LocalRanks:
-    """The rank processes this one started, watched by PID."""
+    """The rank processes this one started (``child.ChildProcess``), by rank."""
 
-    def __init__(self, processes: dict[int, subprocess.Popen]) -> None:
+    def __init__(self, processes: dict[int, ChildProcess]) -> None:
         self.processes = processes
 
     @classmethod
     def start(cls, config: EngineConfig, specs: list[RankSpec]) -> LocalRanks:
         log_level = logging.getLogger("chunkserve").getEffectiveLevel()
-        procs: dict[int, subprocess.Popen] = {}
+        procs: dict[int, ChildProcess] = {}
         try:
             for spec in specs:
-                p = subprocess.Popen([sys.executable, "-m", RANK_MODULE], stdin=subprocess.PIPE)
-                assert p.stdin is not None
-                p.stdin.write(pickle.dumps((config, spec, log_level)))
-                p.stdin.close()
-                procs[spec.rank] = p
+                procs[spec.rank] = ChildProcess.start(
+                    f"tensor-parallel rank {spec.rank}", RANK_MAIN, (config, spec, log_level)
+                )
         except BaseException:
             cls(procs).stop(0.0)
             raise
@@ -125,32 +117,18 @@ class LocalRanks:
         return [p.pid for p in self.processes.values()]
 
     def check(self) -> None:
-        """Raise ``RankExited`` if one of the ranks has exited."""
-        for rank, p in self.processes.items():
-            code = p.poll()
-            if code is not None:
-                raise RankExited(
-                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
-                )
+        """Raise ``ProcessExited`` if one of the ranks has exited."""
+        child.check_alive(self.processes.values())
 
     def wait_any(self) -> int:
         """Block until one rank exits; its exit code."""
-        while True:
-            for p in self.processes.values():
-                code = p.poll()
-                if code is not None:
-                    return code
-            time.sleep(0.2)
+        code = child.wait_any(self.processes.values()).exitcode
+        assert code is not None
+        return code
 
     def stop(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the ranks to exit, then kill the rest."""
-        deadline = time.monotonic() + timeout
-        for p in self.processes.values():
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5.0)
+        child.stop(self.processes.values(), timeout)
 
 
 def start_rank0(config: EngineConfig) -> tuple[dist.Store, LocalRanks | None]:

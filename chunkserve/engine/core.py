@@ -24,6 +24,7 @@ from chunkserve.disagg.connectors import Connectors
 from chunkserve.disagg.remote import RemotePrefills
 from chunkserve.disagg.sender import KVSender
 from chunkserve.engine.step_log import StepLogger, StepStats
+from chunkserve.engine.step_loop import StepLoop
 from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
 from chunkserve.scheduling.budget import UNPROFILED_WARMUP_STEPS, BudgetController
 from chunkserve.scheduling.costmodel import (
@@ -169,6 +170,7 @@ class EngineCore:
             self.worker.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(sched_config, self.kv)
+        self.loop = StepLoop(self.scheduler, self.controller, time.perf_counter)
         # Prefill/decode disaggregation (``chunkserve.disagg``): the decode side asks for
         # prompts' KV and takes it in; the prefill side sends it.
         self.connectors: Connectors | None = None
@@ -194,7 +196,6 @@ class EngineCore:
         )
         self.step_count = 0
         self._kv_recorded = (0, 0)  # prefix-cache counters as of the last step's record
-        self._prev_step_end: float | None = None
         self._log = StepLogger(config.log_stats_interval)
         w = self.worker
         logger.info(
@@ -418,7 +419,7 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> CoreStep:
         """Run one iteration: an output for every request that got a token or ended in it."""
-        t_start = time.perf_counter()
+        t_start = self.loop.start()
         kv = self.kv
         # Prefix-cache lookups since the last step's record (a step that ran nothing, as
         # while a decode instance admits requests whose KV is to arrive, records none).
@@ -427,17 +428,11 @@ class EngineCore:
         if self.remote is not None:  # disaggregated decode: KV asked for, and arriving
             failed += self._fail(self.remote.start(self.scheduler.admit_remote()))
             failed += self._fail(self.remote.poll())
-        decision = None
-        draft_budget = None
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running_decodes())
-        if token_budget is None and self.controller is not None:
-            decision = self.controller.decide(self.scheduler)
-            token_budget, draft_budget = decision.token_budget, decision.draft_budget
-        out = self.scheduler.schedule(token_budget, draft_budget)
+        out, decision = self.loop.schedule(token_budget)
         t_sched = time.perf_counter()
         if out.is_empty:
-            self._prev_step_end = None  # idle: the next gap starts afresh
             if self.remote is not None and self.remote.active:
                 time.sleep(TRANSFER_POLL_S)  # only KV in flight: poll again shortly
             return CoreStep(failed)
@@ -489,9 +484,9 @@ class EngineCore:
         if self.speculator is not None:
             spec = self.speculator.record(out.decodes)
             self._propose()
-        t_end = time.perf_counter()
         # The step's shape, once, for the profile's prediction and the controller.
         shape = StepShape.of(out) if self.profile or self.controller else None
+        t_end = self.loop.finish(out, shape)  # the controller observes the step
         stats = self._stats(out, result, decision, shape, outputs, (queried, hits))
         self._kv_recorded = (kv.num_queried_tokens, kv.num_hit_tokens)
         stats.num_generated_tokens = num_generated
@@ -514,22 +509,15 @@ class EngineCore:
             stats.num_structured_requests = len(self.grammars.pending) + sum(
                 1 for r in self.scheduler.requests.values() if r.grammar is not None
             )
-        stats.loop_gap = None if self._prev_step_end is None else t_start - self._prev_step_end
+        stats.loop_gap = self.loop.loop_gap
         stats.schedule_time = (t_sched - t_start) + (t_end - t_fwd)
         stats.forward_time = forward_time
         stats.wall_time = t_end - t_start
         self.step_count += 1
-        if self.controller is not None:
-            # A step with decodes follows the previous one without idling in between (its
-            # requests were running): the time since that one ended is their token gap.
-            gap = stats.loop_gap
-            interval = gap + stats.wall_time if out.decodes and gap is not None else None
-            self.controller.observe(out, stats.wall_time, interval, shape)
         if self.speculator is not None:
             self.speculator.observe_step(
                 out.kind, len(out.decodes), out.num_draft_tokens, stats.wall_time
             )
-        self._prev_step_end = t_end
         self._log.log(stats)
         return CoreStep(outputs, stats)
 

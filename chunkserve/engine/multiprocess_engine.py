@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -33,6 +32,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from chunkserve.config import EngineConfig
+from chunkserve.distributed import child
+from chunkserve.distributed.child import ChildProcess, ProcessExited
+from chunkserve.distributed.launch import RANK_MAIN
 from chunkserve.engine.core import CoreInfo, CoreLoad, CoreRequest
 from chunkserve.engine.core_process import (
     AbortRequests,
@@ -47,14 +49,16 @@ from chunkserve.engine.core_process import (
     StepReport,
     encoder,
     report_decoder,
-    run_core,
 )
 from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd
 from chunkserve.engine.output_processor import RequestOutput
+from chunkserve.scheduling.block_hash import block_hashes
 from chunkserve.worker.worker import DeviceError
 
 logger = logging.getLogger("chunkserve")
 
+# An engine-core process's main (``child.ChildProcess`` target).
+CORE_MAIN = "chunkserve.engine.core_process:run_core"
 # Milliseconds ``step()`` waits for a report before it returns (so new requests and aborts
 # queued meanwhile are sent within this long).
 POLL_MS = 2
@@ -74,7 +78,7 @@ class CoreDeadError(DeviceError):
 @dataclass
 class _Core:
     index: int
-    process: multiprocessing.process.BaseProcess
+    process: ChildProcess
     socket: zmq.Socket
     info: CoreInfo | None = None
     load: CoreLoad = field(default_factory=CoreLoad)
@@ -109,19 +113,19 @@ class MultiprocessEngine(FrontEnd):
         self._enc, self._dec = encoder(), report_decoder()
         self._cores: list[_Core] = []
         self._owner: dict[str, tuple[_Core, int]] = {}  # request id -> (core, its work)
-        self._routed: list[OrderedDict[int, None]] = []
+        self._routed: list[OrderedDict[bytes, None]] = []
         self._closed = False
         self._dead: str | None = None  # why the cores cannot serve, once they cannot
-        spawn = multiprocessing.get_context("spawn")
         try:
             for i in range(data_parallel_size):
                 address = f"ipc://{self._tmp.name}/core{i}"
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, 0)  # never block on a busy core
                 sock.bind(address)
-                process = spawn.Process(
-                    target=run_core,
-                    args=(
+                process = ChildProcess.start(
+                    f"engine core {i}",
+                    CORE_MAIN,
+                    (
                         i,
                         config,
                         self.eos_token_ids,
@@ -130,10 +134,8 @@ class MultiprocessEngine(FrontEnd):
                         logging.getLogger("chunkserve").getEffectiveLevel(),
                         data_parallel_size,
                     ),
-                    name=f"chunkserve-core{i}",
                     daemon=True,
                 )
-                process.start()
                 self._cores.append(_Core(i, process, sock))
                 self._routed.append(OrderedDict())
             self._wait_ready()
@@ -222,13 +224,8 @@ class MultiprocessEngine(FrontEnd):
             if core.process.is_alive():
                 with contextlib.suppress(zmq.ZMQError):
                     core.socket.send(self._enc.encode(Shutdown()), zmq.NOBLOCK)
-        deadline = time.monotonic() + timeout
+        child.stop([c.process for c in self._cores], timeout, warn=True)
         for core in self._cores:
-            core.process.join(max(0.0, deadline - time.monotonic()))
-            if core.process.is_alive():
-                logger.warning("engine core %d did not stop; killing it", core.index)
-                core.process.kill()
-                core.process.join(5.0)
             self._kill_ranks(core)
         for core in self._cores:
             core.socket.close(linger=0)
@@ -290,13 +287,9 @@ class MultiprocessEngine(FrontEnd):
         """A core's tensor-parallel rank processes, once the core is gone (a stopped or hung
         rank would outlive it). Each PID is checked to still be a rank process."""
         for pid in core.info.tp_pids if core.info else []:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"chunkserve.worker.tp_rank" not in f.read():
-                        continue
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                continue  # gone already
+            if child.runs(pid, RANK_MAIN):
+                with contextlib.suppress(OSError):  # gone already
+                    os.kill(pid, signal.SIGKILL)
 
     def _send(self, core: _Core, message) -> None:
         if self._closed or self._dead is not None:
@@ -309,7 +302,8 @@ class MultiprocessEngine(FrontEnd):
     def _route(self, request: CoreRequest) -> _Core:
         if len(self._cores) == 1:
             return self._cores[0]
-        hashes = prefix_hashes(request.prompt_token_ids, self.config.block_size)
+        # The prefix cache's own keys (one chain for both: ``scheduling.block_hash``).
+        hashes = block_hashes(request.prompt_token_ids, self.config.block_size)
         least = min(self._cores, key=lambda c: c.outstanding)
         best, best_len = least, 0
         for core, routed in zip(self._cores, self._routed):
@@ -365,19 +359,7 @@ class MultiprocessEngine(FrontEnd):
         )
 
     def _check_alive(self) -> None:
-        for core in self._cores:
-            if not core.process.is_alive():
-                self._die(
-                    f"engine core {core.index} (pid {core.process.pid}) exited with code "
-                    f"{core.process.exitcode}"
-                )
-
-
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """One hash per full leading block of the prompt, each covering every block before it
-    (a chain, as the prefix cache keys its blocks)."""
-    hashes, h = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[start : start + block_size])))
-        hashes.append(h)
-    return hashes
+        try:
+            child.check_alive(c.process for c in self._cores)
+        except ProcessExited as exc:
+            self._die(str(exc))

@@ -84,7 +84,7 @@ from dataclasses import dataclass
 
 from chunkserve.config import BudgetPolicy
 from chunkserve.scheduling.costmodel import NUM_FEATURES, OnlineCostModel, StepShape, dot
-from chunkserve.scheduling.request import RequestStatus
+from chunkserve.scheduling.scheduler import SchedulerView
 
 logger = logging.getLogger("chunkserve.budget")
 
@@ -204,7 +204,7 @@ class BudgetController:
         # window, and their sum.
         self._arrived: deque[tuple[float, tuple[float, ...]]] = deque()
         self._arrived_sum = [0.0] * NUM_FEATURES
-        self._num_seen = 0  # of scheduler.num_added
+        self._num_seen = 0  # of SchedulerView.num_added
         # Averages of the prefill chunks' cost, chunked and as whole prompts (see
         # ``chunking_overhead``).
         self._chunked_s = 0.0
@@ -227,17 +227,17 @@ class BudgetController:
         q = ratios[int(RATIO_QUANTILE * (len(ratios) - 1))]
         return slo / max(q, latest, 1.0)
 
-    def step_target_s(self, scheduler, decode_lens: list[int]) -> float:
+    def step_target_s(self, view: SchedulerView) -> float:
         """The predicted time the next step may take with these decodes."""
         if self.policy.kind == "itl-target":
             return self.plan_target_s()
         self.load_bound = False
         slowdown = self.policy.decode_slowdown
         assert slowdown is not None
-        self._track_arrivals(scheduler)
-        if not decode_lens:
-            return self._idle_target_s(scheduler, slowdown)
-        decodes = StepShape(tuple(decode_lens)).features()
+        self._track_arrivals(view)
+        if not view.decode_lens:
+            return self._idle_target_s(view, slowdown)
+        decodes = StepShape(tuple(view.decode_lens)).features()
         mean = self._mean_alone
         if mean is None:
             self._mean_alone = mean = list(decodes)
@@ -246,7 +246,7 @@ class BudgetController:
                 mean[i] += MEAN_ALPHA * (x - mean[i])
         alone = dot(self.model.weights, decodes)
         mean_alone = dot(self.model.weights, mean)
-        share = min(MAX_PREFILL_SHARE, self.load_share(scheduler))
+        share = min(MAX_PREFILL_SHARE, self.load_share(view))
         # Every step that carries prefill takes about the same time, the slowdown (or what
         # the load needs) times the recent mean decode step: a heavy step's decodes leave
         # less room, instead of growing the step (the tail is what a stall shows in).
@@ -256,41 +256,38 @@ class BudgetController:
         # measured(mixed) <= target in measured terms, planned in the model's terms.
         return target * self.scale["decode"] / (self.scale["mixed"] * self.mixed_spread)
 
-    def _idle_target_s(self, scheduler, slowdown: float) -> float:
+    def _idle_target_s(self, view: SchedulerView, slowdown: float) -> float:
         """A step with nothing decoding (see the module doc): long when prompts come
         rarely, a small share of the time between arrivals when they come often, never
         shorter than a step with prefill beside the recent decodes may be, nor than the
         prefill load needs."""
         fixed = self.model.predict(StepShape(prefill_samples=1))
         longest = self.longest_step_s()
-        share = self.load_share(scheduler)
+        share = self.load_share(view)
         if share >= 1.0:
             return longest  # the machine cannot keep up: the fewest fixed costs
-        rate = self.arrival_rate(scheduler)
+        rate = self.arrival_rate(view)
         if rate <= 0.0:
             return longest
         alone = dot(self.model.weights, self._mean_alone) if self._mean_alone else fixed
         shortest = max(slowdown * alone, fixed / (1.0 - share))
         return min(longest, max(shortest, IDLE_ARRIVAL_CHANCE / rate))
 
-    def load_share(self, scheduler) -> float:
+    def load_share(self, view: SchedulerView) -> float:
         """Share of the machine's time the prefill load needs, chunked, with a margin
         (0 while an unprofiled model is still warming up)."""
         if self.model.num_updates < self.warmup_steps:
             return 0.0  # the model does not price work yet
-        load = max(self.prefill_load(scheduler), self.backlog_work_s(scheduler) / LOAD_WINDOW_S)
+        load = max(self.prefill_load(view), self.backlog_work_s(view) / LOAD_WINDOW_S)
         return LOAD_MARGIN * self.chunking_overhead * load
 
-    def arrival_rate(self, scheduler) -> float:
+    def arrival_rate(self, view: SchedulerView) -> float:
         """Prompts per second that arrived over the load window, not counting those still
         waiting or being prefilled (a step works for them; the rate is of the others that
         may arrive during it)."""
-        since = scheduler.clock() - LOAD_WINDOW_S
+        since = view.now - LOAD_WINDOW_S
         pending = sum(
-            r.arrival_time >= since
-            for r in itertools.chain(
-                (r for r in scheduler.running if r.is_prefilling), scheduler.waiting
-            )
+            r.arrival_time >= since for r in itertools.chain(view.prefilling, view.waiting)
         )
         return max(0, len(self._arrived) - pending) / LOAD_WINDOW_S
 
@@ -303,22 +300,22 @@ class BudgetController:
         ratios = sorted(self._spread)
         return min(SPREAD_MAX, max(1.0, ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))]))
 
-    def prefill_load(self, scheduler) -> float:
+    def prefill_load(self, view: SchedulerView) -> float:
         """Share of the machine's time the arriving prompts need: their prefill work alone
         (``CostModel.prefill_work_s``, with the model's current weights) arrived over the
         last ``LOAD_WINDOW_S``, per second. The window keeps the sum of the prompts' cost
         features, so the load is re-priced every step as the model learns."""
-        self._track_arrivals(scheduler)
+        self._track_arrivals(view)
         if not self._arrived:
             return 0.0
         return max(0.0, dot(self.model.weights, self._arrived_sum)) / LOAD_WINDOW_S
 
-    def _track_arrivals(self, scheduler) -> None:
+    def _track_arrivals(self, view: SchedulerView) -> None:
         """Bring the load window up to the scheduler's arrivals and its clock."""
-        now = scheduler.clock()
-        new = scheduler.num_added - self._num_seen
-        self._num_seen = scheduler.num_added
-        arrivals = scheduler.arrivals
+        now = view.now
+        new = view.num_added - self._num_seen
+        self._num_seen = view.num_added
+        arrivals = view.arrivals
         for r in itertools.islice(arrivals, max(0, len(arrivals) - new), None):
             row = StepShape((), ((0, r.num_prompt_tokens),)).features()
             row = (0.0, *row[1:])  # a step's fixed cost is not the prompt's work
@@ -330,29 +327,27 @@ class BudgetController:
         if not self._arrived:
             self._arrived_sum = [0.0] * NUM_FEATURES  # no float residue
 
-    def backlog_work_s(self, scheduler) -> float:
+    def backlog_work_s(self, view: SchedulerView) -> float:
         """Predicted prefill work of the prompts waiting or in progress (the first
         ``MAX_SCANNED_PROMPTS``): what the share adds to drain within ``LOAD_WINDOW_S``."""
-        prefilling = (r for r in scheduler.running if r.is_prefilling)
         return sum(
             self.model.prefill_work_s(r.num_uncomputed_tokens, r.num_computed_tokens)
             for r in itertools.islice(
-                itertools.chain(prefilling, scheduler.waiting), MAX_SCANNED_PROMPTS
+                itertools.chain(view.prefilling, view.waiting), MAX_SCANNED_PROMPTS
             )
         )
 
-    def _room_for_short(self, scheduler, decode_lens: list[int], target_s: float) -> int:
+    def _room_for_short(self, view: SchedulerView, target_s: float) -> int:
         """Adaptive budget: room for the prompts whose rest fits the target whole (waiting
         ones with ``WHOLE_PROMPT_SLACK``; shortest first, each priced at its own start
         beside the decodes), plus the blocks owed (``_owed_blocks``); 0 if none fits. The
         scheduler serves the shortest prompts first, so a short prompt arriving while a long
         one is chunked is prefilled in the next step or two."""
-        prefilling = [r for r in scheduler.running if r.is_prefilling]
-        pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
-        in_progress = {id(r) for r in prefilling}
+        pending = view.prefilling + list(view.waiting[:MAX_SCANNED_PROMPTS])
+        in_progress = {id(r) for r in view.prefilling}
         # Each prompt priced at its own start (a rest in progress re-reads its prefix), the
         # step's fixed cost and the decodes once: the features are sums over chunks.
-        step_s = self.model.predict(StepShape(tuple(decode_lens), prefill_samples=1))
+        step_s = self.model.predict(StepShape(tuple(view.decode_lens), prefill_samples=1))
         room, started, largest = 0, False, 0
         for r in sorted(pending, key=lambda r: r.num_uncomputed_tokens):
             started |= id(r) in in_progress
@@ -363,15 +358,15 @@ class BudgetController:
             room, largest = room + n, n
         if not room:
             return 0
-        return room + self._owed_blocks(scheduler, prefilling, largest)
+        return room + self._owed_blocks(view, largest)
 
-    def _room_at_start(self, scheduler, decode_lens: list[int], target_s: float) -> int:
+    def _room_at_start(self, view: SchedulerView, target_s: float) -> int:
         """When no prompt fits whole and the shortest is a prompt not started beside ones in
         progress: the whole blocks of it that fit the target at its own start (its rest,
         shorter, fits in the next step; planned at the long ones' depth its tokens would be
         overpriced), plus the blocks owed; 0 otherwise, or if not a block fits."""
-        prefilling = [r for r in scheduler.running if r.is_prefilling]
-        pending = prefilling + scheduler.waiting[:MAX_SCANNED_PROMPTS]
+        prefilling = view.prefilling
+        pending = prefilling + list(view.waiting[:MAX_SCANNED_PROMPTS])
         if not prefilling or not pending:
             return 0
         shortest = min(pending, key=lambda r: r.num_uncomputed_tokens)
@@ -379,60 +374,56 @@ class BudgetController:
             return 0
         block = self.min_prefill_tokens
         room = self.model.max_prefill_tokens(
-            decode_lens, shortest.num_computed_tokens, target_s, shortest.num_uncomputed_tokens
+            view.decode_lens,
+            shortest.num_computed_tokens,
+            target_s,
+            shortest.num_uncomputed_tokens,
         )
         room = room // block * block
         if not room:
             return 0  # not a block: over the target, as usual
-        return room + self._owed_blocks(scheduler, prefilling, room)
+        return room + self._owed_blocks(view, room)
 
-    def _owed_blocks(self, scheduler, prefilling: list, served: int) -> int:
+    def _owed_blocks(self, view: SchedulerView, served: int) -> int:
         """The blocks the scheduler hands first to the prompts in progress that did not
         advance in the last step (each moves one block: every prompt in progress advances
         at least every other step) and whose rest is longer than ``served`` tokens (the
         largest rest the room covers whole)."""
         owed = sum(
             1
-            for r in prefilling
-            if r.num_uncomputed_tokens > served and not scheduler.prefilled_last_step(r)
+            for r in view.prefilling
+            if r.num_uncomputed_tokens > served and not view.prefilled_last_step(r)
         )
         return self.min_prefill_tokens * owed
 
-    def decide(self, scheduler) -> BudgetDecision:
-        """The budget for the scheduler's next step."""
-        decode_lens: list[int] = []
-        starts: list[int] = []  # where the prefills in progress resume
-        for r in scheduler.running:
-            if r.status != RequestStatus.RUNNING:
-                continue
-            if r.is_prefilling:
-                starts.append(r.num_computed_tokens)
-            else:
-                decode_lens.append(r.num_tokens)
-        drafts = self._pending_drafts(scheduler, len(decode_lens))
-        if not starts and not scheduler.waiting:
+    def decide(self, view: SchedulerView) -> BudgetDecision:
+        """The budget for the scheduler's next step (``view``: ``Scheduler.view()``)."""
+        decode_lens = view.decode_lens
+        starts = [r.num_computed_tokens for r in view.prefilling]  # where they resume
+        drafts = view.num_pending_drafts
+        if not starts and not view.waiting:
             budget = len(decode_lens) + drafts
             self.last = BudgetDecision(budget, len(decode_lens), 0, 0.0, None, False)
             return self.last
         if not starts:
-            starts.append(scheduler.waiting[0].num_computed_tokens)
+            starts.append(view.waiting[0].num_computed_tokens)
         # Prefills that may share the step: those in progress and the waiting ones; each
         # chunk reads its own cached prefix.
         starts = sorted(starts, reverse=True)[:MAX_PLANNED_CHUNKS]
         prefill_start, others = starts[0], sum(starts[1:])
-        num_chunks = min(MAX_PLANNED_CHUNKS, len(starts) + bool(scheduler.waiting))
-        target = self.step_target_s(scheduler, decode_lens)
+        num_chunks = min(MAX_PLANNED_CHUNKS, len(starts) + bool(view.waiting))
+        target = self.step_target_s(view)
         short, long = 0, False
         if self.policy.kind == "adaptive":  # a latency target is a hard bound: no extra room
-            short = self._room_for_short(scheduler, decode_lens, target)
+            short = self._room_for_short(view, target)
             # No prompt fits the step whole: a long step for the waiting prompts that fit
             # one whole, if the credit allows one; else the blocks of the shortest that fit.
             if not short and self._takes_long_step(decode_lens, target):
-                short = self._room_for_waiting(scheduler, decode_lens, self.longest_step_s())
+                short = self._room_for_waiting(view, self.longest_step_s())
                 if short:
                     long, target = True, self.longest_step_s()
             if not short:
-                short = self._room_at_start(scheduler, decode_lens, target)
+                short = self._room_at_start(view, target)
         # Planned conservatively: as if all tokens were one chunk at the deepest start.
         room = self.model.max_prefill_tokens(
             decode_lens, prefill_start, target, self.max_prefill_tokens, num_chunks, others
@@ -503,17 +494,16 @@ class BudgetController:
         fixed cost (an idle step when prompts come rarely; a long step beside decodes)."""
         return IDLE_STEP_FACTOR * self.model.predict(StepShape(prefill_samples=1))
 
-    def _room_for_waiting(self, scheduler, decode_lens: list[int], target_s: float) -> int:
+    def _room_for_waiting(self, view: SchedulerView, target_s: float) -> int:
         """Room for the waiting prompts that the scheduler serves before any prompt in
         progress, would start whole one after another (``Scheduler.starts_in_order``: its
-        limits on running requests, long prompts and KV room), and whose whole prefill fits
+        limits on running requests, long prompts and KV room: ``waiting_starts``), and whose
+        whole prefill fits
         ``target_s`` together beside the decodes (0 if the first does not), plus the blocks
         owed to the prompts in progress (``_owed_blocks``), which the scheduler hands out
         first."""
-        queue = scheduler.prefill_queue(MAX_SCANNED_PROMPTS)
-        leading = list(itertools.takewhile(lambda r: r.status != RequestStatus.RUNNING, queue))
-        leading = leading[: scheduler.starts_in_order(leading)]
-        step_s = self.model.predict(StepShape(tuple(decode_lens), prefill_samples=1))
+        leading = view.waiting_starts(MAX_SCANNED_PROMPTS)
+        step_s = self.model.predict(StepShape(tuple(view.decode_lens), prefill_samples=1))
         room = 0
         for r in leading:
             n = r.num_uncomputed_tokens
@@ -523,8 +513,7 @@ class BudgetController:
             room += n
         if not room:
             return 0
-        prefilling = [r for r in scheduler.running if r.is_prefilling]
-        return room + self._owed_blocks(scheduler, prefilling, 0)
+        return room + self._owed_blocks(view, 0)
 
     def long_step_served(self, out) -> bool:
         """Whether the step that ran (``out``, planned by the last ``decide``) was a long
@@ -542,16 +531,6 @@ class BudgetController:
         if self.policy.kind != "adaptive" or not decode_lens or not self.policy.long_step_share:
             return False
         return self.long_credit >= len(decode_lens) and self.longest_step_s() > target_s
-
-    @staticmethod
-    def _pending_drafts(scheduler, num_decodes: int) -> int:
-        """Draft tokens the running decodes would carry next step (speculative decoding)."""
-        if not scheduler.drafts_allowed(num_decodes):
-            return 0
-        return sum(
-            min(len(r.draft_token_ids), scheduler.max_drafts(r))
-            for r in scheduler.running_decodes()
-        )
 
     def observe(
         self,

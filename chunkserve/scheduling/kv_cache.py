@@ -10,7 +10,8 @@ Block 0 is the null block: never handed out or written, all zeros, it pads block
 Usable blocks are ``1..num_blocks``.
 
 Prefix cache: a full block is keyed by a chained hash of its content, ``H(parent hash, its
-token ids, extra key)`` (blake2b, 128 bits), so equal keys mean equal prefixes. A block is
+token ids, extra key)`` (``block_hash``: the data-parallel router keys prefixes the same
+way), so equal keys mean equal prefixes. A block is
 registered the moment the step that fills it has run, so another request with the same
 prefix reuses it at once, even while its first owner is still prefilling. Freed cached blocks
 stay valid in the free list and are evicted (least recently freed first) only when the pool
@@ -25,26 +26,18 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from chunkserve.scheduling.block_hash import extend_block_hashes, hash_block
 from chunkserve.scheduling.request import Request
+
+__all__ = ["NULL_BLOCK", "BlockPool", "KVCacheManager", "cdiv", "hash_block"]
 
 NULL_BLOCK = 0
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
-    """Chained content hash of one full block."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(array("q", token_ids).tobytes())
-    h.update(extra)
-    return h.digest()
 
 
 class BlockPool:
@@ -234,18 +227,13 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended to ``num_full_blocks`` blocks."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(
-                hash_block(
-                    hashes[-1] if hashes else None,
-                    request.token_ids[i * bs : (i + 1) * bs],
-                    request.cache_key,
-                )
-            )
-        return hashes
+        return extend_block_hashes(
+            request.block_hashes,
+            request.token_ids,
+            self.block_size,
+            num_full_blocks,
+            request.cache_key,
+        )
 
     def match_prefix(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks that hold a prefix of the request's tokens and the tokens they

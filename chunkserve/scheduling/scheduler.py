@@ -31,9 +31,10 @@ token samples its first output.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
 from chunkserve.config import SchedulerConfig
@@ -121,6 +122,31 @@ class SchedulerOutput:
         return "decode" if self.decodes else "idle"
 
 
+@dataclass(frozen=True)
+class SchedulerView:
+    """What an online budget (``budget.BudgetController.decide``) reads of the scheduler
+    before a step, built by ``Scheduler.view()``. Read only: neither it nor its requests
+    are changed through it."""
+
+    now: float  # the scheduler's clock
+    decode_lens: list[int]  # tokens of each running decode (``Scheduler.running_decodes``)
+    num_pending_drafts: int  # draft tokens those decodes would carry next step
+    prefilling: list[Request]  # prompts in progress (``Scheduler._prefilling``)
+    waiting: Sequence[Request]  # waiting prompts, in policy order
+    arrivals: Sequence[Request]  # the latest requests added, oldest first (bounded)
+    num_added: int  # requests ever added (``arrivals`` keeps the latest)
+    prefilled_last_step_ids: Set[str]  # ids of the prompts the last step advanced
+    _waiting_starts: Callable[[int], list[Request]]
+
+    def prefilled_last_step(self, request: Request) -> bool:
+        return request.request_id in self.prefilled_last_step_ids
+
+    def waiting_starts(self, limit: int) -> list[Request]:
+        """``Scheduler.waiting_starts``: the waiting prompts the next step would start
+        whole, one after another, before any prompt in progress."""
+        return self._waiting_starts(limit)
+
+
 # Most waiting requests looked at per step (bounds the scan and the shortest-first sort).
 MAX_WAITING_SCAN = 512
 # Shortest-first prefill: a waiting prompt's length counts as halved after it waited this
@@ -204,6 +230,28 @@ class Scheduler:
         decodes than that."""
         limit = self.config.spec_disable_by_batch_size
         return not limit or num_decodes <= limit
+
+    def pending_drafts(self, decodes: Sequence[Request]) -> int:
+        """Draft tokens these running decodes would carry next step (speculative decoding),
+        before any budget."""
+        if not self.drafts_allowed(len(decodes)):
+            return 0
+        return sum(min(len(r.draft_token_ids), self.max_drafts(r)) for r in decodes)
+
+    def view(self) -> SchedulerView:
+        """What an online budget reads before the next step (``SchedulerView``)."""
+        decodes = self.running_decodes()
+        return SchedulerView(
+            now=self.clock(),
+            decode_lens=[r.num_tokens for r in decodes],
+            num_pending_drafts=self.pending_drafts(decodes),
+            prefilling=self._prefilling(),
+            waiting=self.waiting,
+            arrivals=self.arrivals,
+            num_added=self.num_added,
+            prefilled_last_step_ids=self._prefilled_last_step,
+            _waiting_starts=self.waiting_starts,
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting or self.receiving)
@@ -460,6 +508,14 @@ class Scheduler:
             now = self.clock()
             queue.sort(key=lambda r: self._shortest_key(r, now))
         return queue
+
+    def waiting_starts(self, limit: int = MAX_WAITING_SCAN) -> list[Request]:
+        """The waiting prompts at the head of ``prefill_queue(limit)`` (before any prompt
+        in progress) that the next step would start whole one after another
+        (``starts_in_order``)."""
+        queue = self.prefill_queue(limit)
+        leading = list(itertools.takewhile(lambda r: r.status != RequestStatus.RUNNING, queue))
+        return leading[: self.starts_in_order(leading)]
 
     def prefilled_last_step(self, request: Request) -> bool:
         """Whether the request's prompt advanced in the last step (under shortest-first, a

@@ -5,7 +5,10 @@ A discrete-event loop: requests join at the first step boundary after their arri
 TTFT counts from the arrival, the wait for the running step included), each step's duration is the
 cost model's prediction for the step the scheduler built, times a scale (how much slower
 a real server runs than its profile predicts), plus a fixed per-step serving overhead, if
-given; tokens are "sampled" at the end of the step. Per-request token
+given; tokens are "sampled" at the end of the step. The steps go through the engine core's
+own step loop (``engine.step_loop.StepLoop``: the online budget's token and draft budgets,
+and what its controller observes) on the simulated clock: the predicted duration is the
+step, the overhead the loop's gap after it (as a server's ``step_gap_seconds``). Per-request token
 times feed the same metrics as ``bench serve``, so a user can ask what happens at request
 rates or on hardware they don't have (a profile measured elsewhere, e.g. on a GPU).
 """
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from chunkserve.bench.datasets import BenchRequest
 from chunkserve.bench.loadgen import RequestRecord
 from chunkserve.config import BudgetPolicy, SchedulerConfig
+from chunkserve.engine.step_loop import StepLoop
 from chunkserve.scheduling.budget import BudgetController
 from chunkserve.scheduling.costmodel import CostModel, OnlineCostModel, StepShape
 from chunkserve.scheduling.kv_cache import KVCacheManager
@@ -77,6 +81,7 @@ def simulate(
         prior_weight = 1e4 if set(scales.values()) == {1.0} else 1.0
         online = OnlineCostModel(model.weights, prior_weight=prior_weight)
         controller = BudgetController(online, policy, min_prefill_tokens=config.block_size)
+    loop = StepLoop(sched, controller, lambda: clock[0])
     rng = random.Random(seed)
     log_noise = 0.0  # the AR(1) state of correlated noise
     records = [RequestRecord(i, r.kind, r.prompt_len, r.arrival) for i, r in enumerate(requests)]
@@ -128,8 +133,8 @@ def simulate(
             if next_i < len(order):
                 clock[0] = max(clock[0], requests[order[next_i]].arrival)
             continue
-        budget = controller.decide(sched).token_budget if controller else None
-        out = sched.schedule(budget)
+        loop.start()
+        out, _ = loop.schedule()
         if out.is_empty:
             raise RuntimeError("simulate: the scheduler made no progress")
         shape = StepShape.of(out)
@@ -140,17 +145,16 @@ def simulate(
             duration *= math.exp(log_noise - noise * noise / 2)
         elif noise:
             duration *= max(0.1, rng.gauss(1.0, noise))
-        duration += step_overhead_s
-        clock[0] += duration
-        busy += duration
+        clock[0] += duration  # the simulated worker: the step runs
         steps += 1
         if steps > max_steps:
             raise RuntimeError("simulate: step limit reached")
         produced = sched.update(
             out, {c.request.request_id: SAMPLED_TOKEN for c in out.chunks if c.samples}
         )
-        if controller is not None:
-            controller.observe(out, duration, shape=shape)
+        loop.finish(out, shape)
+        clock[0] += step_overhead_s  # the serving loop's work: the gap before the next step
+        busy += duration + step_overhead_s
         for r in produced:
             rec = records[index_of[r.request_id]]
             if rec.ttft is None:

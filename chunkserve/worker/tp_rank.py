@@ -1,13 +1,11 @@
-"""The main of a tensor-parallel rank process other than 0 (``python -m
-chunkserve.worker.tp_rank``, started by ``launch.LocalRanks`` with its arguments pickled on
-stdin; or ``run_rank`` called by ``chunkserve serve`` under a launcher)."""
+"""The main of a tensor-parallel rank process other than 0 (``main``, started by
+``launch.LocalRanks`` as a ``distributed.child.ChildProcess``; or ``run_rank`` called by
+``chunkserve serve`` under a launcher)."""
 
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
-import sys
 
 from chunkserve.config import EngineConfig
 from chunkserve.distributed.launch import RankSpec
@@ -27,8 +25,8 @@ def run_rank(config: EngineConfig, spec: RankSpec) -> None:
     worker.follow()
 
 
-def _main() -> None:
-    config, spec, log_level = pickle.loads(sys.stdin.buffer.read())
+def main(config: EngineConfig, spec: RankSpec, log_level: int) -> int:
+    """A rank process's main; its exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank}: %(message)s"
@@ -37,8 +35,5 @@ def _main() -> None:
         run_rank(config, spec)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    _main()
+        return 1
+    return 0

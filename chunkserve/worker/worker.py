@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 
 import torch
 
@@ -31,6 +32,7 @@ from chunkserve.config import (
     EngineConfig,
     ModelConfig,
 )
+from chunkserve.distributed.child import ProcessExited
 from chunkserve.distributed.group import (
     OP_PING,
     OP_SHUTDOWN,
@@ -41,7 +43,6 @@ from chunkserve.distributed.group import (
 )
 from chunkserve.distributed.launch import (
     LocalRanks,
-    RankExited,
     RankSpec,
     connect_store,
     launcher_env,
@@ -98,6 +99,15 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     return any(m in text for m in FATAL_DEVICE_ERRORS)
 
 
+def stop_ranks(group: TPGroup, local_ranks: LocalRanks | None) -> None:
+    """Rank 0's end of a group: tell the other ranks to stop, and wait for the ones this
+    process started (killed if they take over 10 s)."""
+    with contextlib.suppress(CollectiveError):  # a rank gone already
+        group.send(OP_SHUTDOWN)
+    if local_ranks is not None:
+        local_ranks.stop(10.0)
+
+
 class Worker:
     """The device side of one engine core (tensor parallel: of one rank of it)."""
 
@@ -121,6 +131,9 @@ class Worker:
         self.shard = plan_shards(model_config, tp, self.rank)
         self.group: TPGroup | None = None
         self.local_ranks: LocalRanks | None = None
+        # Rank 0: stops the other ranks once, from ``shutdown`` or else when the worker is
+        # collected or the interpreter exits (a script that simply ends).
+        self._stop_ranks: weakref.finalize | None = None
         configure_cpu_runtime()
         self.device = resolve_device(config.device)
         num_threads = config.num_threads
@@ -198,6 +211,8 @@ class Worker:
         except BaseException:
             self.shutdown()
             raise
+        if self.rank == 0:
+            self._stop_ranks = weakref.finalize(self, stop_ranks, self.group, self.local_ranks)
         logger.info(
             "tensor-parallel rank %d of %d: %d query / %d KV heads, %d MLP columns, "
             "vocabulary rows %d..%d, sums over %s%s",
@@ -223,7 +238,7 @@ class Worker:
 
         def parent_alive() -> None:
             if os.getppid() != parent:
-                raise RankExited("tensor-parallel rank 0 is gone")
+                raise ProcessExited("tensor-parallel rank 0 is gone")
 
         return parent_alive
 
@@ -351,7 +366,7 @@ class Worker:
             if self.group is not None:
                 result.comm_time = self.group.take_comm_time()
             return result
-        except (CollectiveError, RankExited) as exc:
+        except (CollectiveError, ProcessExited) as exc:
             raise DeviceError(str(exc)) from exc
         except Exception as exc:
             if is_fatal_device_error(exc):
@@ -381,18 +396,19 @@ class Worker:
                 group.send(OP_PING)
             if self.local_ranks is not None:
                 self.local_ranks.check()
-        except (CollectiveError, RankExited) as exc:
+        except (CollectiveError, ProcessExited) as exc:
             raise DeviceError(str(exc)) from exc
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop and wait for the ones it started."""
-        if self.group is not None and self.rank == 0:
-            with contextlib.suppress(CollectiveError):  # a rank gone already
-                self.group.send(OP_SHUTDOWN)
-            self.group = None
-        if self.local_ranks is not None:
+        if self._stop_ranks is not None:
+            self._stop_ranks()  # runs once
+            self._stop_ranks = None
+        elif self.local_ranks is not None:  # started, but the group never formed
             self.local_ranks.stop(10.0)
-            self.local_ranks = None
+        if self.rank == 0:
+            self.group = None
+        self.local_ranks = None
 
     def propose_drafts(self, wanted: list[tuple[Request, int]]) -> None:
         """The draft model's tokens for these decodes (speculative decoding)."""
