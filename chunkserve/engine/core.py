@@ -193,6 +193,10 @@ class EngineCore:
             lambda: self._load_tokenizer(source), model_config.vocab_size, eos_token_ids
         )
         self.step_count = 0
+        # The clock that times steps (the budget controller's and the speculator's
+        # measurements): tests replace it to make those measurements independent of the
+        # machine's speed.
+        self.clock = time.perf_counter
         self._kv_recorded = (0, 0)  # prefix-cache counters as of the last step's record
         self._prev_step_end: float | None = None
         self._log = StepLogger(config.log_stats_interval)
@@ -413,7 +417,7 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> CoreStep:
         """Run one iteration: an output for every request that got a token or ended in it."""
-        t_start = time.perf_counter()
+        t_start = self.clock()
         kv = self.kv
         # Prefix-cache lookups since the last step's record (a step that ran nothing, as
         # while a decode instance admits requests whose KV is to arrive, records none).
@@ -430,7 +434,7 @@ class EngineCore:
             decision = self.controller.decide(self.scheduler)
             token_budget, draft_budget = decision.token_budget, decision.draft_budget
         out = self.scheduler.schedule(token_budget, draft_budget)
-        t_sched = time.perf_counter()
+        t_sched = self.clock()
         if out.is_empty:
             self._prev_step_end = None  # idle: the next gap starts afresh
             if self.remote is not None and self.remote.active:
@@ -445,7 +449,7 @@ class EngineCore:
                 "step %d failed; failing its %d request(s)", self.step_count, len(out.chunks)
             )
             return CoreStep(failed + self._fail_step(out, f"{type(exc).__name__}: {exc}"))
-        t_fwd = time.perf_counter()
+        t_fwd = self.clock()
         outputs = failed
         if self.sender is not None:  # before ``update`` may free a finished prompt's blocks
             outputs += self._fail(self.sender.after_execute(out))
@@ -484,7 +488,7 @@ class EngineCore:
         if self.speculator is not None:
             spec = self.speculator.record(out.decodes)
             self._propose()
-        t_end = time.perf_counter()
+        t_end = self.clock()
         # The step's shape, once, for the profile's prediction and the controller.
         shape = StepShape.of(out) if self.profile or self.controller else None
         stats = self._stats(out, result, decision, shape, outputs, (queried, hits))
