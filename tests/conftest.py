@@ -200,3 +200,33 @@ def _torch_threads_restored():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+class StepClock:
+    """A fake clock for ``EngineCore.clock``: it moves only when a step's forward pass runs,
+    by a fixed cost plus a cost per batched token (``pin_step_times``). Step times, and all
+    the engine decides from them (the adaptive budget, which drafts pay), are then the same
+    on any machine, however loaded."""
+
+    def __init__(self, fixed: float, per_token: float) -> None:
+        self.fixed, self.per_token = fixed, per_token
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pin_step_times(engine, fixed: float = 0.02, per_token: float = 2e-4) -> StepClock:
+    """Time ``engine``'s steps (an in-process ``Engine``) on a ``StepClock``."""
+    core = engine.core
+    clock = StepClock(fixed, per_token)
+    execute = core.worker.execute
+
+    def timed(out):
+        result = execute(out)
+        clock.now += clock.fixed + clock.per_token * out.num_batched_tokens
+        return result
+
+    core.worker.execute = timed
+    core.clock = clock
+    return clock

@@ -4,8 +4,9 @@ ports), checked against the decode instance serving the same requests colocated.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from chunkserve.scheduling.request import Request, RequestStatus
 from chunkserve.scheduling.sampling_params import KVTransferParams, SamplingParams
 from chunkserve.scheduling.scheduler import Scheduler
 from tests.conftest import NATURAL_PROMPTS
-from tests.test_server import MODEL, ChunkserveProcess, Server
+from tests.test_server import MODEL, ChunkserveProcess, PausedCores, Server, wait_for
 
 LAYOUT = (2, 2, 4, 3, 8)  # num_layers, K/V, block_size, num_kv_heads, head_dim
 
@@ -597,12 +598,16 @@ def test_client_disconnect_frees_blocks_on_both_sides(pd: Deployment, when: str)
     body = {
         "model": MODEL,
         "prompt": LONG * 2 if when == "prefill" else NATURAL_PROMPTS[2],
-        "max_tokens": 100,
+        # Far more than a machine makes while the router and the decode instance notice.
+        "max_tokens": 100 if when == "prefill" else 400,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
     }
     got = threading.Event()
+    key = "chunkserve:request_success_total{%s}"
+    before = pd.decode.metrics()
+    aborts, before_length = before.get(key % "abort", 0), before.get(key % "length", 0)
 
     def client() -> None:
         with (
@@ -616,11 +621,25 @@ def test_client_disconnect_frees_blocks_on_both_sides(pd: Deployment, when: str)
 
     t = threading.Thread(target=client, daemon=True)
     if when == "prefill":
-        with httpx.Client(timeout=60) as c, contextlib.suppress(httpx.TimeoutException):
-            c.post(
-                pd.router.base + "/v1/completions",
-                json={**body, "stream": False},
-                timeout=0.3,  # the prompt takes six chunks on the prefill instance
+        # The prefill instance's core is paused before the request comes: the client leaves
+        # while its prompt is on the prefill instance, however fast the machine computes it.
+        with PausedCores(pd.prefill):
+            content = json.dumps({**body, "stream": False}).encode()
+            host, port = pd.router.base.removeprefix("http://").split(":")
+            conn = socket.create_connection((host, int(port)), timeout=60)
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(content), content)
+            )
+            wait_for(
+                lambda: pd.decode.metrics()["chunkserve:num_requests_waiting_for_kv"] == 1,
+                "the decode instance waits for the prefill instance's KV",
+            )
+            conn.close()
+            # The router drops the decode instance's stream, the decode instance aborts.
+            wait_for(
+                lambda: pd.decode.metrics().get(key % "abort", 0) == aborts + 1,
+                "the decode instance aborts the request",
             )
     else:
         t.start()
@@ -632,7 +651,8 @@ def test_client_disconnect_frees_blocks_on_both_sides(pd: Deployment, when: str)
         assert m["chunkserve:num_requests_running"] == 0
     m = pd.decode.metrics()
     assert m["chunkserve:num_requests_waiting_for_kv"] == 0
-    assert m.get("chunkserve:request_success_total{abort}", 0) >= 1
+    assert m.get(key % "abort", 0) == aborts + 1  # this request, not an earlier test's
+    assert m.get(key % "length", 0) == before_length
 
 
 def test_bad_kv_transfer_params_are_refused_at_the_edge(pd: Deployment) -> None:
@@ -652,7 +672,8 @@ def test_bad_kv_transfer_params_are_refused_at_the_edge(pd: Deployment) -> None:
     h = {**handle(1).as_dict(), "layout": [30, 2, 16, 3, 64], "num_tokens": 1}
     h["address"] = shm_path(h["transfer_id"])
     r = _post(pd.prefill.base, "/v1/completions", {**body, "kv_transfer_params": {"send": h}})
-    assert r.status_code in (400, 500) and "error" in r.json()
+    assert r.status_code == 400, r.text  # the client's handle, not this instance, is wrong
+    assert r.json()["error"]["param"] == "kv_transfer_params.send.address", r.text
     assert httpx.get(pd.prefill.base + "/health").status_code == 200
 
 
@@ -700,8 +721,17 @@ def test_torch_connector_served_end_to_end(pd: Deployment) -> None:
         decode.stop()
 
 
-def test_dead_instances_give_clean_errors(pd: Deployment) -> None:
-    """Runs last in the module: it kills the instances."""
+@pytest.fixture
+def doomed() -> Iterator[Deployment]:
+    """A deployment of its own for a test that kills its instances (the shared one serves
+    the module's other tests, whatever order they run in)."""
+    d = Deployment()
+    yield d
+    d.stop()
+
+
+def test_dead_instances_give_clean_errors(doomed: Deployment) -> None:
+    pd = doomed
     body = {"prompt": NATURAL_PROMPTS[3], "max_tokens": 4, "temperature": 0.0}
     pd.prefill.proc.kill()
     pd.prefill.proc.wait(10)

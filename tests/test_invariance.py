@@ -8,7 +8,7 @@ import pytest
 
 from chunkserve.engine.engine import Engine
 from chunkserve.scheduling.sampling_params import SamplingParams
-from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
+from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, pin_step_times, random_prompt
 
 MAX_TOKENS = 10
 
@@ -82,6 +82,9 @@ def test_adaptive_default_matches_unchunked(reference) -> None:
     prompts, expected = reference
     engine = make_engine()
     assert engine.core.budget_policy.kind == "adaptive" and engine.core.controller is not None
+    # The budgets follow the measured step times: on a fake clock they are the same on any
+    # machine, however loaded (a step: a fixed cost and a cost per batched token).
+    pin_step_times(engine, fixed=0.02, per_token=2e-4)
     steps = []
     engine.step_listeners.append(steps.append)
     assert run_staggered(engine, prompts) == expected

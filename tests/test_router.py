@@ -30,8 +30,10 @@ from chunkserve.entrypoints.router import (
     normalize_url,
 )
 
-CLIENT_TIMEOUT_S = 10.0
-WAIT_S = 5.0  # for something that should happen "within a few seconds"
+CLIENT_TIMEOUT_S = 60.0
+# The most to wait for something that should happen "within a few seconds": only a hang
+# takes it (generous for a loaded machine); the tests wait on events and states.
+WAIT_S = 30.0
 
 
 # ---- servers on threads ---------------------------------------------------------------------
@@ -73,8 +75,10 @@ class ServerThread:
 
 class FakeInstance:
     """A chunkserve server stand-in. What it does with a completion depends on its prompt
-    (chat: the first message's content): ``"error400"``, ``"sleep:S"``, ``"stream"``,
-    ``"stream_then_fail"``, ``"stream_forever"``; anything else: a JSON answer."""
+    (chat: the first message's content): ``"error400"``, ``"sleep:S"`` (answers after S
+    seconds, or stops when its client leaves), ``"hold"`` (answers once the test calls
+    ``release``), ``"stream"``, ``"stream_then_fail"``, ``"stream_forever"``; anything else:
+    a JSON answer."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -82,6 +86,7 @@ class FakeInstance:
         self.received: list[tuple[str, dict[str, str], bytes]] = []
         self.stream_closed = threading.Event()
         self.sleep_disconnected = threading.Event()
+        self.released = threading.Event()
         self.server = ServerThread(self._app())
         self.url = self.server.url
 
@@ -90,6 +95,10 @@ class FakeInstance:
         self.received.clear()
         self.stream_closed.clear()
         self.sleep_disconnected.clear()
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
 
     def bodies(self) -> list[dict[str, Any]]:
         return [json.loads(raw) for _, _, raw in self.received]
@@ -111,6 +120,9 @@ class FakeInstance:
                     if await request.is_disconnected():
                         self.sleep_disconnected.set()
                         return Response(status_code=499)
+                    await asyncio.sleep(0.02)
+            elif prompt == "hold":
+                while not self.released.is_set():
                     await asyncio.sleep(0.02)
             elif prompt.startswith("stream"):
                 return StreamingResponse(self._stream(prompt), media_type="text/event-stream")
@@ -434,8 +446,9 @@ def test_slow_instance_is_504_and_the_upstream_is_closed(
     base = start_router(prefill=(fakes[0].url,), decode=(d.url,), timeout_s=0.5)
     start_s = time.monotonic()
     with client() as c:
-        r = c.post(base + "/v1/completions", json={"prompt": "sleep:5"})
-    assert r.status_code == 504 and time.monotonic() - start_s < 3
+        r = c.post(base + "/v1/completions", json={"prompt": "sleep:600"})
+    # The router's 0.5 s, not the instance's 600 s (room for a loaded machine).
+    assert r.status_code == 504 and time.monotonic() - start_s < 60
     error = r.json()["error"]
     assert d.url in error["message"] and error["code"] == 504
     assert d.sleep_disconnected.wait(WAIT_S)
@@ -510,8 +523,17 @@ def test_client_disconnect_before_the_answer_closes_the_upstream(
 ) -> None:
     d = fakes[1]
     base = start_router(prefill=(fakes[0].url,), decode=(d.url,))
-    with httpx.Client(timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
-        c.post(base + "/v1/completions", json={"prompt": "sleep:5"})
+    # The client leaves once the instance has the request (not after a fixed time, which a
+    # loaded machine may spend before the router forwards it).
+    body = b'{"prompt": "sleep:600"}'
+    host, port = base.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S)
+    conn.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    assert wait_for(lambda: bool(d.received))
+    conn.close()
     assert d.sleep_disconnected.wait(WAIT_S)
 
 
@@ -520,12 +542,17 @@ def test_data_parallel_forwards_unchanged_and_spreads(
 ) -> None:
     a, b = fakes[0], fakes[1]
     base = start_router(data_parallel=(a.url, b.url))
-    raw = b'{"prompt":  "sleep:1", "max_tokens" : 3}'
+    # Held until all four arrived: each is routed while the others are in flight.
+    raw = b'{"prompt":  "hold", "max_tokens" : 3}'
     with client() as c, concurrent.futures.ThreadPoolExecutor(4) as pool:
         post = lambda _: c.post(  # noqa: E731
             base + "/v1/completions", content=raw, headers={"content-type": "application/json"}
         )
-        answers = list(pool.map(post, range(4)))
+        futures = [pool.submit(post, i) for i in range(4)]
+        assert wait_for(lambda: len(a.received) + len(b.received) == 4)
+        a.release()
+        b.release()
+        answers = [f.result() for f in futures]
     assert [r.status_code for r in answers] == [200] * 4
     assert len(a.received) == len(b.received) == 2  # the least loaded each time
     assert {body for _, _, body in a.received + b.received} == {raw}

@@ -61,9 +61,16 @@ def test_logit_bias_shifts_the_logits_not_the_logprobs() -> None:
 
 
 def test_temperature_one_follows_the_distribution() -> None:
-    counts = draw({"temperature": 1.0}, n=8000)
+    """8000 seeded draws: each token's count within 4.5 standard deviations of n * p (about
+    20% of a p = 0.05 token's count; an absolute tolerance let a 50% error through), and the
+    counts together pass a chi-square test at p = 0.001."""
+    n = 8000
+    counts = draw({"temperature": 1.0}, n=n)
     for tok, p in enumerate(PROBS.tolist()):
-        assert abs(counts[tok] / 8000 - p) < 0.025
+        if p > 0:
+            assert abs(counts[tok] - n * p) < 4.5 * math.sqrt(n * p * (1 - p)), (tok, counts)
+    chi2 = sum((counts[t] - n * p) ** 2 / (n * p) for t, p in enumerate(PROBS.tolist()) if p)
+    assert chi2 < 16.3, counts  # 3 degrees of freedom
     assert set(counts) <= {0, 1, 2, 3}
 
 
@@ -228,6 +235,26 @@ def test_stream_deltas_concatenate_to_text_with_stop_strings(engine: Engine) -> 
             deltas.append(o.delta_text)
             final = o
     assert "".join(deltas) == final.text == full[: full.index(stop)]
+
+
+def test_ignore_eos_generates_past_eos(engine: Engine) -> None:
+    """Greedy, this prompt's answer ends with EOS well before max_tokens; with ignore_eos the
+    same tokens, the EOS among them, and generation goes on to max_tokens."""
+    (eos,) = engine.eos_token_ids
+    prompt = NATURAL_PROMPTS[0]
+    ended, ignored = generate(
+        engine,
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=48, temperature=0.0),
+            SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+        ],
+    )
+    k = len(ended.token_ids)
+    assert ended.finish_reason == "stop" and ended.stop_reason is None
+    assert k < 48 and ended.token_ids[-1] == eos
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 48
+    assert ignored.token_ids[:k] == ended.token_ids
 
 
 def test_stop_token_ids_and_ignore_eos(engine: Engine) -> None:

@@ -11,7 +11,9 @@ finishes within a bounded number of steps (no starvation, no deadlock) and no bl
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+import random
+
+from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from chunkserve.config import SchedulerConfig
@@ -32,7 +34,8 @@ add = st.tuples(
     st.integers(1, 12),  # max_tokens
     st.integers(-2, 2),  # priority
 )
-step = st.tuples(st.just("step"), st.integers(1, 4))
+# Steps, and which of each step's sampled rows draw EOS (the rest draw an ordinary token).
+step = st.tuples(st.just("step"), st.integers(1, 4), st.lists(st.booleans(), max_size=6))
 abort = st.tuples(st.just("abort"), st.integers(0, 50))
 stop = st.tuples(st.just("stop"), st.integers(0, 50))  # a stop string matched: finish it
 ops = st.lists(st.one_of(add, step, step, abort, stop), min_size=1, max_size=60)
@@ -83,7 +86,8 @@ def check(sched: Scheduler, added: list[Request]) -> None:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
-def run_step(sched: Scheduler) -> None:
+def run_step(sched: Scheduler, eos: list[bool] = ()) -> None:
+    """One step; the ``i``-th sampled row draws EOS where ``eos[i]`` says so."""
     out = sched.schedule()
     cfg = sched.config
     assert out.num_batched_tokens <= cfg.max_num_batched_tokens
@@ -92,7 +96,11 @@ def run_step(sched: Scheduler) -> None:
         assert c.request.status == RequestStatus.RUNNING
         assert c.start == c.request.num_computed_tokens
         assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
-    sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    sampled = [c for c in out.chunks if c.samples]
+    draws = {
+        c.request.request_id: EOS if i < len(eos) and eos[i] else 5 for i, c in enumerate(sampled)
+    }
+    sched.update(out, draws)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,6 +113,23 @@ def run_step(sched: Scheduler) -> None:
 def test_scheduler_and_cache_invariants_hold_under_any_interleaving(
     ops, config: dict, num_blocks: int, caching: bool
 ) -> None:
+    sched, added = run_ops(ops, config, num_blocks, caching)
+    # Steer the search toward the hard cases: preemption, and requests that end on EOS.
+    target(float(sched.num_preemptions), label="preemptions")
+    target(float(sum(ended_on_eos(r) for r in added)), label="EOS finishes")
+
+
+def ended_on_eos(r: Request) -> bool:
+    """Finished by the scheduler on a sampled EOS (not by a "stop" operation)."""
+    return (
+        r.status == RequestStatus.FINISHED_STOPPED
+        and r.output_token_ids[-1:] == [EOS]
+        and not getattr(r, "stopped_by_test", False)
+    )
+
+
+def run_ops(ops, config: dict, num_blocks: int, caching: bool) -> tuple[Scheduler, list[Request]]:
+    """Apply ``ops``, checking the invariants after each, then run to the end (bounded)."""
     sched = make(config, num_blocks, caching)
     added: list[Request] = []
     for op in ops:
@@ -125,7 +150,7 @@ def test_scheduler_and_cache_invariants_hold_under_any_interleaving(
             added.append(r)
         elif op[0] == "step":
             for _ in range(op[1]):
-                run_step(sched)
+                run_step(sched, op[2])
         elif op[0] == "abort" and added:
             r = added[op[1] % len(added)]
             was_live = not r.is_finished
@@ -135,6 +160,7 @@ def test_scheduler_and_cache_invariants_hold_under_any_interleaving(
             r = added[op[1] % len(added)]
             if r.status == RequestStatus.RUNNING and r.num_output_tokens:
                 sched.finish_request(r, RequestStatus.FINISHED_STOPPED)
+                r.stopped_by_test = True
         check(sched, added)
     # Liveness: with no more arrivals everything finishes, in a bounded number of steps.
     bound = 20 + sum(r.num_prompt_tokens + r.max_tokens for r in added) * 4
@@ -153,3 +179,41 @@ def test_scheduler_and_cache_invariants_hold_under_any_interleaving(
         if r.status == RequestStatus.FINISHED_LENGTH
     )
     assert sum(c > 0 for c in sched.kv.pool.ref_cnt[1:]) == 0, "blocks held after the end"
+    return sched, added
+
+
+def test_the_operations_reach_preemption_and_eos() -> None:
+    """What the property test promises it explores, it reaches: on 40 seeded draws of its
+    kind of operations, pools run dry (requests are preempted and recomputed) and sampled
+    EOS tokens finish requests, and the invariants hold through both."""
+    rng = random.Random(7)
+    preemptions = eos_finishes = 0
+    for _ in range(40):
+        ops = []
+        for _ in range(rng.randint(10, 60)):
+            kind = rng.choice(["add", "step", "step", "abort", "stop"])
+            if kind == "add":
+                ops.append(
+                    ("add", rng.randrange(len(PREFIXES)), rng.randint(1, 40), rng.randint(1, 12),
+                     rng.randint(-2, 2))
+                )  # fmt: skip
+            elif kind == "step":
+                eos = [rng.random() < 0.2 for _ in range(rng.randint(0, 6))]
+                ops.append(("step", rng.randint(1, 4), eos))
+            else:
+                ops.append((kind, rng.randint(0, 50)))
+        config = {
+            "max_num_batched_tokens": rng.choice([8, 16, 32]),
+            "max_num_seqs": rng.randint(1, 6),
+            "enable_chunked_prefill": rng.random() < 0.5,
+            "policy": rng.choice(["fcfs", "priority"]),
+            "prefill_order": rng.choice(["shortest", "arrival"]),
+            "long_prefill_token_threshold": rng.choice([0, 8, 16]),
+            "max_long_partial_prefills": rng.choice([0, 1, 2]),
+            "init_new_token_ratio": rng.choice([0.0, 0.7]),
+        }
+        num_blocks = rng.randint(MAX_MODEL_LEN // BLOCK + 1, 24)  # the small end: preemption
+        sched, added = run_ops(ops, config, num_blocks, rng.random() < 0.5)
+        preemptions += sched.num_preemptions
+        eos_finishes += sum(ended_on_eos(r) for r in added)
+    assert preemptions > 0 and eos_finishes > 0, (preemptions, eos_finishes)

@@ -23,7 +23,12 @@ from chunkserve.scheduling.sampling_params import SamplingParams
 from chunkserve.scheduling.scheduler import Scheduler
 from chunkserve.worker.sampler import Sampler
 from chunkserve.worker.speculative import Speculator, ngram_propose
-from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
+from tests.conftest import (
+    NATURAL_PROMPTS,
+    assert_no_blocks_in_use,
+    pin_step_times,
+    random_prompt,
+)
 from tests.test_invariance import (
     BYTES_PER_BLOCK,
     PREEMPT_TOKENS,
@@ -34,6 +39,15 @@ from tests.test_invariance import (
 )
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+
+
+def spec_engine(**kwargs) -> Engine:
+    """``make_engine`` with its steps timed on a fake clock: how many drafts pay
+    (``Speculator.paying``) and the adaptive budget's draft share, both decided from measured
+    step times, are the same on any machine (a loaded one measured otherwise)."""
+    engine = make_engine(**kwargs)
+    pin_step_times(engine)
+    return engine
 
 
 def repetitive_prompts(engine: Engine) -> list[list[int]]:
@@ -75,7 +89,7 @@ def greedy_reference() -> tuple[list[list[int]], list[list[int]]]:
 )
 def test_ngram_greedy_matches_no_speculation(greedy_reference, kwargs) -> None:
     prompts, expected = greedy_reference
-    engine = make_engine(speculative_config=NGRAM, **kwargs)
+    engine = spec_engine(speculative_config=NGRAM, **kwargs)
     steps = []
     engine.step_listeners.append(steps.append)
     assert run_staggered(engine, prompts, 24) == expected
@@ -99,7 +113,7 @@ def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference) ->
         "model": str(embedded_model_path()),
         "num_speculative_tokens": 3,
     }
-    engine = make_engine(
+    engine = spec_engine(
         speculative_config=spec, max_num_batched_tokens=64, kv_cache_memory=192 << 20
     )
     assert engine.core.worker.draft is not None
@@ -127,7 +141,7 @@ def test_speculation_with_preemption_matches(preemption_reference, method: str) 
     if method == "draft_model":
         spec = {"method": "draft_model", "model": str(embedded_model_path())}
         blocks *= 2  # both models' KV per block
-    engine = make_engine(
+    engine = spec_engine(
         speculative_config=spec,
         schedule_conservativeness=0.0,
         max_num_batched_tokens=128,
@@ -148,7 +162,7 @@ def test_prefix_cache_hits_with_speculation() -> None:
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     off = make_engine()
     expected = [o.token_ids for o in _generate(off, prompts, params)]
-    engine = make_engine(speculative_config=NGRAM)
+    engine = spec_engine(speculative_config=NGRAM)
     got = [o.token_ids for o in _generate(engine, prompts, params, one_by_one=True)]
     assert got == expected
     assert engine.core.kv.num_hit_tokens >= 2 * 96
@@ -176,7 +190,7 @@ def _generate(engine: Engine, prompts, params, one_by_one: bool = False):
 @pytest.fixture(scope="module")
 def engines() -> tuple[Engine, Engine]:
     off = make_engine()
-    on = make_engine(speculative_config=NGRAM)
+    on = spec_engine(speculative_config=NGRAM)
     return off, on
 
 
@@ -467,6 +481,116 @@ def test_low_acceptance_pauses_a_request() -> None:
     assert r.draft_token_ids == []
 
 
+def _observe(spec: Speculator, steps: int, cost) -> None:
+    """Decode-only steps of 1 to 4 decodes and 0 to 8 drafts, timed by ``cost(decodes,
+    drafts)`` seconds (a fake clock)."""
+    for i in range(steps):
+        n, k = 1 + i % 4, (i * 3) % 9
+        spec.observe_step("decode", n, k, cost(n, k))
+
+
+def _requests(*rates: float) -> list[Request]:
+    """Decodes whose drafts are each accepted with the given probability."""
+    reqs = []
+    for i, p in enumerate(rates):
+        r = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=50), max_tokens=50)
+        r.spec.position_rates[:] = [p] * 4
+        reqs.append(r)
+    return reqs
+
+
+def test_decode_cost_fits_a_step_time_model() -> None:
+    """``DecodeCost`` fits ``a + b * decodes + c * drafts`` to measured decode steps: the
+    fixed cost, and a draft row priced like a decode row when it costs the same, higher when
+    it costs more; not ready before ``COST_MIN_STEPS`` steps."""
+    from chunkserve.worker.speculative import COST_MIN_STEPS, DecodeCost
+
+    same, dearer = DecodeCost(), DecodeCost()
+    for i in range(200):
+        n, k = 1 + i % 5, (i * 3) % 9
+        assert same.ready == dearer.ready == (i >= COST_MIN_STEPS)
+        same.observe(n, k, 0.02 + 1e-3 * (n + k))
+        dearer.observe(n, k, 0.02 + 1e-3 * n + 3e-3 * k)
+    assert same.a == pytest.approx(0.02, rel=0.1) and dearer.a == pytest.approx(0.02, rel=0.1)
+    assert same.c == pytest.approx(same.b, rel=0.25)
+    assert same.b == pytest.approx(1e-3, rel=0.25)
+    # The prior pulls a draft row toward a decode row's cost: the fit leans that way.
+    assert dearer.c > 1.3 * dearer.b and dearer.c == pytest.approx(3e-3, rel=0.25)
+    # Nothing measured varies yet: a row is priced at nothing beside the step.
+    flat = DecodeCost()
+    for _ in range(COST_MIN_STEPS):
+        flat.observe(2, 0, 0.02)
+    assert flat.a == pytest.approx(0.02) and flat.c < 1e-6
+
+
+def test_paying_keeps_the_drafts_worth_their_time() -> None:
+    """``Speculator.paying`` on fake step times: every draft before the cost is measured; all
+    of them when a step's fixed cost dominates; none when a draft row costs as much as the
+    tokens it may buy; in between the likeliest drafts first, a request's in order."""
+    config = SpeculativeConfig("ngram", 4, min_acceptance_rate=0.0)
+    fresh = Speculator(config, 4096)
+    reqs = _requests(0.9, 0.3)
+    assert fresh.paying(reqs, [4, 2]) == [4, 2]  # nothing measured: try them all
+    _observe(fresh, 5, lambda n, k: 1.0 * k)  # drafts look dear, but too few steps to tell
+    assert fresh.paying(reqs, [4, 2]) == [4, 2]
+    # A step's fixed cost dominates (a CPU at batch 1): every likely draft pays.
+    cheap = Speculator(config, 4096)
+    _observe(cheap, 100, lambda n, k: 0.05 + 1e-4 * (n + k))
+    likely = _requests(0.9, 0.7)
+    assert cheap.paying(likely, [4, 4]) == [4, 4]
+    assert cheap.paying(likely, [0, 3]) == [0, 3]
+    # Rows dominate and a draft row costs three decode rows: a draft buys fewer tokens than
+    # its time would: none pays.
+    dear = Speculator(config, 4096)
+    _observe(dear, 100, lambda n, k: 1e-4 + 0.01 * n + 0.03 * k)
+    assert dear.paying(reqs, [4, 4]) == [0, 0]
+    # Rows cost about as much as a step's fixed part (step ~ 2 rows at batch 1): drafts
+    # with a good chance of acceptance pay, unlikely ones do not.
+    mid = Speculator(config, 4096)
+    _observe(mid, 200, lambda n, k: 0.01 + 0.01 * (n + k))
+    keep = mid.paying(reqs, [4, 4])
+    assert keep[0] >= 2 and keep[1] == 0, keep
+    assert mid.paying(reqs[:1], [1]) == [1]
+    # plan() trims the drafts to what pays.
+    for r in reqs:
+        r.draft_token_ids = [5, 5, 5, 5]
+    dear.plan(reqs)
+    assert [r.draft_token_ids for r in reqs] == [[], []]
+    # Prefill and mixed steps do not enter the fit.
+    other = Speculator(config, 4096)
+    for _ in range(20):
+        other.observe_step("mixed", 1, 4, 100.0)
+        other.observe_step("prefill", 0, 0, 100.0)
+    assert other.cost.num_steps == 0 and other.paying(reqs, [4, 4]) == [4, 4]
+
+
+def test_engine_prices_drafts_from_its_step_clock() -> None:
+    """The engine times its steps on its clock (``EngineCore.clock``) and the speculator
+    prices drafts from those times: with a fake clock on which a step's fixed cost dominates
+    every decode step carries drafts; on one where rows dominate drafts stop once the cost
+    is measured (``COST_MIN_STEPS`` decode steps)."""
+    from chunkserve.worker.speculative import COST_MIN_STEPS
+
+    def decode_steps(fixed: float, per_token: float) -> list:
+        engine = make_engine(speculative_config=NGRAM, max_num_batched_tokens=256)
+        pin_step_times(engine, fixed, per_token)
+        steps = []
+        engine.step_listeners.append(steps.append)
+        prompt = repetitive_prompts(engine)[0]
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        assert_no_blocks_in_use(engine)
+        return [s for s in steps if s.kind == "decode"]
+
+    cheap = decode_steps(0.05, 1e-5)
+    later = [s.num_draft_tokens for s in cheap[COST_MIN_STEPS:]]
+    assert sum(1 for k in later if k) >= 3, later
+    dear = decode_steps(1e-5, 0.05)
+    assert any(s.num_draft_tokens for s in dear[:COST_MIN_STEPS])
+    assert not any(s.num_draft_tokens for s in dear[COST_MIN_STEPS + 1 :])
+
+
 def test_ngram_proposals() -> None:
     assert ngram_propose([1, 2, 3, 4, 1, 2], 3, 2, 4) == [3, 4, 1]
     assert ngram_propose([1, 2, 3, 4, 1, 2], 1, 2, 4) == [3]
@@ -594,6 +718,8 @@ def test_served_with_speculation_streams_and_counts(engines) -> None:
         )
         assert "".join(c.choices[0].text for c in stream if c.choices) == expected
         m = server.wait_idle()
+        # Drafts whatever this machine's step times: a static budget, and the first
+        # COST_MIN_STEPS decode steps carry every draft (Speculator.paying, tested above).
         assert m["chunkserve:spec_decode_num_draft_tokens_total"] > 0
         assert (
             0

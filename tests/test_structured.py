@@ -17,7 +17,7 @@ from chunkserve.engine.engine import Engine
 from chunkserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
 from chunkserve.worker import structured
-from tests.conftest import assert_no_blocks_in_use
+from tests.conftest import assert_no_blocks_in_use, pin_step_times
 from tests.test_server import MODEL, Server
 
 SCHEMAS = {
@@ -425,6 +425,7 @@ def test_speculative_drafts_are_cut_by_the_grammar() -> None:
         engine = Engine(
             dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, speculative_config=spec
         )
+        pin_step_times(engine)  # which drafts pay: from step times, the same on any machine
         reqs, checks = constrained_requests(engine, 0.0)
         outs = run(engine, reqs)
         assert_all_valid(outs, checks)

@@ -20,7 +20,7 @@ from chunkserve.distributed.shard import plan_shards
 from chunkserve.engine.engine import Engine
 from chunkserve.scheduling.sampling_params import SamplingParams
 from chunkserve.worker.worker import DeviceError
-from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, random_prompt
+from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, pin_step_times, random_prompt
 from tests.test_invariance import (
     BYTES_PER_BLOCK,
     PREEMPT_TOKENS,
@@ -28,7 +28,7 @@ from tests.test_invariance import (
     run_staggered,
     workload,
 )
-from tests.test_server import MODEL, Server, alive, free_port
+from tests.test_server import MODEL, Server, alive, free_port, wait_for
 
 BASE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
 # BASE as ``chunkserve serve`` flags.
@@ -117,8 +117,8 @@ def engines():
     yield tp1, tp2
     pids = tp2.core_infos[0].tp_pids
     tp2.shutdown()
-    time.sleep(0.5)
-    assert pids and not any(alive(p) for p in pids)  # the rank process ended with it
+    assert pids
+    wait_for(lambda: not any(alive(p) for p in pids), "the rank process ended with it", 30)
 
 
 def test_logits_match_one_process(engines) -> None:
@@ -224,6 +224,7 @@ def test_speculative_decoding_matches_one_process(engines) -> None:
     tp1, _ = engines
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     engine = Engine(**BASE, tensor_parallel_size=2, speculative_config=spec)
+    pin_step_times(engine)  # which drafts pay: from step times, the same on any machine
     try:
         steps = []
         engine.step_listeners.append(steps.append)
@@ -282,9 +283,9 @@ def test_a_killed_rank_ends_the_engine_with_an_error() -> None:
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(DeviceError, match="rank 1|tensor-parallel"):
-            while time.monotonic() - t0 < 30:
+            while time.monotonic() - t0 < 120:
                 engine.step()
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 60  # seconds, with room for a loaded machine
     finally:
         engine.shutdown()
     assert not alive(pid)
@@ -344,14 +345,18 @@ def test_served_with_a_hung_rank_goes_503_and_leaves_no_process() -> None:
         t0 = time.time()
         resp = httpx.post(s.base + "/v1/completions", json=long, timeout=60)
         assert resp.status_code >= 500 and "error" in resp.json(), resp.text
-        while httpx.get(s.base + "/health", timeout=10).status_code == 200:
-            assert time.time() - t0 < 15, "/health still 200"
-            time.sleep(0.2)
+        # The watchdog (3 s) finds the hung rank; generous for a loaded machine.
+        wait_for(
+            lambda: httpx.get(s.base + "/health", timeout=10).status_code != 200,
+            "/health turns 503",
+            timeout=60,
+        )
+        assert time.time() - t0 < 90
     finally:
         s.stop()
     s.proc.wait(20)
-    time.sleep(1.0)
-    assert not any(alive(p) for p in ranks)  # the stopped rank was killed too
+    # The stopped rank was killed too.
+    wait_for(lambda: not any(alive(p) for p in ranks), "the ranks are gone", timeout=30)
 
 
 def rank_pids(server_pid: int) -> list[int]:
@@ -478,13 +483,16 @@ def test_torchrun_starts_one_process_per_rank(engines) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    time.sleep(1.0)
-    left = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if str(port).encode() in f.read() and alive(int(entry)):
-                    left.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    assert not left, left
+
+    def left() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if str(port).encode() in f.read() and alive(int(entry)):
+                        pids.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    wait_for(lambda: not left(), "every process of the launch is gone", timeout=30)

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd
+from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd, watchdog_limit
 from chunkserve.engine.input_processor import CheckedRequest
 from chunkserve.engine.output_processor import RequestOutput
 from chunkserve.scheduling.sampling_params import SamplingParams
@@ -195,9 +195,13 @@ class AsyncEngine:
     @property
     def stuck(self) -> bool:
         """Work is waiting and no step has finished for ``STUCK_AFTER_S`` (the in-process
-        engine's step hangs, or a core process stopped reporting)."""
+        engine's step hangs, or a core process stopped reporting); before the engine's first
+        step, for ``FIRST_STEP_ALLOWANCE_S`` at least (``watchdog_limit``)."""
         last = max(self._busy_since, self.engine.last_progress)
-        limit = STUCK_AFTER_S if self.stuck_after_s is None else self.stuck_after_s
+        limit = watchdog_limit(
+            STUCK_AFTER_S if self.stuck_after_s is None else self.stuck_after_s,
+            self.engine.num_steps_seen > 0,
+        )
         return self._busy and time.monotonic() - last > limit
 
     @property

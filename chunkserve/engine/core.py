@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -416,6 +417,17 @@ class EngineCore:
             self.scheduler.add_request(r)
         return [self._final(r, r.error) for r in failed]
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock that times steps (the budget controller's and the speculator's
+        measurements: the step loop's): tests replace it to make those measurements
+        independent of the machine's speed."""
+        return self.loop.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.loop.clock = clock
+
     # ---- the step --------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> CoreStep:
         """Run one iteration: an output for every request that got a token or ended in it."""
@@ -431,7 +443,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running_decodes())
         out, decision = self.loop.schedule(token_budget)
-        t_sched = time.perf_counter()
+        t_sched = self.clock()
         if out.is_empty:
             if self.remote is not None and self.remote.active:
                 time.sleep(TRANSFER_POLL_S)  # only KV in flight: poll again shortly
@@ -445,7 +457,7 @@ class EngineCore:
                 "step %d failed; failing its %d request(s)", self.step_count, len(out.chunks)
             )
             return CoreStep(failed + self._fail_step(out, f"{type(exc).__name__}: {exc}"))
-        t_fwd = time.perf_counter()
+        t_fwd = self.clock()
         outputs = failed
         if self.sender is not None:  # before ``update`` may free a finished prompt's blocks
             outputs += self._fail(self.sender.after_execute(out))

@@ -31,6 +31,16 @@ logger = logging.getLogger("chunkserve")
 # hung (a step on the slowest CPU takes seconds): a server's ``/health`` answers 503, and a
 # hung core process is killed, its requests failed.
 WATCHDOG_S = 120.0
+# A cold engine's first step (lazy initialisation, first kernels; two cold cores on a loaded
+# 2-core machine took over 2 s) may take far longer than any later one: until the engine has
+# finished a step, the watchdog waits at least this long, whatever its timeout.
+FIRST_STEP_ALLOWANCE_S = 60.0
+
+
+def watchdog_limit(timeout_s: float, stepped: bool) -> float:
+    """Seconds without a finished step after which an engine with work is hung: the
+    watchdog's timeout, raised to ``FIRST_STEP_ALLOWANCE_S`` before the first step."""
+    return timeout_s if stepped else max(timeout_s, FIRST_STEP_ALLOWANCE_S)
 
 
 class FrontEnd:
@@ -59,6 +69,7 @@ class FrontEnd:
         self._ids = itertools.count()
         # monotonic time of the last step the core finished: a server watches it.
         self.last_progress = time.monotonic()
+        self.num_steps_seen = 0  # steps whose stats came back (the first one is slow)
         self.step_listeners: list[Callable[[StepStats], None]] = []
         # Called with the final output of every request that ends: stop, length, abort, error.
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
@@ -126,6 +137,7 @@ class FrontEnd:
         self._notify_finished(done.outputs)
         if stats is not None:
             self.last_progress = time.monotonic()
+            self.num_steps_seen += 1
             for listener in self.step_listeners:
                 listener(stats)
         return done.outputs

@@ -9,6 +9,7 @@ checks on its event loop's thread; the engine thread only queues).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,6 +129,12 @@ class InputProcessor:
                 raise ValueError(
                     f"kv_transfer_params.send.num_tokens: {handle.num_tokens}, but the prompt "
                     f"has {num_prompt_tokens} tokens"
+                )
+            if handle.kind == "shm" and not os.path.isfile(handle.address):
+                # The decode instance made the inbox before asking: a client's error (400),
+                # not one of this instance (the core would fail the request: a 500).
+                raise ValueError(
+                    f"kv_transfer_params.send.address: no KV inbox at {handle.address!r}"
                 )
 
     def tokenize_prompt(

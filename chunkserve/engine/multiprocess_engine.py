@@ -50,7 +50,7 @@ from chunkserve.engine.core_process import (
     encoder,
     report_decoder,
 )
-from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd
+from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd, watchdog_limit
 from chunkserve.engine.output_processor import RequestOutput
 from chunkserve.scheduling.block_hash import block_hashes
 from chunkserve.worker.worker import DeviceError
@@ -85,6 +85,7 @@ class _Core:
     outstanding: int = 0  # tokens still to compute for its requests in flight
     # Its last report, or its first request after it had none: the watchdog counts from here.
     quiet_since: float = field(default_factory=time.monotonic)
+    stepped: bool = False  # it has reported a step (its first, cold, one is slow)
 
 
 class MultiprocessEngine(FrontEnd):
@@ -196,7 +197,7 @@ class MultiprocessEngine(FrontEnd):
             now = time.monotonic()
             for core in self._cores:
                 quiet = now - core.quiet_since
-                if core.outstanding and quiet > self.watchdog_s:
+                if core.outstanding and quiet > watchdog_limit(self.watchdog_s, core.stepped):
                     self._die(
                         f"engine core {core.index} reported no step for {quiet:.0f} s with "
                         f"requests in flight (watchdog)"
@@ -210,6 +211,7 @@ class MultiprocessEngine(FrontEnd):
         core = self._cores[report.core]
         core.load = report.load
         core.quiet_since = time.monotonic()
+        core.stepped = core.stepped or report.stats is not None
         for out in report.outputs:
             if out.finished:
                 self._release(out.request_id)
