@@ -166,3 +166,23 @@ def test_reset_drops_cached_content_and_keeps_blocks_in_use() -> None:
     kv.free(live)
     assert kv.num_free_blocks == kv.num_blocks
     kv.pool.check_invariants()
+
+
+def test_blocks_filled_by_accepted_drafts_publish_once_they_are_tokens() -> None:
+    """With speculation a step computes the accepted drafts' rows before they are appended
+    as tokens: a block is published only when all its tokens are the request's, under the
+    key of those tokens (never a key of a partial block)."""
+    from chunkserve.scheduling.block_hash import block_hashes
+
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    r = Request("a", [10, 11, 12, 13, 14, 15], SamplingParams(max_tokens=8), max_tokens=8)
+    assert kv.allocate_slots(r, 12)
+    r.num_computed_tokens = 9  # the prompt and 3 accepted drafts, not yet tokens
+    kv.cache_full_blocks(r)
+    assert r.num_published_blocks == 1
+    for token in (16, 17, 18):
+        r.append_output_token(token)
+    kv.cache_full_blocks(r)
+    assert r.num_published_blocks == 2
+    want = block_hashes(r.token_ids, BS)
+    assert [kv.pool.lookup(h) for h in want] == r.block_ids[:2]

@@ -261,10 +261,12 @@ class KVCacheManager:
         self.num_hit_tokens += num_hit
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's blocks that its computed tokens have filled."""
+        """Publish the request's blocks that its computed tokens have filled. Accepted
+        drafts are computed before they are appended as tokens: their blocks publish once
+        they are (a block is keyed by its tokens, all of them)."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= request.num_published_blocks:
             return
         hashes = self._block_hashes(request, num_full)

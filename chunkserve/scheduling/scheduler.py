@@ -748,6 +748,8 @@ class Scheduler:
                     break
             else:
                 if chunk.draft_token_ids:
+                    # The accepted drafts are tokens now: the blocks they filled publish.
+                    self.kv.cache_full_blocks(request)
                     self.kv.trim(request)  # blocks only rejected drafts wrote
         return produced
 
