@@ -89,6 +89,9 @@ class ModelConfig:
     # The window of sliding-window attention (Mistral, Qwen2 with use_sliding_window), or
     # None: every layer attends to all earlier keys.
     sliding_window: int | None = None
+    # The layers that have the window (Qwen2: from ``max_window_layers`` on; a config's
+    # ``layer_types``); None: every layer.
+    window_layers: tuple[int, ...] | None = None
     mlp_bias: bool = False
     # Granite's multipliers: embeddings, the softmax scale (None: head_dim ** -0.5), the
     # residual branches; logits are divided by ``logits_scaling``.
@@ -98,6 +101,14 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Layers without rotary embeddings (SmolLM3: every 4th).
     no_rope_layers: tuple[int, ...] = ()
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None (it attends to every earlier key)."""
+        if self.sliding_window is None:
+            return None
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -156,6 +167,11 @@ class ModelConfig:
             self.sliding_window is None or self.sliding_window > 0,
             "sliding_window",
             "must be positive",
+        )
+        _require(
+            self.window_layers is None or all(0 <= i < self.num_layers for i in self.window_layers),
+            "window_layers",
+            f"must be layer indices below num_layers ({self.num_layers})",
         )
         _require(
             all(0 <= i < self.num_layers for i in self.no_rope_layers),

@@ -223,9 +223,33 @@ def test_every_family_is_tested() -> None:
     assert set(supported_families()) == set(FAMILIES)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_and_greedy_tokens_match_transformers(model_dirs, family: str) -> None:
-    path = model_dirs[family]
+# Sliding windows (shorter than the prompts, crossing block boundaries): Mistral's on every
+# layer; Qwen2 turned on, from max_window_layers (1) on. (A config that lists the layers'
+# types decides by them: the list is removed so transformers derives it as Qwen2 did.)
+WINDOWED = {
+    "mistral-window": ("mistral", dict(sliding_window=20)),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=24, layer_types=None)),
+}
+
+
+@pytest.fixture(scope="module")
+def windowed_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("windowed")
+    return {
+        name: variant(model_dirs[family], root / name, **changes)
+        for name, (family, changes) in WINDOWED.items()
+    }
+
+
+def model_path(model_dirs, windowed_dirs, name: str) -> tuple[Path, str]:
+    if name in WINDOWED:
+        return windowed_dirs[name], WINDOWED[name][0]
+    return model_dirs[name], name
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED])
+def test_logits_and_greedy_tokens_match_transformers(model_dirs, windowed_dirs, name) -> None:
+    path, family = model_path(model_dirs, windowed_dirs, name)
     ref = reference(path)
     engine = make_engine(path)
     assert engine.core.worker.model_config.architecture == family
@@ -258,9 +282,11 @@ CHUNK_WORK = (40, 70, 100, 25)
 CHUNK_TOKENS = 24
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_chunked_prefix_cached_and_preempted_match_unchunked(model_dirs, family: str) -> None:
-    path = model_dirs[family]
+@pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED])
+def test_chunked_prefix_cached_and_preempted_match_unchunked(
+    model_dirs, windowed_dirs, name: str
+) -> None:
+    path, _ = model_path(model_dirs, windowed_dirs, name)
     rng = random.Random(21)
     work = [random_prompt(rng, n) for n in CHUNK_WORK]
     base = make_engine(path, enable_chunked_prefill=False, max_num_batched_tokens=2048)
@@ -390,25 +416,29 @@ def test_missing_and_misshapen_tensors_are_named(model_dirs, tmp_path) -> None:
         make_engine(bad)
 
 
-def test_a_sliding_window_is_refused_unless_no_sequence_reaches_it(
-    model_dirs, tmp_path, no_weight_loading
+def test_window_layers_follow_the_config(windowed_dirs) -> None:
+    from chunkserve.model.loader import hf_model_config
+
+    mistral = hf_model_config(windowed_dirs["mistral-window"])
+    assert [mistral.layer_window(i) for i in range(2)] == [20, 20]
+    qwen2 = hf_model_config(windowed_dirs["qwen2-window"])
+    assert [qwen2.layer_window(i) for i in range(2)] == [None, 24]
+
+
+def test_a_backend_without_windows_is_refused_naming_the_window(
+    windowed_dirs, no_weight_loading
 ) -> None:
-    mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding window"):
-        make_engine(mistral)
-    # Qwen2 turned on: the layers from max_window_layers (1) on have the window. (A config
-    # that lists the layers' types decides by them: remove the list.)
-    qwen2 = variant(
-        model_dirs["qwen2"], tmp_path / "qwen2", use_sliding_window=True, layer_types=None
-    )
-    with pytest.raises(ValueError, match="sliding window"):
-        make_engine(qwen2)
+    # Triton's kernel has no window (it runs here under its interpreter): refused before
+    # the weights load, never served with every key attended.
+    with pytest.raises(ValueError, match=r"sliding window.*triton.*sliding_window"):
+        make_engine(windowed_dirs["mistral-window"], attention_backend="triton")
 
 
 def test_a_window_longer_than_every_sequence_serves(model_dirs, tmp_path) -> None:
     mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=MAX_LEN)
-    engine = make_engine(mistral)
-    assert engine.core.worker.model_config.sliding_window == MAX_LEN
+    # Nothing to compute: any backend serves it (triton included).
+    engine = make_engine(mistral, attention_backend="triton")
+    assert engine.core.worker.model_config.sliding_window is None
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
     assert len(run_all(engine, prompts(1), params)[0]) == 4
 

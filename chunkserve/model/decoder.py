@@ -74,6 +74,7 @@ class DecoderLayer(nn.Module):
             qk_norm=model.qk_norm,
             use_rope=index not in config.no_rope_layers,
             scale=config.attention_multiplier,
+            window=config.layer_window(index),
         )
         self.mlp = GatedMLP(config, shard, dtype, device, group)
         self.post_norms = model.norm_style == "post"
@@ -133,7 +134,7 @@ class DecoderLayer(nn.Module):
         q, k, v = ops.rotary_qkv(
             qkv, positions, rotary.cos, rotary.sin, a.num_heads, a.num_kv_heads, a.head_dim
         )
-        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
+        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, a.spec)
         x, residual = ops.add_rms_norm(
             a.o.forward(o.view(t, a.q_size)), residual, self.norm2.weight, self.norm2.eps
         )

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunkserve.attention.base import AttentionSpec
 from chunkserve.config import HIDDEN_ACTS, ROPE_TYPES, ModelConfig, rope_type
 from chunkserve.distributed.shard import ShardPlan
 
@@ -466,9 +467,12 @@ class Attention(nn.Module):
         qk_norm: str | None = None,
         use_rope: bool = True,
         scale: float | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         hd = config.head_dim
+        # What the backend computes beyond causal attention (a sliding window), or None.
+        self.spec = None if window is None else AttentionSpec(sliding_window=window)
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, hd
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
@@ -533,7 +537,7 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta)
+        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, self.spec)
         return self.o.forward(o.view(t, self.q_size))
 
     def targets(self, prefix: str) -> dict[str, Target]:

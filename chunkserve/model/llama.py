@@ -1,7 +1,8 @@
 """Llama 1-3.x and Mistral: pre-norm blocks of grouped-query attention (rotary, optional
 Q/K/V biases) and a SwiGLU MLP; tied or separate LM head; ``llama3`` / linear / dynamic /
 yarn rope scaling. Everything is ``DecoderLM``'s defaults (see ``decoder``); Mistral's
-sliding window is refused by ``registry.check_servable`` until the backends have windows.
+sliding window is the attention backend's (``AttentionSpec``), checked by
+``registry.check_attention``.
 """
 
 from __future__ import annotations

@@ -251,6 +251,11 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     # Qwen2 without layer types: the layers from max_window_layers on have the window.
     if window is not None and not layer_types and cfg.get("max_window_layers", 0) >= num_layers:
         window = None
+    window_layers = None
+    if window is not None and layer_types:
+        window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    elif window is not None and "max_window_layers" in cfg:
+        window_layers = tuple(range(int(cfg["max_window_layers"]), num_layers))
     # SmolLM3: no_rope_layers[i] is 1 where layer i uses rope, 0 where it does not.
     no_rope = cfg.get("no_rope_layers") or []
     attn_mult = cfg.get("attention_multiplier")
@@ -274,6 +279,7 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         hidden_act=str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))),
         partial_rotary_factor=float(partial),
         sliding_window=None if window is None else int(window),
+        window_layers=window_layers,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         attention_multiplier=None if attn_mult is None else float(attn_mult),

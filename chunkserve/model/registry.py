@@ -6,12 +6,14 @@ the protocol; a family registers itself with ``@register`` in its own module.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from chunkserve.attention.base import AttentionSpec
 from chunkserve.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -148,15 +150,34 @@ def build_model(
 
 
 def check_servable(config: ModelConfig, max_model_len: int, name: str = "model") -> None:
-    """A ValueError, before any weight loads, for a model we would serve wrongly: today one
-    whose sliding window is shorter than the longest sequence (the attention backends attend
-    to every earlier key)."""
+    """A ValueError, before any weight loads, for a model we do not serve (an unknown
+    family). What the attention must compute (a sliding window) is checked against the
+    chosen backend by the worker (``attention_specs``)."""
     model_class(config)
-    window = config.sliding_window
-    if window is not None and window < max_model_len:
-        raise ValueError(
-            f"{name}: this {config.architecture} model uses sliding window attention "
-            f"(sliding_window={window}) and the attention backends have no sliding window "
-            f"yet: serving sequences longer than {window} tokens would give wrong answers; "
-            f"pass max_model_len={window} (--max-model-len {window}) or less"
-        )
+
+
+def attention_specs(config: ModelConfig) -> set[AttentionSpec]:
+    """What the model's layers ask of the attention backend beyond causal attention."""
+    windows = {config.layer_window(layer) for layer in range(config.num_layers)}
+    return {AttentionSpec(sliding_window=w) for w in windows if w is not None}
+
+
+def check_attention(backend: AttentionBackend, config: ModelConfig, name: str = "model") -> None:
+    """A ValueError naming what the model's attention needs and ``backend`` lacks (a
+    sliding window on a backend without one): never a silently different answer."""
+    for spec in sorted(attention_specs(config), key=repr):
+        reason = backend.supports(spec)
+        if reason is not None:
+            raise ValueError(
+                f"{name}: this {config.architecture} model uses sliding window attention "
+                f"(sliding_window={spec.sliding_window}) and {reason}; choose another "
+                f"--attention-backend, or --max-model-len {spec.sliding_window} or less"
+            )
+
+
+def without_unreachable_window(config: ModelConfig, max_model_len: int) -> ModelConfig:
+    """``config`` without its sliding window when no sequence can outgrow it (a window of
+    ``max_model_len`` or more changes nothing): any backend then serves the model."""
+    if config.sliding_window is None or config.sliding_window < max_model_len:
+        return config
+    return dataclasses.replace(config, sliding_window=None, window_layers=None)

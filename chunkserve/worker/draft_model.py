@@ -22,7 +22,7 @@ import torch
 from chunkserve.attention import get_attention_backend
 from chunkserve.config import ModelConfig
 from chunkserve.model.loader import ModelSource, iter_weights
-from chunkserve.model.registry import build_model
+from chunkserve.model.registry import build_model, check_attention
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -63,6 +63,16 @@ class DraftModel:
         dummy_weights: bool = False,
     ) -> None:
         self.model_config = model_config
+        self.attention = get_attention_backend(
+            attention_backend,
+            device,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            block_size,
+        )
+        check_attention(self.attention, model_config, "draft model")
         self.model = build_model(
             model_config,
             dtype,
@@ -73,15 +83,6 @@ class DraftModel:
             self.model.init_dummy_weights(seed)
         else:
             self.model.load_weights(iter_weights(source, model_config, reader, dtype))
-        self.attention = get_attention_backend(
-            attention_backend,
-            device,
-            model_config.num_heads,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype,
-            block_size,
-        )
         kv_caches = allocate_kv_caches(
             model_config.num_layers,
             num_blocks,

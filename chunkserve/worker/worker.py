@@ -51,7 +51,13 @@ from chunkserve.distributed.launch import (
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
-from chunkserve.model.registry import CausalLM, build_model, check_servable
+from chunkserve.model.registry import (
+    CausalLM,
+    build_model,
+    check_attention,
+    check_servable,
+    without_unreachable_window,
+)
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.request import Request
@@ -125,8 +131,9 @@ class Worker:
         self.rank_spec = rank
         self.rank = 0 if rank is None else rank.rank
         tp = config.tensor_parallel_size
-        # A family we serve, and numerics we implement (a sliding window: not yet).
+        # A family we serve (what its attention needs is checked against the backend).
         check_servable(model_config, max_model_len)
+        model_config = self.model_config = without_unreachable_window(model_config, max_model_len)
         # This rank's share of the model; a model that cannot be split so fails here.
         self.shard = plan_shards(model_config, tp, self.rank)
         self.group: TPGroup | None = None
@@ -179,6 +186,7 @@ class Worker:
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         check_servable(draft_config, self.max_model_len, name)
+        draft_config = without_unreachable_window(draft_config, self.max_model_len)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"{name}: the draft model's vocabulary ({draft_config.vocab_size} tokens) "
@@ -247,6 +255,17 @@ class Worker:
         this rank's share, the other ranks loading theirs at the same time)."""
         config, model_config = self.config, self.model_config
         self._join_group()
+        # The backend first: what the model's attention needs is checked before weights load.
+        self.attention = get_attention_backend(
+            config.attention_backend,
+            self.device,
+            self.shard.num_heads,
+            self.shard.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+            self.block_size,
+        )
+        check_attention(self.attention, model_config)
         t0 = time.perf_counter()
         self.model = build_model(
             model_config,
@@ -270,15 +289,6 @@ class Worker:
                 self.num_blocks = self.group.min_int(self.num_blocks)
                 self.kv_cache_memory = (self.num_blocks + 1) * self._bytes_per_block
         on_cuda = self.device.type == "cuda"
-        self.attention = get_attention_backend(
-            config.attention_backend,
-            self.device,
-            self.shard.num_heads,
-            self.shard.num_kv_heads,
-            model_config.head_dim,
-            self.dtype,
-            self.block_size,
-        )
         kv_caches = allocate_kv_caches(
             model_config.num_layers,
             self.num_blocks,
