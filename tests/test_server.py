@@ -114,8 +114,10 @@ class Server(ChunkserveProcess):
                 m["chunkserve:num_requests_running"] == 0
                 and m["chunkserve:num_requests_waiting"] == 0
             )
-            if (idle and m["chunkserve:kv_cache_blocks_used"] == 0) or time.time() > deadline:
+            if idle and m["chunkserve:kv_cache_blocks_used"] == 0:
                 return m
+            if time.time() > deadline:
+                raise AssertionError(f"server not idle after {timeout:.0f} s: {m}")
             time.sleep(0.2)
 
 

@@ -160,6 +160,16 @@ class MultiprocessEngine(FrontEnd):
     def num_running(self) -> int:
         return sum(c.load.num_running for c in self._cores)
 
+    def has_unfinished(self) -> bool:
+        """Requests in flight, or a core whose last report still shows work: a request the
+        front end ended (a stop string, an abort) is gone here at once, and the core's
+        next report, after it applied the finish, brings its load (running requests, KV
+        blocks held: what /metrics shows) back to idle. Until then there is a report to
+        wait for."""
+        return super().has_unfinished() or any(
+            c.load.num_running or c.load.num_waiting or c.load.kv_blocks_used for c in self._cores
+        )
+
     @property
     def num_waiting(self) -> int:
         """Requests sent and not yet known to run (a core's report comes after its step)."""
