@@ -25,6 +25,7 @@ from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import assert_no_blocks_in_use, random_prompt
 from tests.test_invariance import run_staggered
 from tests.test_model_parity import all_row_logits
+from tests.test_tensor_parallel import record_logits
 
 VOCAB = 49152  # the embedded model's tokenizer's
 # Shrunk: hidden 64, 4 query heads, 2 KV heads of 16 dims (Qwen3: 32, its head_dim is not
@@ -316,21 +317,6 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
     assert run_staggered(tight, work, CHUNK_TOKENS) == expected
     assert tight.core.scheduler.num_preemptions > 0
     assert_no_blocks_in_use(tight)
-
-
-def record_logits(engine: Engine) -> list[torch.Tensor]:
-    """Every step's logits as rank 0 gets them (after the gather)."""
-    model = engine.core.worker.runner.model
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
-
-    def recording(hidden):
-        out = original(hidden)
-        seen.append(out.clone())
-        return out
-
-    model.compute_logits = recording
-    return seen
 
 
 # Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks.
