@@ -212,3 +212,53 @@ def test_a_gguf_without_chat_template_has_none(trained, tmp_path) -> None:
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_sentencepiece_matches_transformers(tmp_path) -> None:
+    """A SentencePiece-style BPE vocabulary (byte fallback, ``▁`` for spaces) as llama.cpp
+    writes one (tokenizer.ggml.model "llama": tokens, scores by merge order, token types; no
+    merges), against its tokenizer.json in transformers."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tk = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first", split=False
+    )
+    tk.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=900, special_tokens=special, show_progress=False)
+    tk.train_from_iterator(CORPUS, trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk)
+    vocab = tk.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    # SentencePiece BPE scores: later merges score lower; control, unknown and byte pieces 0.
+    w.add_token_scores([0.0 if i < len(special) else -float(i) for i in range(len(tokens))])
+    w.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(tokens) - len(special))])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = ours(tmp_path / "spm.gguf")
+    assert encodings(got) == encodings(hf)
+    assert [got.decode(ids) for ids in encodings(got)] == [
+        hf.decode(ids, skip_special_tokens=True) for ids in encodings(hf)
+    ]
