@@ -23,7 +23,12 @@ TEXTS = [
     "I'M here, you'LL see: they've DONE it.\r\n\r\n(a+b)*c = [1, 22, 333, 4444]...",
     "  leading spaces, trailing   ",
     "Numbers: 0 00 000 0000 12345678901234567890; ١٢٣ ٤٥٦",
+    "Decomposed: cafe\u0301 nai\u0308ve Ame\u0301lie",  # NFC (Qwen2's normaliser) composes
 ]
+# A word the vocabulary has whole but its merges never build (not in the training text):
+# Llama 3's tokenizer.json takes it whole (``ignore_merges``), BPE alone would not.
+UNMERGED = "Ġzqxjvw"
+TEXTS_AND_UNMERGED = [*TEXTS, "so zqxjvw it is"]
 CORPUS = TEXTS * 3 + [
     "The quick brown fox jumps over the lazy dog 1999 times.",
     "for i in range(100):\n    print(i, i * 2)\n",
@@ -74,7 +79,10 @@ def trained() -> tuple[dict[str, int], list[tuple[str, str]]]:
     import json
 
     model = json.loads(spec)["model"]
-    return model["vocab"], [tuple(m) for m in model["merges"]]
+    vocab = model["vocab"]
+    assert UNMERGED not in vocab
+    vocab[UNMERGED] = len(vocab)
+    return vocab, [tuple(m) for m in model["merges"]]
 
 
 def hf_tokenizer(vocab, merges, pre, *, nfc=False, ignore_merges=False, bos=None, special=SPECIAL):
@@ -123,7 +131,7 @@ def ours(path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(path, open_gguf(path))
 
 
-def encodings(tok, texts=TEXTS) -> list[list[int]]:
+def encodings(tok, texts=TEXTS_AND_UNMERGED) -> list[list[int]]:
     if isinstance(tok, Tokenizer):
         return [tok.encode(t) for t in texts]
     return [tok(t)["input_ids"] for t in texts]
@@ -142,9 +150,10 @@ CASES = {
 def test_byte_level_bpe_matches_transformers(trained, tmp_path, pre) -> None:
     vocab, merges = trained
     make_pre, nfc, ignore, bos = CASES[pre]
+    bos_token = "<|begin_of_text|>" if bos else None
     hf = hf_tokenizer(
         vocab, merges, make_pre(), nfc=nfc, ignore_merges=ignore,
-        bos="<|begin_of_text|>" if bos else None,
+        bos=bos_token,
     )  # fmt: skip
     want = encodings(hf)
     flags = {"add_bos_token": bos}
@@ -153,6 +162,8 @@ def test_byte_level_bpe_matches_transformers(trained, tmp_path, pre) -> None:
     ours_tok = ours(tmp_path / "t.gguf")
     decoded = [hf.decode(ids, skip_special_tokens=True) for ids in want]
     assert [ours_tok.decode(ids) for ids in got] == decoded
+    if ignore:  # and it matters here
+        assert encodings(hf_tokenizer(vocab, merges, make_pre(), bos=bos_token)) != want
     # The texts tell the pre-tokenizers apart: every other one gives different ids.
     for other in CASES:
         if other != pre:
@@ -251,7 +262,7 @@ def test_sentencepiece_matches_transformers(tmp_path) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    # No add_bos_token: llama.cpp adds BOS to a SentencePiece vocabulary by default.
     w.add_add_space_prefix(True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
