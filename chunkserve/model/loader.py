@@ -38,8 +38,13 @@ names and ``Keys`` for its metadata, and ``src/llama-model.cpp`` for what llama.
     )])
     class Gemma2Model(DecoderLM): ...
 
-and a test in ``tests/test_gguf.py``: the family's tiny HF model written as GGUF by the
-test's writer (add the converter's change there) gives the directory's tokens and logits.
+(the field names in ``keys`` are illustrative: each must be a ``ModelConfig`` field). Phi-3's
+fused tensors: map ``attn_qkv.weight`` to the HF fused name its class loads, or cut it with
+``splits={"attn_qkv.weight": GGUFSplit((q, k, v names), sizes)}``; its longrope factors:
+``config_tensors={"rope_factors_long.weight": <field>}``. ``tests/test_gguf.py`` runs every
+family of ``tests/test_model_families.py`` through ``write_gguf`` (gguf-py's own tensor-name
+map; add the converter's changes there: the arch name, Q/K permutation, Gemma's ``+ 1``, its
+keys): the GGUF must give the directory's logits and greedy tokens.
 """
 
 from __future__ import annotations
