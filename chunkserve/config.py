@@ -101,6 +101,9 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Layers without rotary embeddings (SmolLM3: every 4th).
     no_rope_layers: tuple[int, ...] = ()
+    # llama.cpp's ``rope_freqs`` (a GGUF's form of Llama 3's rope scaling): each of the
+    # rotary_dim / 2 frequencies is divided by its factor; None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None (it attends to every earlier key)."""
@@ -157,6 +160,13 @@ class ModelConfig:
                 "rope_scaling",
                 f"rope type {kind!r} needs {key!r}",
             )
+        _require(
+            self.rope_freq_factors is None
+            or (len(self.rope_freq_factors) == self.rotary_dim // 2 and kind == "default"),
+            "rope_freq_factors",
+            f"needs {self.rotary_dim // 2} factors (rotary_dim / 2) and no other rope scaling "
+            f"(got {len(self.rope_freq_factors or ())} with rope type {kind!r})",
+        )
         _require(
             0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
             "partial_rotary_factor",
