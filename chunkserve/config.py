@@ -106,6 +106,9 @@ class ModelConfig:
     # ``original_max_position_embeddings``); we pick once, by max_model_len
     # (``model.registry.serving_config``).
     longrope_long: bool = False
+    # llama.cpp's ``rope_freqs`` (a GGUF's form of Llama 3's rope scaling): each of the
+    # rotary_dim / 2 frequencies is divided by its factor; None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None (it attends to every earlier key)."""
@@ -179,6 +182,13 @@ class ModelConfig:
                 "rope_scaling",
                 "longrope's 'original_max_position_embeddings' must be above 1",
             )
+        _require(
+            self.rope_freq_factors is None
+            or (len(self.rope_freq_factors) == self.rotary_dim // 2 and kind == "default"),
+            "rope_freq_factors",
+            f"needs {self.rotary_dim // 2} factors (rotary_dim / 2) and no other rope scaling "
+            f"(got {len(self.rope_freq_factors or ())} with rope type {kind!r})",
+        )
         _require(
             0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
             "partial_rotary_factor",
