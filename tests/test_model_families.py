@@ -492,6 +492,23 @@ def test_window_layers_follow_the_config(windowed_dirs) -> None:
     assert [qwen2.layer_window(i) for i in range(2)] == [None, 24]
 
 
+def test_longrope_factors_are_chosen_by_max_model_len(model_dirs, caplog) -> None:
+    """Short factors up to the original length (transformers' choice for every sequence
+    that fits); long factors beyond it, never silently: a warning names the difference."""
+    import logging
+
+    from chunkserve.model.loader import hf_model_config
+    from chunkserve.model.registry import serving_config
+
+    config = hf_model_config(model_dirs["phi3"])
+    assert config.rope_scaling["original_max_position_embeddings"] == 512
+    with caplog.at_level(logging.WARNING, logger="chunkserve.model.registry"):
+        assert not serving_config(config, 512).longrope_long
+        assert not caplog.records
+        assert serving_config(config, 513).longrope_long
+    assert "short_factor" in caplog.text and "--max-model-len 512" in caplog.text
+
+
 def test_a_backend_without_windows_is_refused_naming_the_window(
     windowed_dirs, no_weight_loading
 ) -> None:
