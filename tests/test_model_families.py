@@ -509,6 +509,33 @@ def test_longrope_factors_are_chosen_by_max_model_len(model_dirs, caplog) -> Non
     assert "short_factor" in caplog.text and "--max-model-len 512" in caplog.text
 
 
+def test_published_phi3_rope_config_reads_as_transformers_does(model_dirs, tmp_path) -> None:
+    """Phi-3.5's config.json as published: ``rope_scaling`` with ``type``, ``rope_theta``
+    and ``original_max_position_embeddings`` beside it: the rope dict transformers derives
+    from it. The old name ``su`` reads the same (transformers 5.24 itself fails on it: it
+    renames su after filling in the original length, which it does for longrope only)."""
+    from transformers import AutoConfig
+
+    from chunkserve.model.loader import hf_model_config
+
+    rope = FAMILIES["phi3"][1]["rope_parameters"]
+    configs = {}
+    for kind in ("longrope", "su"):
+        path = variant(
+            model_dirs["phi3"], tmp_path / kind, rope_parameters=None, rope_theta=10000.0,
+            rope_scaling={"type": kind, "short_factor": rope["short_factor"],
+                          "long_factor": rope["long_factor"]},
+        )  # fmt: skip
+        configs[kind] = hf_model_config(path)
+    ours = configs["longrope"]
+    theirs = AutoConfig.from_pretrained(str(tmp_path / "longrope")).rope_parameters
+    assert theirs["rope_type"] == ours.rope_scaling["rope_type"] == "longrope"
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        assert ours.rope_scaling[key] == theirs[key]
+    assert ours.rope_theta == theirs["rope_theta"] and ours.rotary_dim == 16
+    assert configs["su"].rope_scaling == ours.rope_scaling
+
+
 def test_a_backend_without_windows_is_refused_naming_the_window(
     windowed_dirs, no_weight_loading
 ) -> None:
