@@ -46,7 +46,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 # What ``model.layers`` implements: rope scaling types and MLP activations (HF's names).
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -101,6 +101,11 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Layers without rotary embeddings (SmolLM3: every 4th).
     no_rope_layers: tuple[int, ...] = ()
+    # ``longrope`` (Phi-3.5 / 4): rotate with ``long_factor`` rather than ``short_factor``.
+    # transformers picks by the sequence's length (long once it exceeds
+    # ``original_max_position_embeddings``); we pick once, by max_model_len
+    # (``model.registry.serving_config``).
+    longrope_long: bool = False
     # llama.cpp's ``rope_freqs`` (a GGUF's form of Llama 3's rope scaling): each of the
     # rotary_dim / 2 frequencies is divided by its factor; None: none.
     rope_freq_factors: tuple[float, ...] | None = None
@@ -153,12 +158,29 @@ class ModelConfig:
             "dynamic": ("factor",),
             "llama3": ("factor", "original_max_position_embeddings"),
             "yarn": ("factor",),
+            "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
         }.get(kind, ())
         for key in needs:
             _require(
                 key in (self.rope_scaling or {}),
                 "rope_scaling",
                 f"rope type {kind!r} needs {key!r}",
+            )
+        if kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                factors = self.rope_scaling[key]  # type: ignore[index]
+                _require(
+                    isinstance(factors, (list, tuple))
+                    and len(factors) == self.rotary_dim // 2
+                    and all(isinstance(x, (int, float)) and x > 0 for x in factors),
+                    "rope_scaling",
+                    f"longrope's {key!r} must be {self.rotary_dim // 2} positive numbers (one "
+                    f"per rotary dimension pair), got {factors!r}",
+                )
+            _require(
+                int(self.rope_scaling["original_max_position_embeddings"]) > 1,  # type: ignore[index]
+                "rope_scaling",
+                "longrope's 'original_max_position_embeddings' must be above 1",
             )
         _require(
             self.rope_freq_factors is None

@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from chunkserve.model.loader import gguf_model_config, open_gguf
+from chunkserve.model.loader import gguf_model_config, hf_model_config, open_gguf
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.test_model_families import (  # noqa: F401 (model_dirs: a fixture)
     FAMILIES,
+    FAMILY_OF,
     make_engine,
     model_dirs,
     prompts,
     run_all,
+    variant,
 )
 from tests.test_model_parity import all_row_logits
 
@@ -86,7 +88,8 @@ def write_gguf(
     w.add_head_count_kv(n_kv)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    if family != "phi3":  # Phi3MiniModel.set_gguf_parameters writes none
+        w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("head_dim") and family != "granite":  # Granite's converter drops head_dim
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
@@ -97,6 +100,21 @@ def write_gguf(
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    if family == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        # (the top-level original length wins over the rope dict's, as in transformers)
+        orig = (
+            cfg.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        )
+        w.add_rope_scaling_orig_ctx_len(orig)
+        partial = rope.get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(partial * cfg["hidden_size"]) // n_head)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / orig
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+            for kind in ("long", "short"):
+                factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+                w.add_tensor(f"rope_factors_{kind}.weight", factors)
     for key, value in (extra or {}).items():
         w.add_key_value(key, value, _value_type(value))
     _copy_tokenizer(w, open_gguf(embedded_model_path()))
@@ -177,6 +195,7 @@ def _compare(hf_path: Path, gguf_path: Path, tol: float) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gguf_matches_the_directory(model_dirs, gguf_files, family) -> None:  # noqa: F811
     config = gguf_model_config(open_gguf(gguf_files[family]))
+    family = FAMILY_OF.get(family, family)
     assert config.architecture == GGUF_ARCH.get(family, family)
     _compare(model_dirs[family], gguf_files[family], 1e-5)
 
@@ -314,3 +333,33 @@ def test_a_spec_splits_fused_tensors_and_removes_a_norm_offset(
     registry._load()
     monkeypatch.setitem(registry._GGUF_SPECS, "llama", ("llama", spec))
     _compare(model_dirs["llama"], path, 1e-5)
+
+
+def test_phi3_gguf_longrope_partial_rotary_and_window(model_dirs, gguf_files, tmp_path) -> None:  # noqa: F811
+    """Phi-3's GGUF (llama.cpp's Phi3MiniModel: fused attn_qkv / ffn_up, rope_factors_long /
+    rope_factors_short tensors, the attention factor the converter computed,
+    rope.dimension_count): the config transformers reads from the directory. Then the long
+    factors (the original length below every prompt) and a window (Phi-3-mini-4k's, shrunk;
+    0: none), each giving the directory's logits and tokens."""
+    phi4 = gguf_model_config(open_gguf(gguf_files["phi4"]))
+    want = hf_model_config(model_dirs["phi4"])
+    assert (phi4.rotary_dim, phi4.tie_word_embeddings) == (12, True)
+    assert phi4.sliding_window == 262144
+    assert phi4.rope_scaling["rope_type"] == "longrope"
+    for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
+        assert phi4.rope_scaling[key] == pytest.approx(want.rope_scaling[key])
+    assert phi4.rope_scaling["attention_factor"] == pytest.approx(
+        math.sqrt(1 + math.log(32) / math.log(512))
+    )
+    long = variant(model_dirs["phi3"], tmp_path / "long", original_max_position_embeddings=4)
+    path = write_gguf(long, tmp_path / "long.gguf")
+    assert gguf_model_config(open_gguf(path)).rope_scaling["original_max_position_embeddings"] == 4
+    _compare(long, path, 1e-5)
+    window = variant(model_dirs["phi3"], tmp_path / "window", sliding_window=20)
+    path = write_gguf(window, tmp_path / "window.gguf")
+    assert gguf_model_config(open_gguf(path)).sliding_window == 20
+    _compare(window, path, 1e-5)
+    none = variant(model_dirs["phi4"], tmp_path / "none", sliding_window=None)
+    assert (
+        gguf_model_config(open_gguf(write_gguf(none, tmp_path / "n.gguf"))).sliding_window is None
+    )

@@ -42,6 +42,22 @@ SMALL = dict(
     pad_token_id=None,
 )
 
+# microsoft/Phi-3.5-mini-instruct's longrope factors (48 rotary pairs; 2 decimals).
+PHI35_SHORT = [
+    1.0, 1.02, 1.03, 1.03, *[1.05] * 5, 1.07, 1.1, 1.11, 1.16, 1.16, 1.17, 1.29, 1.34, 1.68,
+    1.79, 1.82, 1.85, 1.88, 1.91, 1.94, 1.99, *[2.02] * 6, *[2.03] * 9, 2.08, 2.09, 2.19, 2.22,
+    2.59, 2.73, 2.75, 2.84,
+]  # fmt: skip
+PHI35_LONG = [
+    1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62, 3.23, 3.23, 4.79, 7.4, 7.7, 9.09, 12.2,
+    17.67, 24.46, 28.57, 30.42, 30.84, 32.59, 32.93, 42.32, 44.96, 50.34, 50.45, 57.55, 57.93,
+    58.21, 60.14, 62.61, 62.62, 62.71, 63.14, 63.14, 63.77, 63.93, 63.96, 63.97, 64.03, 64.07,
+    64.08, 64.12, 64.41, 64.48, 64.51, 64.53, 64.84,
+]  # fmt: skip
+# Phi-4-mini-instruct's factors: 1 growing ~1.118x a pair to 32, then slowly to 48.
+PHI4_FACTORS = [1.118**i for i in range(31)] + [32.0 + 0.3 * i for i in range(15)] + [44.2, 47.8]
+assert len(PHI35_SHORT) == len(PHI35_LONG) == len(PHI4_FACTORS) == 48
+
 # family -> (transformers config class, fields of the published checkpoint named).
 FAMILIES: dict[str, tuple[str, dict]] = {
     # meta-llama/Llama-3.2-1B-Instruct
@@ -136,7 +152,52 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
         ),
     ),
+    # microsoft/Phi-3.5-mini-instruct: fused qkv_proj / gate_up_proj, longrope (its short and
+    # long factors, every 6th of 48 for 8 rotary pairs), as many KV heads as query heads;
+    # original_max_position_embeddings 4096 of 131072 shrunk to 512 of 16384 (the same 32x,
+    # so the same attention factor): above MAX_LEN, the short factors (the long ones:
+    # "phi3-long" below).
+    "phi3": (
+        "Phi3Config",
+        dict(
+            num_key_value_heads=4,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+            original_max_position_embeddings=512,
+            sliding_window=262144,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=PHI35_SHORT[::6],
+                long_factor=PHI35_LONG[::6],
+            ),
+        ),
+    ),
+    # microsoft/Phi-4-mini-instruct: 0.75 of each head rotates (12 of 16 dims here), tied
+    # embeddings, 3 query heads per KV head (here 2); longrope over 6 rotary pairs (long
+    # factors twice the short ones here, so which set is used shows).
+    "phi4": (
+        "Phi3Config",
+        dict(
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=16384,
+            original_max_position_embeddings=512,
+            partial_rotary_factor=0.75,
+            sliding_window=262144,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.75,
+                short_factor=PHI4_FACTORS[::8],
+                long_factor=[2 * f for f in PHI4_FACTORS[::8]],
+            ),
+        ),
+    ),
 }
+# Test entries that are not a family's name: their family.
+FAMILY_OF = {"phi4": "phi3"}
 
 SHIPPED_JSON = {"qwen2": {"sliding_window": 24}}
 MAX_LEN = 480
@@ -221,15 +282,21 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) ->
 
 
 def test_every_family_is_tested() -> None:
-    assert set(supported_families()) == set(FAMILIES)
+    assert set(supported_families()) == {FAMILY_OF.get(name, name) for name in FAMILIES}
 
 
-# Sliding windows (shorter than the prompts, crossing block boundaries): Mistral's on every
-# layer; Qwen2 turned on, from max_window_layers (1) on. (A config that lists the layers'
-# types decides by them: the list is removed so transformers derives it as Qwen2 did.)
+# Variants of the families' models (config.json edited). Sliding windows (shorter than the
+# prompts, crossing block boundaries): Mistral's on every layer; Qwen2 turned on, from
+# max_window_layers (1) on (a config that lists the layers' types decides by them: the list
+# is removed so transformers derives it as Qwen2 did); Phi-3's (Phi-3-mini-4k ships 2047),
+# which transformers' Phi3 applies on every layer. Phi-3.5 with longrope's original length
+# below every prompt (4): transformers rotates all of them with the long factors, as we do
+# when max_model_len exceeds it (the top-level field wins over the rope dict's copy).
 WINDOWED = {
     "mistral-window": ("mistral", dict(sliding_window=20)),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=24, layer_types=None)),
+    "phi3-window": ("phi3", dict(sliding_window=20)),
+    "phi3-long": ("phi3", dict(original_max_position_embeddings=4)),
 }
 
 
@@ -245,7 +312,7 @@ def windowed_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
 def model_path(model_dirs, windowed_dirs, name: str) -> tuple[Path, str]:
     if name in WINDOWED:
         return windowed_dirs[name], WINDOWED[name][0]
-    return model_dirs[name], name
+    return model_dirs[name], FAMILY_OF.get(name, name)
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED])
@@ -319,8 +386,9 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
     assert_no_blocks_in_use(tight)
 
 
-# Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks.
-@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
+# Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks;
+# Phi-4-mini: each rank's q heads, KV heads, gate and up columns from the fused tensors.
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "phi4"])
 def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
     path = model_dirs[family]
     tp1 = make_engine(path, max_num_batched_tokens=64)
@@ -368,7 +436,20 @@ def test_unknown_architecture_names_itself_and_the_supported(model_dirs, tmp_pat
 @pytest.mark.parametrize(
     "changes, field",
     [
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "proportional"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "short_factor"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "su",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 16,
+                    "long_factor": [1.0] * 15,
+                    "original_max_position_embeddings": 8,
+                }
+            },
+            "'long_factor' must be 16",
+        ),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "factor"),
         ({"hidden_act": "relu2"}, "relu2"),
     ],
@@ -411,6 +492,50 @@ def test_window_layers_follow_the_config(windowed_dirs) -> None:
     assert [qwen2.layer_window(i) for i in range(2)] == [None, 24]
 
 
+def test_longrope_factors_are_chosen_by_max_model_len(model_dirs, caplog) -> None:
+    """Short factors up to the original length (transformers' choice for every sequence
+    that fits); long factors beyond it, never silently: a warning names the difference."""
+    import logging
+
+    from chunkserve.model.loader import hf_model_config
+    from chunkserve.model.registry import serving_config
+
+    config = hf_model_config(model_dirs["phi3"])
+    assert config.rope_scaling["original_max_position_embeddings"] == 512
+    with caplog.at_level(logging.WARNING, logger="chunkserve.model.registry"):
+        assert not serving_config(config, 512).longrope_long
+        assert not caplog.records
+        assert serving_config(config, 513).longrope_long
+    assert "short_factor" in caplog.text and "--max-model-len 512" in caplog.text
+
+
+def test_published_phi3_rope_config_reads_as_transformers_does(model_dirs, tmp_path) -> None:
+    """Phi-3.5's config.json as published: ``rope_scaling`` with ``type``, ``rope_theta``
+    and ``original_max_position_embeddings`` beside it: the rope dict transformers derives
+    from it. The old name ``su`` reads the same (transformers 5.24 itself fails on it: it
+    renames su after filling in the original length, which it does for longrope only)."""
+    from transformers import AutoConfig
+
+    from chunkserve.model.loader import hf_model_config
+
+    rope = FAMILIES["phi3"][1]["rope_parameters"]
+    configs = {}
+    for kind in ("longrope", "su"):
+        path = variant(
+            model_dirs["phi3"], tmp_path / kind, rope_parameters=None, rope_theta=10000.0,
+            rope_scaling={"type": kind, "short_factor": rope["short_factor"],
+                          "long_factor": rope["long_factor"]},
+        )  # fmt: skip
+        configs[kind] = hf_model_config(path)
+    ours = configs["longrope"]
+    theirs = AutoConfig.from_pretrained(str(tmp_path / "longrope")).rope_parameters
+    assert theirs["rope_type"] == ours.rope_scaling["rope_type"] == "longrope"
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        assert ours.rope_scaling[key] == theirs[key]
+    assert ours.rope_theta == theirs["rope_theta"] and ours.rotary_dim == 16
+    assert configs["su"].rope_scaling == ours.rope_scaling
+
+
 def test_a_backend_without_windows_is_refused_naming_the_window(
     windowed_dirs, no_weight_loading
 ) -> None:
@@ -430,41 +555,81 @@ def test_a_window_longer_than_every_sequence_serves(model_dirs, tmp_path) -> Non
 
 
 # ---- rope variants against transformers' ---------------------------------------------------
+LONGROPE = {
+    "rope_type": "longrope",
+    "original_max_position_embeddings": 1024,
+    "short_factor": "ramp",  # filled in per rotary dimension: 1, 1.1, 1.2, ...
+    "long_factor": "ramp",
+}
+
+
 @pytest.mark.parametrize(
-    "rope",
+    "rope, long",
     [
-        {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "dynamic", "factor": 2.0},
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 1024,
-        },
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-        {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+        ({"rope_type": "default"}, False),
+        ({"rope_type": "linear", "factor": 4.0}, False),
+        ({"rope_type": "dynamic", "factor": 2.0}, False),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+            False,
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, False),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16, "beta_slow": 2}
+            | {"truncate": False},
+            False,
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "mscale": 2.0, "mscale_all_dim": 1.0}, False),
+        # Short and long factors; the attention factor from max / original (4), from a
+        # given factor, or given itself.
+        (LONGROPE, False),
+        (LONGROPE, True),
+        ({**LONGROPE, "factor": 8.0}, True),
+        ({**LONGROPE, "attention_factor": 1.5}, False),
     ],
 )
 @pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_rope_frequencies_match_transformers(rope: dict, partial: float) -> None:
+def test_rope_frequencies_match_transformers(rope: dict, long: bool, partial: float) -> None:
+    """Inverse frequencies and the cos/sin scale of every rope type against transformers'
+    own init functions (longrope's long factors: transformers' for a sequence one past the
+    original length)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from chunkserve.model.layers import rope_inv_freq
 
     params = {**rope, "rope_theta": 50000.0, "partial_rotary_factor": partial}
+    pairs = int(128 * partial) // 2
+    for key in ("short_factor", "long_factor"):
+        if params.get(key) == "ramp":
+            params[key] = [1.0 + (0.1 if key == "short_factor" else 0.7) * i for i in range(pairs)]
     hf = LlamaConfig(
         hidden_size=512, num_attention_heads=4, max_position_embeddings=4096,
-        rope_parameters=params, partial_rotary_factor=partial,
+        rope_parameters=dict(params), partial_rotary_factor=partial,
     )  # fmt: skip
-    want, want_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, torch.device("cpu"))
+    if rope["rope_type"] == "default":  # not in the table: each model's own (Phi-3's rotates
+        from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding  # partially)
+
+        want, want_factor = Phi3RotaryEmbedding.compute_default_rope_parameters(hf)
+    else:
+        kwargs = {"seq_len": params["original_max_position_embeddings"] + 1} if long else {}
+        init = ROPE_INIT_FUNCTIONS[rope["rope_type"]]
+        want, want_factor = init(hf, torch.device("cpu"), **kwargs)
     ours = ModelConfig(
         architecture="llama", vocab_size=10, hidden_size=512, intermediate_size=8,
         num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128, rope_theta=50000.0,
         rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
-        rope_scaling=params, partial_rotary_factor=partial,
+        rope_scaling=params, partial_rotary_factor=partial, longrope_long=long,
     )  # fmt: skip
     got, factor = rope_inv_freq(ours, 4096)
+    assert got.shape == (pairs,)
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
-    assert factor == pytest.approx(float(want_factor))
+    assert factor == pytest.approx(float(want_factor), rel=1e-12)
+    if rope["rope_type"] in ("yarn", "longrope"):
+        assert factor != 1.0  # the attention factor is exercised

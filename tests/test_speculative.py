@@ -132,6 +132,37 @@ def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference) ->
     assert_no_blocks_in_use(engine)
 
 
+def test_draft_model_of_another_family(tmp_path, hf_dir) -> None:
+    """A Qwen2 target (Q/K/V biases) drafted for by a Llama model with the same tokenizer:
+    the target's weights without its biases, so some drafts are accepted and some are not;
+    the tokens are those of decoding without drafts."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_model_families import hf_config, make_engine, write_model
+
+    target = write_model(tmp_path / "qwen2", hf_config("qwen2"), hf_dir)
+    draft = tmp_path / "llama"
+    draft.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=None)
+    (draft / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(target / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".bias")},
+              str(draft / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n) for n in (30, 60, 9)]
+    expected = run_staggered(make_engine(target, max_num_batched_tokens=64), prompts, 16)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    engine = make_engine(target, max_num_batched_tokens=64, speculative_config=spec)
+    pin_step_times(engine)
+    assert engine.core.worker.model_config.architecture == "qwen2"
+    assert engine.core.worker.draft.model_config.architecture == "llama"
+    assert run_staggered(engine, prompts, 16) == expected
+    drafts, accepted = spec_counts(engine)
+    assert drafts > 0 and 0 < accepted < drafts, (drafts, accepted)
+    assert_no_blocks_in_use(engine)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_with_preemption_matches(preemption_reference, method: str) -> None:
     """The pool runs dry: requests with drafts are preempted and recomputed, and the greedy

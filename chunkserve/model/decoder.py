@@ -3,7 +3,8 @@
 A family (``llama.py``, ``qwen.py``, ...) is a subclass that says how its blocks differ:
 ``qkv_bias`` (Qwen2's Q/K/V biases), ``qk_norm`` ("head": Qwen3, "all": OLMo 2),
 ``norm_style`` ("pre": a norm before attention and before the MLP, as Llama; "post": OLMo 2's
-norms of the attention and MLP outputs before the residual adds), and the checkpoint's names.
+norms of the attention and MLP outputs before the residual adds), and the checkpoint's names
+(``norm_names``; ``fused_names``: Phi-3's pre-fused qkv_proj and gate_up_proj).
 Config-driven numerics (Granite's multipliers, SmolLM3's layers without rope, partial rotary,
 the activation) come from ``ModelConfig``.
 
@@ -142,9 +143,11 @@ class DecoderLayer(nn.Module):
         delta = mlp.down.forward(ops.silu_mul(mlp.gate_up.forward(x)))
         return delta, residual
 
-    def targets(self, prefix: str, names: dict[str, str]) -> dict[str, Target]:
-        out = self.attn.targets(prefix + "self_attn.")
-        out.update(self.mlp.targets(prefix + "mlp."))
+    def targets(
+        self, prefix: str, names: dict[str, str], fused: dict[str, str]
+    ) -> dict[str, Target | list[Target]]:
+        out = self.attn.targets(prefix + "self_attn.", fused.get("qkv"))
+        out.update(self.mlp.targets(prefix + "mlp.", fused.get("gate_up")))
         out.update(self.norm1.targets(prefix + names["norm1"]))
         out.update(self.norm2.targets(prefix + names["norm2"]))
         return out
@@ -162,6 +165,9 @@ class DecoderLM(nn.Module):
         "norm1": "input_layernorm.weight",
         "norm2": "post_attention_layernorm.weight",
     }
+    # Projections the checkpoint stores fused ("qkv", "gate_up" -> the tensor's name after
+    # "self_attn." / "mlp."; Phi-3); the rest are separate q/k/v and gate/up tensors.
+    fused_names: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -243,13 +249,14 @@ class DecoderLM(nn.Module):
             logits = logits / self.config.logits_scaling
         return logits
 
-    def weight_targets(self) -> dict[str, Target]:
-        """HF weight name -> where it goes (see ``layers.Target``)."""
+    def weight_targets(self) -> dict[str, Target | list[Target]]:
+        """HF weight name -> where it goes (see ``layers.Target``; a list: a fused
+        checkpoint tensor whose parts go to several places)."""
         targets = self.embed_tokens.targets("model.embed_tokens.weight")
         targets.update(self.norm.targets("model.norm.weight"))
         targets.update(self.lm_head.targets("lm_head.weight"))
         for i, layer in enumerate(self.layers):
-            targets.update(layer.targets(f"model.layers.{i}.", self.norm_names))
+            targets.update(layer.targets(f"model.layers.{i}.", self.norm_names, self.fused_names))
         return targets
 
     @torch.no_grad()
@@ -282,12 +289,14 @@ class DecoderLM(nn.Module):
                 ):
                     continue  # derived, or a copy of the tied embedding
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
-            dst, part, expected = targets.pop(name)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
-                )
-            dst.copy_(tensor[part])
+            entry = targets.pop(name)
+            for dst, part, expected in entry if isinstance(entry, list) else [entry]:
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(
+                        f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {expected}"
+                    )
+                dst.copy_(tensor[part])
         if targets:
             missing = sorted(targets)
             raise ValueError(

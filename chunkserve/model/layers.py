@@ -1,7 +1,7 @@
 """The parts decoder families share: parallel linear layers that load their own shard of a
 checkpoint tensor, vocabulary-parallel embedding and LM head, RMSNorm variants, rotary
-embeddings (default, linear, dynamic, llama3, yarn; partial rotary), activations, the gated
-MLP and the attention module that calls an ``AttentionBackend``.
+embeddings (default, linear, dynamic, llama3, yarn, longrope; partial rotary), activations,
+the gated MLP and the attention module that calls an ``AttentionBackend``.
 
 Numerics follow HF transformers' eager path: norms in fp32, cast back before the weight
 multiply (Gemma's ``1 + w`` norm: the multiply in fp32, then cast).
@@ -120,6 +120,8 @@ def rope_inv_freq(
         return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32), 1.0
     if kind == "default":
         return inv_freq, 1.0
+    if kind == "longrope":
+        return _longrope(config, scaling, base, exps)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0
@@ -181,6 +183,25 @@ def _yarn(
     pos_freqs = base**exps
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv_freq, float(attention_factor)
+
+
+def _longrope(
+    config: ModelConfig, scaling: dict, base: float, exps: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5 / 4): each frequency divided by its own factor, ``short_factor``'s
+    or ``long_factor``'s (``config.longrope_long``); cos/sin scaled by ``attention_factor``,
+    by default sqrt(1 + ln(s) / ln(original)) with s = ``factor`` or, as Phi-3's configs
+    leave it out, max_position_embeddings / original_max_position_embeddings (1 if s <= 1)."""
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / orig
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    key = "long_factor" if config.longrope_long else "short_factor"
+    ext = torch.tensor(scaling[key], dtype=torch.float32)
+    return 1.0 / (ext * base**exps), float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -272,6 +293,27 @@ class ColumnParallelLinear(nn.Module):
             if self.bias is not None:
                 out[name + ".bias"] = Target(self.bias[row : row + size], src, (rows,))
             row += size
+        return out
+
+    def fused_targets(self, name: str) -> dict[str, list[Target]]:
+        """The parts stored as one checkpoint tensor ``name`` (without ``.weight``), their
+        rows one after another (Phi-3's ``qkv_proj``: [q; k; v], ``gate_up_proj``: [gate;
+        up]): each part's rows of this rank, taken from that part's place in the tensor (a
+        tensor-parallel rank's q heads, its KV heads; its gate and its up columns)."""
+        total = sum(rows for rows, _ in self.parts)
+        weights: list[Target] = []
+        biases: list[Target] = []
+        row = offset = 0
+        for size, (rows, (first, end)) in zip(self.sizes, self.parts, strict=True):
+            src = (slice(offset + first, offset + end),)
+            weights.append(Target(self.weight[row : row + size], src, (total, self.in_features)))
+            if self.bias is not None:
+                biases.append(Target(self.bias[row : row + size], src, (total,)))
+            row += size
+            offset += rows
+        out = {name + ".weight": weights}
+        if biases:
+            out[name + ".bias"] = biases
         return out
 
 
@@ -440,11 +482,15 @@ class GatedMLP(nn.Module):
         gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
         return self.act(gate) * up
 
-    def targets(self, prefix: str) -> dict[str, Target]:
-        return {
-            **self.gate_up.targets([prefix + "gate_proj", prefix + "up_proj"]),
-            **self.down.targets(prefix + "down_proj"),
-        }
+    def targets(self, prefix: str, fused: str | None = None) -> dict[str, Target | list[Target]]:
+        """``fused``: the checkpoint's name of one gate-and-up tensor (Phi-3's
+        ``gate_up_proj``), else separate ``gate_proj`` and ``up_proj``."""
+        gate_up: dict[str, Target | list[Target]] = {}
+        if fused is None:
+            gate_up.update(self.gate_up.targets([prefix + "gate_proj", prefix + "up_proj"]))
+        else:
+            gate_up.update(self.gate_up.fused_targets(prefix + fused))
+        return {**gate_up, **self.down.targets(prefix + "down_proj")}
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -542,8 +588,14 @@ class Attention(nn.Module):
         o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, self.spec)
         return self.o.forward(o.view(t, self.q_size))
 
-    def targets(self, prefix: str) -> dict[str, Target]:
-        out = self.qkv.targets([prefix + "q_proj", prefix + "k_proj", prefix + "v_proj"])
+    def targets(self, prefix: str, fused: str | None = None) -> dict[str, Target | list[Target]]:
+        """``fused``: the checkpoint's name of one Q/K/V tensor (Phi-3's ``qkv_proj``), else
+        separate ``q_proj``, ``k_proj`` and ``v_proj``."""
+        out: dict[str, Target | list[Target]] = {}
+        if fused is None:
+            out.update(self.qkv.targets([prefix + "q_proj", prefix + "k_proj", prefix + "v_proj"]))
+        else:
+            out.update(self.qkv.fused_targets(prefix + fused))
         out.update(self.o.targets(prefix + "o_proj"))
         if self.q_norm is not None:
             out.update(self.q_norm.targets(prefix + "q_norm.weight"))

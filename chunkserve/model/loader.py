@@ -257,6 +257,8 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     for name in tensors:
         if _gguf_to_hf(name, spec) is None:
             raise _refuse(f"tensor {name!r}", f"not a tensor of {arch!r} models we know")
+    # Fields named "_..." are a spec's scratch values for its ``derive``, not ModelConfig's.
+    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
     try:
         return ModelConfig(**fields)
     except TypeError as exc:  # a spec naming a field ModelConfig lacks
@@ -413,6 +415,8 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         theta = params.get("rope_theta", 10000.0)
     if rope is None and params.get("rope_type", "default") != "default":
         rope = params
+    if rope is not None:
+        rope = _longrope_fields(cfg, family, dict(rope))
     partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
     # A window counts unless the config turns it off (Qwen2.5 ships a value with
     # use_sliding_window false); a config that names the layers' types decides by them.
@@ -461,6 +465,23 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         no_rope_layers=tuple(i for i, use in enumerate(no_rope) if not use),
     )
+
+
+def _longrope_fields(cfg: dict[str, Any], family: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's fields as transformers reads them: its old name ``su`` (and, for Phi-3,
+    ``yarn``, which transformers' Phi3 config also renames) is ``longrope``; Phi-3's
+    configs keep ``original_max_position_embeddings`` beside the rope dict, and that value
+    wins over one inside it."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "su" or (family == "phi3" and kind == "yarn"):
+        kind = "longrope"
+    if kind != "longrope":
+        return rope
+    rope["rope_type"] = "longrope"
+    rope.pop("type", None)
+    if cfg.get("original_max_position_embeddings") is not None:
+        rope["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
+    return rope
 
 
 def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from chunkserve.attention.base import AttentionSpec
-from chunkserve.config import ModelConfig
+from chunkserve.config import ModelConfig, rope_type
 
 if TYPE_CHECKING:
     from chunkserve.attention.base import AttentionBackend, BatchLayout
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
     from chunkserve.distributed.shard import ShardPlan
     from chunkserve.model.decoder import KVLayout
 
+logger = logging.getLogger(__name__)
+
 # The modules whose classes register themselves (imported on first lookup).
-_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3")
+_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3")
 
 
 @runtime_checkable
@@ -92,7 +95,9 @@ class GGUFSpec:
       ``ModelConfig`` field that gets their values as a tuple of floats;
     - ``config``: ``ModelConfig`` fields the GGUF has no key for (llama.cpp hard-codes them);
     - ``derive``: fields computed from those read so far (a dict of ``ModelConfig`` fields ->
-      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count``.
+      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count``. A field
+      name starting with "_" in ``keys`` or ``config_tensors`` is a scratch value for
+      ``derive`` (e.g. parts of a rope scaling dict), dropped before ``ModelConfig``.
     """
 
     arch: str
@@ -233,3 +238,32 @@ def without_unreachable_window(config: ModelConfig, max_model_len: int) -> Model
     if config.sliding_window is None or config.sliding_window < max_model_len:
         return config
     return dataclasses.replace(config, sliding_window=None, window_layers=None)
+
+
+def serving_config(config: ModelConfig, max_model_len: int) -> ModelConfig:
+    """``config`` as served at ``max_model_len``: without a window no sequence can outgrow
+    (``without_unreachable_window``), and with longrope's factors chosen.
+
+    LongRoPE (Phi-3.5 / 4): transformers rotates every position of a sequence with
+    ``short_factor`` while the sequence is at most ``original_max_position_embeddings``
+    long and with ``long_factor`` once it is longer, recomputing the whole KV cache when a
+    sequence crosses over. Cached keys are rotated once here, so the choice is made once, as
+    vLLM does, by ``max_model_len``: at most the original length, short factors (exactly
+    transformers' answer for every sequence that can be served); longer, long factors for
+    every sequence (transformers' answer for the sequences longer than the original
+    length; shorter ones differ from it, which is logged as a warning here: pass
+    --max-model-len <= original_max_position_embeddings for transformers' answer on short
+    sequences)."""
+    config = without_unreachable_window(config, max_model_len)
+    if rope_type(config.rope_scaling) != "longrope":
+        return config
+    original = int(config.rope_scaling["original_max_position_embeddings"])  # type: ignore[index]
+    use_long = max_model_len > original
+    if use_long:
+        logger.warning(
+            "%s: longrope: max_model_len %d > original_max_position_embeddings %d, so every "
+            "sequence is rotated with long_factor; transformers uses short_factor for "
+            "sequences of at most %d tokens (pass --max-model-len %d for its answer there)",
+            config.architecture, max_model_len, original, original, original,
+        )  # fmt: skip
+    return dataclasses.replace(config, longrope_long=use_long)

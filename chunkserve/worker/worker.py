@@ -56,7 +56,7 @@ from chunkserve.model.registry import (
     build_model,
     check_attention,
     check_servable,
-    without_unreachable_window,
+    serving_config,
 )
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
@@ -133,7 +133,7 @@ class Worker:
         tp = config.tensor_parallel_size
         # A family we serve (what its attention needs is checked against the backend).
         check_servable(model_config, max_model_len)
-        model_config = self.model_config = without_unreachable_window(model_config, max_model_len)
+        model_config = self.model_config = serving_config(model_config, max_model_len)
         # This rank's share of the model; a model that cannot be split so fails here.
         self.shard = plan_shards(model_config, tp, self.rank)
         self.group: TPGroup | None = None
@@ -186,7 +186,7 @@ class Worker:
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         check_servable(draft_config, self.max_model_len, name)
-        draft_config = without_unreachable_window(draft_config, self.max_model_len)
+        draft_config = serving_config(draft_config, self.max_model_len)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"{name}: the draft model's vocabulary ({draft_config.vocab_size} tokens) "
