@@ -136,6 +136,46 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
         ),
     ),
+    # google/gemma-2-27b-it: softmax scale 144 ** -0.5 with head_dim 128 (not 128 ** -0.5),
+    # scores capped at 50 and logits at 30, the window (4096, here 20: shorter than the
+    # prompts) on every other layer. Weights drawn 5x HF's scale so that scores and logits
+    # reach the caps.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=128,
+            query_pre_attn_scalar=144,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=20,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            initializer_range=0.1,
+        ),
+    ),
+    # google/gemma-3-270m: 5 window layers (512, here 24) to 1 global, head_dim 256 with one
+    # KV head, per-head q/k norms, rope base 1e6 on the global layers and 10000 on the others.
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=24,
+            sliding_window_pattern=6,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            initializer_range=0.05,
+        ),
+    ),
 }
 
 SHIPPED_JSON = {"qwen2": {"sliding_window": 24}}
@@ -320,7 +360,8 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
 
 
 # Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks.
-@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
+# Gemma 2: sandwich norms, capped scores and logits over a vocabulary split in two.
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "gemma2"])
 def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
     path = model_dirs[family]
     tp1 = make_engine(path, max_num_batched_tokens=64)
