@@ -282,15 +282,44 @@ def windowed_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+# Variants checked against transformers only: Gemma 3's global layers with gemma-3-4b's
+# linear rope scaling (factor 8; the local rope stays unscaled).
+PARITY_ONLY = {
+    "gemma3-linear": (
+        "gemma3_text",
+        dict(
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def parity_only_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parity_only")
+    return {
+        name: variant(model_dirs[family], root / name, **changes)
+        for name, (family, changes) in PARITY_ONLY.items()
+    }
+
+
 def model_path(model_dirs, windowed_dirs, name: str) -> tuple[Path, str]:
     if name in WINDOWED:
         return windowed_dirs[name], WINDOWED[name][0]
     return model_dirs[name], name
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED])
-def test_logits_and_greedy_tokens_match_transformers(model_dirs, windowed_dirs, name) -> None:
-    path, family = model_path(model_dirs, windowed_dirs, name)
+@pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED, *PARITY_ONLY])
+def test_logits_and_greedy_tokens_match_transformers(
+    model_dirs, windowed_dirs, request, name
+) -> None:
+    if name in PARITY_ONLY:
+        path, family = request.getfixturevalue("parity_only_dirs")[name], PARITY_ONLY[name][0]
+    else:
+        path, family = model_path(model_dirs, windowed_dirs, name)
     ref = reference(path)
     engine = make_engine(path)
     assert engine.core.worker.model_config.architecture == family
@@ -459,6 +488,108 @@ def test_a_backend_without_windows_is_refused_naming_the_window(
     # the weights load, never served with every key attended.
     with pytest.raises(ValueError, match=r"sliding window.*triton.*sliding_window"):
         make_engine(windowed_dirs["mistral-window"], attention_backend="triton")
+
+
+def test_a_backend_without_soft_capping_is_refused_naming_it(
+    model_dirs, tmp_path, no_weight_loading
+) -> None:
+    with pytest.raises(ValueError, match=r"window.*attn_logit_softcapping=50.*triton") as err:
+        make_engine(model_dirs["gemma2"], attention_backend="triton")
+    assert "max-model-len" not in str(err.value)  # a shorter context leaves the cap
+    # Without a reachable window (gemma-2's 4096 by default): the cap alone.
+    no_window = variant(model_dirs["gemma2"], tmp_path / "m", sliding_window=None)
+    with pytest.raises(ValueError, match=r"uses soft-capped.*triton.*logit_softcap"):
+        make_engine(no_window, attention_backend="triton")
+
+
+# Published config.json files as their checkpoints ship them (older transformers: no
+# layer_types, Gemma 3's local base and pattern as their own fields, rope_scaling).
+PUBLISHED = {
+    "google/gemma-2-9b-it": dict(
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        rope_theta=10000.0,
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        vocab_size=256000,
+    ),
+    "google/gemma-3-4b (text)": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        vocab_size=262208,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_gemma_configs_read_as_transformers_reads_them(tmp_path, name) -> None:
+    import transformers
+
+    from chunkserve.model.loader import hf_model_config
+
+    cfg = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = hf_model_config(tmp_path)
+    hf = transformers.AutoConfig.for_model(**cfg)
+    windowed = [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"]
+    assert [ours.layer_window(i) for i in range(ours.num_layers)] == [
+        hf.sliding_window if i in windowed else None for i in range(ours.num_layers)
+    ]
+    assert ours.attention_multiplier == hf.query_pre_attn_scalar**-0.5
+    assert ours.attn_logit_softcap == hf.attn_logit_softcapping
+    assert ours.final_logit_softcap == hf.final_logit_softcapping
+    assert ours.hidden_act == hf.hidden_activation
+    rope = hf.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: a local and a global rope
+        assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    assert ours.rope_theta == rope["rope_theta"]
+    assert (ours.rope_scaling or {}).get("factor") == rope.get("factor")
+
+
+def test_gemma_variants_we_do_not_serve_are_refused(model_dirs, tmp_path) -> None:
+    from chunkserve.model.loader import hf_model_config
+
+    vision = variant(
+        model_dirs["gemma3_text"], tmp_path / "vision",
+        architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"):
+        hf_model_config(vision)
+    encoder = variant(
+        model_dirs["gemma3_text"], tmp_path / "encoder", use_bidirectional_attention=True
+    )
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        hf_model_config(encoder)
 
 
 def test_a_window_longer_than_every_sequence_serves(model_dirs, tmp_path) -> None:

@@ -191,16 +191,19 @@ def check_attention(backend: AttentionBackend, config: ModelConfig, name: str = 
         reason = backend.supports(spec)
         if reason is None:
             continue
+        needs = []
         if spec.sliding_window is not None:
-            raise ValueError(
-                f"{name}: this {config.architecture} model uses sliding window attention "
-                f"(sliding_window={spec.sliding_window}) and {reason}; choose another "
-                f"--attention-backend, or --max-model-len {spec.sliding_window} or less"
+            needs.append(f"sliding window attention (sliding_window={spec.sliding_window})")
+        if spec.logit_softcap is not None:
+            needs.append(
+                f"soft-capped attention scores (attn_logit_softcapping={spec.logit_softcap})"
             )
+        advice = "choose another --attention-backend"
+        if spec.logit_softcap is None and spec.sliding_window is not None:
+            advice += f", or --max-model-len {spec.sliding_window} or less"
         raise ValueError(
-            f"{name}: this {config.architecture} model soft-caps its attention scores "
-            f"(attn_logit_softcapping={spec.logit_softcap}) and {reason}; choose another "
-            f"--attention-backend"
+            f"{name}: this {config.architecture} model uses {' and '.join(needs)} and "
+            f"{reason}; {advice}"
         )
 
 
