@@ -111,6 +111,9 @@ class ModelConfig:
     # None), which rotate with it unscaled; the other layers use ``rope_theta`` and
     # ``rope_scaling``. None: one rope for every layer.
     rope_local_theta: float | None = None
+    # llama.cpp's ``rope_freqs`` (a GGUF's form of Llama 3's rope scaling): each of the
+    # rotary_dim / 2 frequencies is divided by its factor; None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def is_window_layer(self, layer: int) -> bool:
         """Whether ``layer`` is one of the sliding-window layers (by the config's layer types,
@@ -172,6 +175,13 @@ class ModelConfig:
                 "rope_scaling",
                 f"rope type {kind!r} needs {key!r}",
             )
+        _require(
+            self.rope_freq_factors is None
+            or (len(self.rope_freq_factors) == self.rotary_dim // 2 and kind == "default"),
+            "rope_freq_factors",
+            f"needs {self.rotary_dim // 2} factors (rotary_dim / 2) and no other rope scaling "
+            f"(got {len(self.rope_freq_factors or ())} with rope type {kind!r})",
+        )
         _require(
             0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
             "partial_rotary_factor",

@@ -116,6 +116,8 @@ def rope_inv_freq(
     inv_freq = 1.0 / (base**exps)
     scaling = config.rope_scaling or {}
     kind = rope_type(scaling)
+    if config.rope_freq_factors is not None:  # llama.cpp's rope_freqs (default type only)
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32), 1.0
     if kind == "default":
         return inv_freq, 1.0
     factor = float(scaling["factor"])

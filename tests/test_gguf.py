@@ -1,0 +1,288 @@
+"""GGUF files as llama.cpp writes them, for every family on main: the tiny model of
+``test_model_families`` (an HF directory) written with gguf-py in llama.cpp's names
+(gguf-py's own ``TensorNameMap``) and conventions (``write_gguf`` mirrors the converter),
+loaded by chunkserve: the same logits and greedy tokens as the directory. Then what a GGUF
+we cannot honour gets: a ValueError naming the key or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from chunkserve.model.loader import gguf_model_config, open_gguf
+from chunkserve.scheduling.sampling_params import SamplingParams
+from tests.test_model_families import (  # noqa: F401 (model_dirs: a fixture)
+    FAMILIES,
+    make_engine,
+    model_dirs,
+    prompts,
+    run_all,
+    variant,
+)
+from tests.test_model_parity import all_row_logits
+
+# HF model_type -> llama.cpp's general.architecture (its converter writes Mistral as llama).
+GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
+# The converters derived from llama.cpp's LlamaModel, which permute Q/K rows.
+PERMUTED = {"llama", "mistral", "granite", "smollm3"}
+# llama.cpp's converters of these store every norm as 1 + w.
+GEMMA = {"gemma2", "gemma3_text"}
+# What a GGUF cannot say, and llama.cpp hard-codes: the directory a family's GGUF is written
+# from (and compared with) has it. Gemma 2 below 27B: softmax scale head_dim ** -0.5.
+GGUF_SOURCE = {"gemma2": {"query_pre_attn_scalar": 128}}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: each head's rows from HF's half-split rotary
+    layout to llama.cpp's interleaved pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _llama3_rope_freqs(cfg: dict, rope: dict) -> np.ndarray:
+    """llama.cpp's converter's ``rope_freqs`` for Llama 3 rope scaling."""
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(hf_dir: Path, out: Path, quant: str | None = None, extra: dict | None = None):
+    """The HF directory as llama.cpp's ``convert_hf_to_gguf.py`` writes it (F32, or Q8_0
+    matrices with ``quant="Q8_0"``), with the embedded model's tokenizer. ``extra``: more
+    metadata (key -> value) to write."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from chunkserve.model.loader import embedded_model_path
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    family = cfg["model_type"]
+    arch = GGUF_ARCH.get(family, family)
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg["rope_theta"]}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the file's)
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("head_dim") and family != "granite":  # Granite's converter drops head_dim
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if family in PERMUTED:  # LlamaModel.set_gguf_parameters
+        w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // n_head)
+    if family in GEMMA and cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if family == "granite":
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    for key, value in (extra or {}).items():
+        w.add_key_value(key, value, _value_type(value))
+    _copy_tokenizer(w, open_gguf(embedded_model_path()))
+
+    names = gguf.get_tensor_name_map(
+        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"]
+    )
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        data = tensor.float().numpy()
+        if family in GEMMA and name.endswith("norm.weight"):
+            data = data + 1.0  # Gemma's converters: norms as 1 + w
+        if family in PERMUTED and ".q_proj." in name:
+            data = _permute(data, n_head)
+        elif family in PERMUTED and ".k_proj." in name:
+            data = _permute(data, n_kv)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        if quant and data.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _value_type(value):
+    import gguf
+
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.UINT32
+
+
+def _copy_tokenizer(w, reader) -> None:
+    import gguf
+
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+            else:
+                w.add_key_value(key, value, vtype)
+
+
+@pytest.fixture(scope="module")
+def gguf_sources(model_dirs, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    """Each family's directory, changed where a GGUF cannot say what it has."""
+    root = tmp_path_factory.mktemp("gguf_sources")
+    out = dict(model_dirs)
+    for family, changes in GGUF_SOURCE.items():
+        out[family] = variant(model_dirs[family], root / family, **changes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_files(gguf_sources, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {f: write_gguf(gguf_sources[f], root / f"{f}.gguf") for f in FAMILIES}
+
+
+def _compare(hf_path: Path, gguf_path: Path, tol: float) -> None:
+    want_engine, got_engine = make_engine(hf_path), make_engine(gguf_path)
+    worst = 0.0
+    for ids in prompts():
+        want = all_row_logits(want_engine, ids, 10_000)
+        got = all_row_logits(got_engine, ids, 10_000)
+        worst = max(worst, ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item())
+    assert worst < tol, f"worst relative logit error {worst:.2e}"
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    assert run_all(got_engine, prompts(), params) == run_all(want_engine, prompts(), params)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_matches_the_directory(gguf_sources, gguf_files, family) -> None:
+    config = gguf_model_config(open_gguf(gguf_files[family]))
+    assert config.architecture == ("llama" if family == "mistral" else family)
+    _compare(gguf_sources[family], gguf_files[family], 1e-5)
+
+
+def test_q8_0_gguf_matches_its_dequantised_directory(model_dirs, tmp_path) -> None:  # noqa: F811
+    """Quantised matrices (Q8_0, Q/K permuted): the directory holds the same values
+    dequantised, so the GGUF path's dequantisation, reshaping and un-permuting are exact."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    src = model_dirs["granite"]
+    quantised = write_gguf(src, tmp_path / "q8.gguf", quant="Q8_0")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (ref / f.name).write_bytes(f.read_bytes())
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tensors = {
+        name: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q8), q8))
+        if t.dim() == 2
+        else t
+        for name, t in load_file(str(src / "model.safetensors")).items()
+    }
+    save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    _compare(ref, quantised, 1e-5)
+
+
+def test_config_from_llama_cpp_keys(gguf_files) -> None:
+    granite = gguf_model_config(open_gguf(gguf_files["granite"]))
+    assert (granite.embedding_multiplier, granite.attention_multiplier) == (12.0, 0.015625)
+    assert (granite.residual_multiplier, granite.logits_scaling) == (
+        pytest.approx(0.22),
+        8.0,
+    )
+    assert gguf_model_config(open_gguf(gguf_files["smollm3"])).no_rope_layers == (3,)
+    qwen3 = gguf_model_config(open_gguf(gguf_files["qwen3"]))
+    assert (qwen3.head_dim, qwen3.num_kv_heads) == (32, 2)
+    llama = gguf_model_config(open_gguf(gguf_files["llama"]))
+    assert llama.rope_freq_factors is not None and max(llama.rope_freq_factors) == 32.0
+
+
+def test_yarn_keys_map_onto_hf_rope_scaling(model_dirs, tmp_path) -> None:  # noqa: F811
+    path = write_gguf(
+        model_dirs["qwen2"],
+        tmp_path / "yarn.gguf",
+        extra={
+            "qwen2.rope.scaling.type": "yarn",
+            "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 32768,
+            "qwen2.rope.scaling.yarn_beta_fast": 16.0,
+        },
+    )
+    config = gguf_model_config(open_gguf(path))
+    assert config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+        "beta_fast": 16.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"qwen2.rope.scaling.type": "longrope", "qwen2.rope.scaling.factor": 2.0}, "longrope"),
+        (
+            {
+                "qwen2.rope.scaling.type": "yarn",
+                "qwen2.rope.scaling.factor": 2.0,
+                "qwen2.rope.scaling.yarn_log_multiplier": 0.1,
+            },
+            "yarn_log_multiplier",
+        ),
+        ({"qwen2.attn_logit_softcapping": 50.0}, "qwen2.attn_logit_softcapping"),
+        ({"qwen2.logit_scale": 2.0}, "qwen2.logit_scale"),
+    ],
+)
+def test_what_we_cannot_honour_is_refused_naming_it(model_dirs, tmp_path, extra, named) -> None:  # noqa: F811
+    path = write_gguf(model_dirs["qwen2"], tmp_path / "bad.gguf", extra=extra)
+    with pytest.raises(ValueError, match=named):
+        gguf_model_config(open_gguf(path))
+
+
+def test_a_tensor_the_family_lacks_is_refused(model_dirs, tmp_path) -> None:  # noqa: F811
+    # OLMo 2's post norms in a file claiming to be Llama: never silently dropped.
+    path = tmp_path / "olmo-as-llama.gguf"
+    write_gguf(model_dirs["olmo2"], path)
+    data = path.read_bytes().replace(b"olmo2", b"llama")  # general.architecture and keys
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"post_attention_norm"):
+        gguf_model_config(open_gguf(path))
