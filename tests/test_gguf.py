@@ -67,10 +67,12 @@ def _llama3_rope_freqs(cfg: dict, rope: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(hf_dir: Path, out: Path, quant: str | None = None, extra: dict | None = None):
+def write_gguf(
+    hf_dir: Path, out: Path, quant: str | None = None, extra: dict | None = None, edit=None
+):
     """The HF directory as llama.cpp's ``convert_hf_to_gguf.py`` writes it (F32, or Q8_0
     matrices with ``quant="Q8_0"``), with the embedded model's tokenizer. ``extra``: more
-    metadata (key -> value) to write."""
+    metadata (key -> value) to write; ``edit``: changes the GGUF-named tensors (a dict)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -114,8 +116,9 @@ def write_gguf(hf_dir: Path, out: Path, quant: str | None = None, extra: dict | 
     names = gguf.get_tensor_name_map(
         {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"]
     )
+    tensors = {}
     if rope.get("rope_type") == "llama3":
-        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))
+        tensors["rope_freqs.weight"] = _llama3_rope_freqs(cfg, rope)
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -128,6 +131,10 @@ def write_gguf(hf_dir: Path, out: Path, quant: str | None = None, extra: dict | 
             data = _permute(data, n_kv)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
+        tensors[gguf_name] = data
+    if edit is not None:
+        edit(tensors)
+    for gguf_name, data in tensors.items():
         if quant and data.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quant]
             w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -286,3 +293,48 @@ def test_a_tensor_the_family_lacks_is_refused(model_dirs, tmp_path) -> None:  # 
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"post_attention_norm"):
         gguf_model_config(open_gguf(path))
+
+
+def test_a_spec_splits_fused_tensors_and_removes_a_norm_offset(
+    model_dirs,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+) -> None:
+    """What Phi-3 (fused attn_qkv, gate and up in ffn_up) and Gemma (norms stored as
+    ``1 + w``) GGUFs need, on the Llama model: a spec with ``splits`` and ``norm_offset``
+    gives the directory's numbers."""
+    from chunkserve.model import registry
+    from chunkserve.model.registry import GGUFSpec, GGUFSplit
+
+    def fuse(t: dict) -> None:
+        for i in range(2):
+            b = f"blk.{i}."
+            t[b + "attn_qkv.weight"] = np.concatenate(
+                [t.pop(b + f"attn_{x}.weight") for x in "qkv"]
+            )
+            t[b + "ffn_up.weight"] = np.concatenate(
+                [t.pop(b + "ffn_gate.weight"), t.pop(b + "ffn_up.weight")]
+            )
+        for name in t:
+            if name.endswith("norm.weight"):
+                t[name] = t[name] + 1.0
+
+    path = write_gguf(model_dirs["llama"], tmp_path / "fused.gguf", edit=fuse)
+    spec = GGUFSpec(
+        "llama",
+        permuted_qk=True,
+        norm_offset=1.0,
+        splits={
+            "attn_qkv.weight": GGUFSplit(
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                lambda c: (c.num_heads * c.head_dim, *[c.num_kv_heads * c.head_dim] * 2),
+            ),
+            "ffn_up.weight": GGUFSplit(
+                ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                lambda c: (c.intermediate_size, c.intermediate_size),
+            ),
+        },
+    )
+    registry._load()
+    monkeypatch.setitem(registry._GGUF_SPECS, "llama", ("llama", spec))
+    _compare(model_dirs["llama"], path, 1e-5)

@@ -10,37 +10,65 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as HFTokenizer
 
 from chunkserve.model.loader import ModelSource
 
-# llama.cpp's pre-tokenizer regexes for byte-level BPE vocabularies, by ``tokenizer.ggml.pre``.
-_LLAMA3_PATTERN = (
+# Byte-level BPE pre-tokenizers by ``tokenizer.ggml.pre``: the regexes llama.cpp splits text
+# with for that value (src/llama-vocab.cpp), each applied in turn to the pieces of the one
+# before, as the model's own tokenizer.json splits it (its regex, as HF writes it).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's: Llama 3's with one digit a piece.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"),
+        (_LLAMA3_SPLIT,),
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2_SPLIT,)),
+    # GPT-2's regex after cutting out every digit on its own.
+    **dict.fromkeys(
+        ("starcoder", "refact", "smollm", "command-r", "codeshell", "exaone", "minerva-7b"),
+        (r"\p{N}", _GPT2_SPLIT),
+    ),
+}
+# What llama.cpp sets for a ``pre`` beyond its regexes: whole pieces found in the vocabulary
+# skip the merges (Llama 3's tokenizer.json: ``ignore_merges``), and BOS added by default.
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
+# HF's Qwen2 tokenizer.json normalises to NFC first (llama.cpp does not: we follow HF's).
+_NFC = {"qwen2", "deepseek-r1-qwen"}
 _GGUF_TOKEN_CONTROL = 3
 _GGUF_TOKEN_USER_DEFINED = 4
 
 
 def _byte_level_pre_tokenizer(pre: str | None) -> Any:
-    if pre == "smollm" or pre in ("starcoder", "refact"):
-        # GPT-2 regex plus single digits (llama.cpp's "smollm"/"starcoder" pre-tokenizers).
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
+    """The pre-tokenizer of GGUF ``tokenizer.ggml.pre`` ``pre``: llama.cpp's regexes for it,
+    then the byte-level alphabet. A value we do not know is a ValueError (llama.cpp now falls
+    back to a "default" regex no model's tokenizer.json has: a silently different split)."""
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"tokenizer: GGUF tokenizer.ggml.pre {pre!r} is not supported (supported: "
+            f"{', '.join(sorted(_PRE_TOKENIZERS))}); pass --tokenizer with the model's "
+            f"tokenizer.json directory"
         )
-    if pre in ("llama-bpe", "llama3", "smaug-bpe", "dbrx"):
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def _gguf_bpe_tokenizer(reader: Any) -> HFTokenizer:
@@ -49,9 +77,14 @@ def _gguf_bpe_tokenizer(reader: Any) -> HFTokenizer:
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    pre = _field(reader, "tokenizer.ggml.pre")
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tk.pre_tokenizer = _byte_level_pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
+    tk = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+    )
+    tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    if pre in _NFC:
+        tk.normalizer = normalizers.NFC()
     tk.decoder = decoders.ByteLevel()
     added = [
         AddedToken(tokens[i], special=(t == _GGUF_TOKEN_CONTROL), normalized=False)
@@ -59,12 +92,24 @@ def _gguf_bpe_tokenizer(reader: Any) -> HFTokenizer:
         if t in (_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED)
     ]
     tk.add_tokens(added)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    # BOS / EOS around every encoding where the file asks (llama.cpp: Llama 3's pre adds
+    # BOS unless the file says otherwise).
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", pre in _IGNORE_MERGES)
+    add_eos = _field(reader, "tokenizer.ggml.add_eos_token", False)
+    special, before, after = {}, "", ""
+    for flag, key in ((add_bos, "bos"), (add_eos, "eos")):
+        tid = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if flag and tid is not None:
+            special[tokens[int(tid)]] = int(tid)
+            if key == "bos":
+                before = tokens[int(tid)] + " "
+            else:
+                after = " " + tokens[int(tid)]
+    if special:
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A",
-            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], int(bos))],
+            single=f"{before}$A{after}",
+            pair=f"{before}$A{after} {before}$B{after}",
+            special_tokens=list(special.items()),
         )
     return tk
 
