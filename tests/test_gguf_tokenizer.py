@@ -283,7 +283,7 @@ def test_gemma_sentencepiece_matches_transformers_conversion(tmp_path) -> None:
     from transformers import AutoTokenizer
 
     control = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
-    user = ["\n", "\n\n", "\n\n\n", "\u2581\u2581", "\u2581\u2581\u2581"]
+    user = ["\n", "\n\n", "\n\n\n", "\u2581\u2581", "\u2581\u2581\u2581", "[multimodal]"]
     byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
     tk = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tk.normalizer = normalizers.Replace(" ", "\u2581")
@@ -317,7 +317,7 @@ def test_gemma_sentencepiece_matches_transformers_conversion(tmp_path) -> None:
     w.close()
     hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="gemma.gguf")
     got = ours(tmp_path / "gemma.gguf")
-    texts = [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>\n", "a  b   c\n\n\nd"]
+    texts = [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>\n", "a  b   c\n\n\nd", "x[multimodal]y"]
     assert encodings(got, texts) == encodings(hf, texts)
     assert [got.decode(ids) for ids in encodings(got, texts)] == [
         hf.decode(ids, skip_special_tokens=True) for ids in encodings(hf, texts)
