@@ -640,3 +640,23 @@ def test_rope_frequencies_match_transformers(rope: dict, partial: float) -> None
     got, factor = rope_inv_freq(ours, 4096)
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(float(want_factor))
+
+
+def test_gemma_embedding_normalizer_is_rounded_to_the_model_dtype() -> None:
+    # HF multiplies Gemma's embeddings by sqrt(hidden) cast to the model's dtype: in bf16,
+    # sqrt(640) = 25.298... is 25.25 (gemma-3-270m's hidden size).
+    from chunkserve.model.registry import build_model
+
+    config = ModelConfig(
+        architecture="gemma3_text", vocab_size=32, hidden_size=640, intermediate_size=8,
+        num_layers=1, num_heads=1, num_kv_heads=1, head_dim=16, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh", rope_local_theta=1e4,
+    )  # fmt: skip
+    model = build_model(config, torch.bfloat16, torch.device("cpu"), max_positions=64)
+    model.init_dummy_weights()
+    ids = torch.arange(4)
+    want = model.embed_tokens.weight[ids] * torch.tensor(640**0.5).to(torch.bfloat16)
+    assert float(torch.tensor(640**0.5).to(torch.bfloat16)) == 25.25
+    assert torch.equal(model.embed_tokens.forward(ids) * model.embed_scale, want)
+    assert not torch.equal(want, model.embed_tokens.weight[ids] * 640**0.5)
