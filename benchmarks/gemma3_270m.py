@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/gemma3_270m.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    commit = git_commit()  # the code that runs (not what HEAD is when it ends)
     path = model_file(Path(args.cache_dir), args.pkg_path)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -183,7 +184,7 @@ def main() -> None:
         "machine": machine_description(),
         "threads": args.threads,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": git_commit(),
+        "commit": commit,
         "command": "python benchmarks/gemma3_270m.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v),
         "file": FILE,
