@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +94,9 @@ class ModelConfig:
     # ``layer_types``); None: every layer.
     window_layers: tuple[int, ...] | None = None
     mlp_bias: bool = False
-    # Granite's multipliers: embeddings, the softmax scale (None: head_dim ** -0.5), the
-    # residual branches; logits are divided by ``logits_scaling``.
+    # Granite's multipliers: embeddings, the softmax scale (None: head_dim ** -0.5; Gemma's
+    # ``query_pre_attn_scalar ** -0.5``), the residual branches; logits are divided by
+    # ``logits_scaling``.
     embedding_multiplier: float = 1.0
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
@@ -106,9 +108,22 @@ class ModelConfig:
     # ``original_max_position_embeddings``); we pick once, by max_model_len
     # (``model.registry.serving_config``).
     longrope_long: bool = False
+    # Soft-capping c (x -> c * tanh(x / c)) of the attention scores (Gemma 2's
+    # ``attn_logit_softcapping``) and of the final logits (``final_logit_softcapping``).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Gemma 3: the rope base of the sliding-window layers (``window_layers``; every layer if
+    # None), which rotate with it unscaled; the other layers use ``rope_theta`` and
+    # ``rope_scaling``. None: one rope for every layer.
+    rope_local_theta: float | None = None
     # llama.cpp's ``rope_freqs`` (a GGUF's form of Llama 3's rope scaling): each of the
     # rotary_dim / 2 frequencies is divided by its factor; None: none.
     rope_freq_factors: tuple[float, ...] | None = None
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is one of the sliding-window layers (by the config's layer types,
+        whether or not the window is reachable: Gemma 3's local rope follows them)."""
+        return self.window_layers is None or layer in self.window_layers
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None (it attends to every earlier key)."""
@@ -205,6 +220,13 @@ class ModelConfig:
             "window_layers",
             f"must be layer indices below num_layers ({self.num_layers})",
         )
+        for name in ("attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            _require(
+                value is None or (math.isfinite(value) and value > 0),
+                name,
+                f"must be a finite number > 0 or None, got {value!r}",
+            )
         _require(
             all(0 <= i < self.num_layers for i in self.no_rope_layers),
             "no_rope_layers",

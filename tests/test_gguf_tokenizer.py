@@ -10,7 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from tokenizers import Tokenizer as HFTokenizer
 
 from chunkserve.engine.tokenizer import Tokenizer
@@ -272,4 +281,55 @@ def test_sentencepiece_matches_transformers(tmp_path) -> None:
     assert encodings(got) == encodings(hf)
     assert [got.decode(ids) for ids in encodings(got)] == [
         hf.decode(ids, skip_special_tokens=True) for ids in encodings(hf)
+    ]
+
+
+def test_gemma_sentencepiece_matches_transformers_conversion(tmp_path) -> None:
+    """A Gemma-style vocabulary as llama.cpp's Gemma converters write one (general.architecture
+    gemma3, tokenizer.ggml.model "llama", no merges, scores -1000 for control and user-defined
+    tokens, whitespace tokens with real spaces, "\\n" runs user-defined, no space prefix):
+    chunkserve's one-pass build gives the ids and text of transformers' conversion of the
+    same file (``AutoTokenizer.from_pretrained(gguf_file=...)``)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    control = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    user = ["\n", "\n\n", "\n\n\n", "\u2581\u2581", "\u2581\u2581\u2581", "[multimodal]"]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    tk = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200, special_tokens=control + user + byte_pieces, show_progress=False
+    )
+    tk.train_from_iterator(CORPUS, trainer)
+    vocab = tk.get_vocab()
+    # As the file spells them: whitespace-only pieces with real spaces.
+    tokens = [t.replace("\u2581", " ") if set(t) == {"\u2581"} and len(t) > 1 else t
+              for t in sorted(vocab, key=vocab.get)]  # fmt: skip
+    n_special = len(control) + len(user) + len(byte_pieces)
+    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-1000.0] * (len(control) + len(user)) + [0.0] * 256
+                       + [-float(i) for i in range(len(tokens) - n_special)])  # fmt: skip
+    w.add_token_types([3] * len(control) + [4] * len(user) + [6] * 256
+                      + [1] * (len(tokens) - n_special))  # fmt: skip
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="gemma.gguf")
+    got = ours(tmp_path / "gemma.gguf")
+    texts = [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>\n", "a  b   c\n\n\nd", "x[multimodal]y"]
+    assert encodings(got, texts) == encodings(hf, texts)
+    assert [got.decode(ids) for ids in encodings(got, texts)] == [
+        hf.decode(ids, skip_special_tokens=True) for ids in encodings(hf, texts)
     ]

@@ -195,6 +195,46 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             ),
         ),
     ),
+    # google/gemma-2-27b-it: softmax scale 144 ** -0.5 with head_dim 128 (not 128 ** -0.5),
+    # scores capped at 50 and logits at 30, the window (4096, here 20: shorter than the
+    # prompts) on every other layer. Weights drawn 5x HF's scale so that scores and logits
+    # reach the caps.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=128,
+            query_pre_attn_scalar=144,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=20,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            initializer_range=0.1,
+        ),
+    ),
+    # google/gemma-3-270m: 5 window layers (512, here 24) to 1 global, head_dim 256 with one
+    # KV head, per-head q/k norms, rope base 1e6 on the global layers and 10000 on the others.
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=24,
+            sliding_window_pattern=6,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            initializer_range=0.05,
+        ),
+    ),
 }
 # Test entries that are not a family's name: their family.
 FAMILY_OF = {"phi4": "phi3"}
@@ -309,15 +349,44 @@ def windowed_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+# Variants checked against transformers only: Gemma 3's global layers with gemma-3-4b's
+# linear rope scaling (factor 8; the local rope stays unscaled).
+PARITY_ONLY = {
+    "gemma3-linear": (
+        "gemma3_text",
+        dict(
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def parity_only_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parity_only")
+    return {
+        name: variant(model_dirs[family], root / name, **changes)
+        for name, (family, changes) in PARITY_ONLY.items()
+    }
+
+
 def model_path(model_dirs, windowed_dirs, name: str) -> tuple[Path, str]:
     if name in WINDOWED:
         return windowed_dirs[name], WINDOWED[name][0]
     return model_dirs[name], FAMILY_OF.get(name, name)
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED])
-def test_logits_and_greedy_tokens_match_transformers(model_dirs, windowed_dirs, name) -> None:
-    path, family = model_path(model_dirs, windowed_dirs, name)
+@pytest.mark.parametrize("name", [*FAMILIES, *WINDOWED, *PARITY_ONLY])
+def test_logits_and_greedy_tokens_match_transformers(
+    model_dirs, windowed_dirs, request, name
+) -> None:
+    if name in PARITY_ONLY:
+        path, family = request.getfixturevalue("parity_only_dirs")[name], PARITY_ONLY[name][0]
+    else:
+        path, family = model_path(model_dirs, windowed_dirs, name)
     ref = reference(path)
     engine = make_engine(path)
     assert engine.core.worker.model_config.architecture == family
@@ -387,8 +456,9 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
 
 
 # Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks;
-# Phi-4-mini: each rank's q heads, KV heads, gate and up columns from the fused tensors.
-@pytest.mark.parametrize("family", ["qwen2", "olmo2", "phi4"])
+# Phi-4-mini: each rank's q heads, KV heads, gate and up columns from the fused tensors;
+# Gemma 2: sandwich norms, capped scores and logits over a vocabulary split in two.
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "phi4", "gemma2"])
 def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
     path = model_dirs[family]
     tp1 = make_engine(path, max_num_batched_tokens=64)
@@ -545,6 +615,108 @@ def test_a_backend_without_windows_is_refused_naming_the_window(
         make_engine(windowed_dirs["mistral-window"], attention_backend="triton")
 
 
+def test_a_backend_without_soft_capping_is_refused_naming_it(
+    model_dirs, tmp_path, no_weight_loading
+) -> None:
+    with pytest.raises(ValueError, match=r"window.*attn_logit_softcapping=50.*triton") as err:
+        make_engine(model_dirs["gemma2"], attention_backend="triton")
+    assert "max-model-len" not in str(err.value)  # a shorter context leaves the cap
+    # Without a reachable window (gemma-2's 4096 by default): the cap alone.
+    no_window = variant(model_dirs["gemma2"], tmp_path / "m", sliding_window=None)
+    with pytest.raises(ValueError, match=r"uses soft-capped.*triton.*logit_softcap"):
+        make_engine(no_window, attention_backend="triton")
+
+
+# Published config.json files as their checkpoints ship them (older transformers: no
+# layer_types, Gemma 3's local base and pattern as their own fields, rope_scaling).
+PUBLISHED = {
+    "google/gemma-2-9b-it": dict(
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        rope_theta=10000.0,
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        vocab_size=256000,
+    ),
+    "google/gemma-3-4b (text)": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        vocab_size=262208,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_gemma_configs_read_as_transformers_reads_them(tmp_path, name) -> None:
+    import transformers
+
+    from chunkserve.model.loader import hf_model_config
+
+    cfg = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = hf_model_config(tmp_path)
+    hf = transformers.AutoConfig.for_model(**cfg)
+    windowed = [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"]
+    assert [ours.layer_window(i) for i in range(ours.num_layers)] == [
+        hf.sliding_window if i in windowed else None for i in range(ours.num_layers)
+    ]
+    assert ours.attention_multiplier == hf.query_pre_attn_scalar**-0.5
+    assert ours.attn_logit_softcap == hf.attn_logit_softcapping
+    assert ours.final_logit_softcap == hf.final_logit_softcapping
+    assert ours.hidden_act == hf.hidden_activation
+    rope = hf.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: a local and a global rope
+        assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    assert ours.rope_theta == rope["rope_theta"]
+    assert (ours.rope_scaling or {}).get("factor") == rope.get("factor")
+
+
+def test_gemma_variants_we_do_not_serve_are_refused(model_dirs, tmp_path) -> None:
+    from chunkserve.model.loader import hf_model_config
+
+    vision = variant(
+        model_dirs["gemma3_text"], tmp_path / "vision",
+        architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"):
+        hf_model_config(vision)
+    encoder = variant(
+        model_dirs["gemma3_text"], tmp_path / "encoder", use_bidirectional_attention=True
+    )
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        hf_model_config(encoder)
+
+
 def test_a_window_longer_than_every_sequence_serves(model_dirs, tmp_path) -> None:
     mistral = variant(model_dirs["mistral"], tmp_path / "mistral", sliding_window=MAX_LEN)
     # Nothing to compute: any backend serves it (triton included).
@@ -633,3 +805,23 @@ def test_rope_frequencies_match_transformers(rope: dict, long: bool, partial: fl
     assert factor == pytest.approx(float(want_factor), rel=1e-12)
     if rope["rope_type"] in ("yarn", "longrope"):
         assert factor != 1.0  # the attention factor is exercised
+
+
+def test_gemma_embedding_normalizer_is_rounded_to_the_model_dtype() -> None:
+    # HF multiplies Gemma's embeddings by sqrt(hidden) cast to the model's dtype: in bf16,
+    # sqrt(640) = 25.298... is 25.25 (gemma-3-270m's hidden size).
+    from chunkserve.model.registry import build_model
+
+    config = ModelConfig(
+        architecture="gemma3_text", vocab_size=32, hidden_size=640, intermediate_size=8,
+        num_layers=1, num_heads=1, num_kv_heads=1, head_dim=16, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh", rope_local_theta=1e4,
+    )  # fmt: skip
+    model = build_model(config, torch.bfloat16, torch.device("cpu"), max_positions=64)
+    model.init_dummy_weights()
+    ids = torch.arange(4)
+    want = model.embed_tokens.weight[ids] * torch.tensor(640**0.5).to(torch.bfloat16)
+    assert float(torch.tensor(640**0.5).to(torch.bfloat16)) == 25.25
+    assert torch.equal(model.embed_tokens.forward(ids) * model.embed_scale, want)
+    assert not torch.equal(want, model.embed_tokens.weight[ids] * 640**0.5)

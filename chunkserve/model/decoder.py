@@ -3,10 +3,13 @@
 A family (``llama.py``, ``qwen.py``, ...) is a subclass that says how its blocks differ:
 ``qkv_bias`` (Qwen2's Q/K/V biases), ``qk_norm`` ("head": Qwen3, "all": OLMo 2),
 ``norm_style`` ("pre": a norm before attention and before the MLP, as Llama; "post": OLMo 2's
-norms of the attention and MLP outputs before the residual adds), and the checkpoint's names
+norms of the attention and MLP outputs before the residual adds; "sandwich": Gemma 2/3's
+both), ``norm_offset`` (every RMSNorm Gemma's ``1 + w``), ``scale_embeddings`` (embeddings
+times sqrt(hidden) rounded to the model's dtype, as Gemma), and the checkpoint's names
 (``norm_names``; ``fused_names``: Phi-3's pre-fused qkv_proj and gate_up_proj).
 Config-driven numerics (Granite's multipliers, SmolLM3's layers without rope, partial rotary,
-the activation) come from ``ModelConfig``.
+the activation, the softmax scale, soft-capping, Gemma 3's local rope) come from
+``ModelConfig``.
 
 ``forward`` maps a ``BatchLayout`` to hidden states [T, hidden]; ``compute_logits`` maps the
 rows to sample to fp32 logits [S, vocab] (on rank 0; None on the other tensor-parallel ranks).
@@ -16,6 +19,7 @@ multipliers) can run the fused elementwise kernels of ``fused_ops`` (``fused_ops
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -35,6 +39,7 @@ from chunkserve.model.layers import (
     Target,
     VocabParallelEmbedding,
 )
+from chunkserve.model.registry import layer_spec
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
@@ -44,12 +49,16 @@ if TYPE_CHECKING:
 class KVLayout:
     """What the model needs of the KV cache: one group of ``num_layers`` full-attention
     layers of ``num_kv_heads`` (this rank's) x ``head_dim``; ``sliding_window``: the window
-    every layer attends within (None: all keys)."""
+    every layer attends within (None: all keys, or only some layers have one)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+
+    def bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V one token takes over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
 
 
 class DecoderLayer(nn.Module):
@@ -64,7 +73,7 @@ class DecoderLayer(nn.Module):
         group: TPGroup | None,
     ) -> None:
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
+        h, eps, offset = config.hidden_size, config.rms_norm_eps, model.norm_offset
         self.attn = Attention(
             config,
             shard,
@@ -74,14 +83,21 @@ class DecoderLayer(nn.Module):
             qkv_bias=model.qkv_bias or config.attention_bias,
             qk_norm=model.qk_norm,
             use_rope=index not in config.no_rope_layers,
-            scale=config.attention_multiplier,
-            window=config.layer_window(index),
+            spec=layer_spec(config, index),
+            norm_offset=offset,
         )
         self.mlp = GatedMLP(config, shard, dtype, device, group)
-        self.post_norms = model.norm_style == "post"
-        # "pre": before attention, before the MLP; "post": after each, before the residual add.
-        self.norm1 = RMSNorm(h, eps, dtype, device)
-        self.norm2 = RMSNorm(h, eps, dtype, device)
+        # Gemma 3: the sliding-window layers rotate with the local rope table.
+        self.local_rope = config.rope_local_theta is not None and config.is_window_layer(index)
+        self.norm_style = model.norm_style
+        # "pre": before attention, before the MLP; "post": after each, before the residual
+        # add; "sandwich": norm1 / norm3 before attention / the MLP, norm2 / norm4 after.
+        self.norm1 = RMSNorm(h, eps, dtype, device, offset=offset)
+        self.norm2 = RMSNorm(h, eps, dtype, device, offset=offset)
+        self.norm3 = self.norm4 = None
+        if self.norm_style == "sandwich":
+            self.norm3 = RMSNorm(h, eps, dtype, device, offset=offset)
+            self.norm4 = RMSNorm(h, eps, dtype, device, offset=offset)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(
@@ -99,7 +115,13 @@ class DecoderLayer(nn.Module):
         # calls each, ~500 a step over 30 layers.
         m = self.residual_multiplier
         norm1, norm2, mlp = self.norm1.forward, self.norm2.forward, self.mlp.forward
-        if self.post_norms:
+        if self.norm3 is not None:  # sandwich
+            out = self.attn.forward(
+                norm1(hidden), cos, sin, k_cache, v_cache, attn, layout, attn_meta
+            )
+            hidden = hidden + norm2(out)
+            return hidden + self.norm4.forward(mlp(self.norm3.forward(hidden)))
+        if self.norm_style == "post":
             out = norm1(
                 self.attn.forward(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
             )
@@ -150,6 +172,9 @@ class DecoderLayer(nn.Module):
         out.update(self.mlp.targets(prefix + "mlp.", fused.get("gate_up")))
         out.update(self.norm1.targets(prefix + names["norm1"]))
         out.update(self.norm2.targets(prefix + names["norm2"]))
+        if self.norm3 is not None:
+            out.update(self.norm3.targets(prefix + names["norm3"]))
+            out.update(self.norm4.targets(prefix + names["norm4"]))
         return out
 
 
@@ -160,6 +185,8 @@ class DecoderLM(nn.Module):
     qkv_bias: ClassVar[bool] = False  # Q/K/V biases whatever the config says
     qk_norm: ClassVar[str | None] = None
     norm_style: ClassVar[str] = "pre"
+    norm_offset: ClassVar[bool] = False  # RMSNorms are x * (1 + w) (Gemma)
+    scale_embeddings: ClassVar[bool] = False  # embeddings times sqrt(hidden) (Gemma)
     # Checkpoint names of the block norms (after "model.layers.N.").
     norm_names: ClassVar[dict[str, str]] = {
         "norm1": "input_layernorm.weight",
@@ -188,14 +215,32 @@ class DecoderLM(nn.Module):
             DecoderLayer(type(self), i, config, dtype, device, shard, group)
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device, offset=self.norm_offset
+        )
         self.lm_head = ParallelLMHead(config, self.embed_tokens, dtype, device, group)
         self.rotary = RotaryEmbedding(config, max_positions, device)
+        # Gemma 3's sliding-window layers: their own base, unscaled.
+        self.rotary_local = None
+        if config.rope_local_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.rope_local_theta, rope_scaling=None
+            )
+            self.rotary_local = RotaryEmbedding(local, max_positions, device)
+        # What the embeddings are multiplied by: Granite's multiplier (a Python float, as
+        # HF's), or Gemma's sqrt(hidden) as a tensor of the model's dtype (HF casts it).
+        self.embed_scale: float | torch.Tensor = config.embedding_multiplier
+        if self.scale_embeddings:
+            self.embed_scale = torch.tensor(
+                config.hidden_size**0.5 * config.embedding_multiplier, dtype=dtype, device=device
+            )
         # Fused elementwise kernels (Triton; see fused_ops). The worker turns them on on
         # CUDA where ``supports_fused_ops``.
         self.fused_ops = False
         self.supports_fused_ops = (
             self.norm_style == "pre"
+            and not self.norm_offset
+            and self.rotary_local is None
             and self.qk_norm is None
             and config.rotary_dim == config.head_dim
             and not config.no_rope_layers
@@ -205,13 +250,16 @@ class DecoderLM(nn.Module):
             and not config.mlp_bias
         )
 
+    @classmethod
+    def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout:
+        """The KV layout of a model of ``config`` with ``num_kv_heads`` KV heads (a rank's),
+        known before the model is built (the worker sizes the cache from it)."""
+        windows = {config.layer_window(i) for i in range(config.num_layers)}
+        window = windows.pop() if len(windows) == 1 else None
+        return KVLayout(config.num_layers, num_kv_heads, config.head_dim, window)
+
     def kv_layout(self) -> KVLayout:
-        return KVLayout(
-            self.config.num_layers,
-            self.shard.num_kv_heads,
-            self.config.head_dim,
-            self.config.sliding_window,
-        )
+        return self.kv_layout_for(self.config, self.shard.num_kv_heads)
 
     def forward(
         self,
@@ -221,8 +269,8 @@ class DecoderLM(nn.Module):
         attn_meta: object,
     ) -> torch.Tensor:
         hidden = self.embed_tokens.forward(layout.input_ids)  # [T, hidden]
-        if self.config.embedding_multiplier != 1.0:
-            hidden = hidden * self.config.embedding_multiplier
+        if self.scale_embeddings or self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.embed_scale
         if self.fused_ops:
             residual = None
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -239,14 +287,23 @@ class DecoderLM(nn.Module):
                 )
             return hidden if residual is None else residual + hidden
         cos, sin = self.rotary(layout.positions, self.dtype)
+        local = cos, sin
+        if self.rotary_local is not None:
+            local = self.rotary_local(layout.positions, self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer.forward(hidden, cos, sin, k_cache, v_cache, attn, layout, attn_meta)
+            c, s = local if layer.local_rope else (cos, sin)
+            hidden = layer.forward(hidden, c, s, k_cache, v_cache, attn, layout, attn_meta)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(self.norm(hidden))
-        if logits is not None and self.config.logits_scaling != 1.0:
+        if logits is None:
+            return None
+        if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def weight_targets(self) -> dict[str, Target | list[Target]]:

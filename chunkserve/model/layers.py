@@ -500,8 +500,9 @@ class Attention(nn.Module):
     Qwen3; "all", over all heads' dims as OLMo 2), rotary embeddings (full, partial, or none
     for a layer without), the backend's attention, the output projection (all-reduced).
 
-    ``scale``: the softmax scale when it is not ``head_dim ** -0.5`` (the backends' own):
-    q is multiplied by their ratio first."""
+    ``spec``: what the backend computes beyond causal attention at ``head_dim ** -0.5`` (the
+    layer's softmax scale, sliding window, score soft-cap; ``registry.layer_spec``), or None.
+    ``norm_offset``: the q/k norms are Gemma's ``1 + w``."""
 
     def __init__(
         self,
@@ -514,13 +515,12 @@ class Attention(nn.Module):
         qkv_bias: bool,
         qk_norm: str | None = None,
         use_rope: bool = True,
-        scale: float | None = None,
-        window: int | None = None,
+        spec: AttentionSpec | None = None,
+        norm_offset: bool = False,
     ) -> None:
         super().__init__()
         hd = config.head_dim
-        # What the backend computes beyond causal attention (a sliding window), or None.
-        self.spec = None if window is None else AttentionSpec(sliding_window=window)
+        self.spec = spec
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, hd
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
@@ -539,8 +539,8 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         eps = config.rms_norm_eps
         if qk_norm == "head":
-            self.q_norm = RMSNorm(hd, eps, dtype, device)
-            self.k_norm = RMSNorm(hd, eps, dtype, device)
+            self.q_norm = RMSNorm(hd, eps, dtype, device, offset=norm_offset)
+            self.k_norm = RMSNorm(hd, eps, dtype, device, offset=norm_offset)
         elif qk_norm == "all":
             self.q_norm = RMSNorm(
                 self.q_size, eps, dtype, device, full_width=full_q, group=group,
@@ -554,7 +554,6 @@ class Attention(nn.Module):
             raise ValueError(f"qk_norm: {qk_norm!r} is not one of 'head', 'all'")
         self.use_rope = use_rope
         self.rotary_dim = config.rotary_dim
-        self.q_scale = None if scale is None else scale / hd**-0.5
 
     def forward(
         self,
@@ -582,8 +581,6 @@ class Attention(nn.Module):
             else:
                 q = apply_partial_rope(q, cos, sin, self.rotary_dim)
                 k = apply_partial_rope(k, cos, sin, self.rotary_dim)
-        if self.q_scale is not None:
-            q = q * self.q_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, self.spec)
         return self.o.forward(o.view(t, self.q_size))

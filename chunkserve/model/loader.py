@@ -390,11 +390,34 @@ def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
 
 
 # ---- HF safetensors directories ------------------------------------------------------------
+# Fields of HF config classes whose defaults are not "absent" (a config.json without them
+# means these values to transformers).
+_HF_DEFAULTS = {
+    "gemma2": dict(
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0),
+}
+# Families whose layer types, when a config does not list them, follow a pattern: every
+# ``n``-th layer (1-based) has full attention, the others the window (HF's derivation;
+# Gemma 3 configs may name n ``sliding_window_pattern``).
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"model: cannot read {path / 'config.json'}: {exc}") from exc
+    if "Gemma3ForConditionalGeneration" in (cfg.get("architectures") or []):
+        raise ValueError(
+            "model: Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not "
+            "supported; serve a text-only Gemma 3 checkpoint (Gemma3ForCausalLM, model_type "
+            "gemma3_text, e.g. gemma-3-270m or gemma-3-1b)"
+        )
     family = family_of_hf(cfg)
     try:
         return _hf_fields(cfg, family)
@@ -403,14 +426,34 @@ def hf_model_config(path: Path) -> ModelConfig:
 
 
 def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
+    cfg = {**_HF_DEFAULTS.get(family, {}), **cfg}
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     num_layers = int(cfg["num_hidden_layers"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope = cfg.get("rope_scaling") or None
-    theta = cfg.get("rope_theta")
     params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") if "full_attention" not in params else None
+    # Gemma 3 (transformers 5): one set of rope parameters per layer type; the sliding
+    # layers' is the local rope (older configs: ``rope_local_base_freq``).
+    local_params = params.get("sliding_attention") or {}
+    params = params.get("full_attention", params)
+    local_theta = None
+    if family == "gemma3_text":
+        local_theta = float(
+            local_params.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0
+        )
+        if local_params.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"model: config.json: rope_parameters.sliding_attention rope type "
+                f"{local_params['rope_type']!r} is not supported (the local rope is unscaled)"
+            )
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(
+            "model: config.json: use_bidirectional_attention is not supported (an encoder: "
+            "chunkserve serves causal decoders)"
+        )
     if theta is None:
         theta = params.get("rope_theta", 10000.0)
     if rope is None and params.get("rope_type", "default") != "default":
@@ -424,6 +467,11 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     if cfg.get("use_sliding_window") is False:
         window = None
     layer_types = cfg.get("layer_types")
+    if not layer_types and family in _WINDOW_PATTERN:
+        n = int(cfg.get("sliding_window_pattern") or _WINDOW_PATTERN[family])
+        layer_types = [
+            "full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(num_layers)
+        ]
     if window is not None and layer_types and "sliding_attention" not in layer_types:
         window = None
     # Qwen2 without layer types: the layers from max_window_layers on have the window.
@@ -437,6 +485,9 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     # SmolLM3: no_rope_layers[i] is 1 where layer i uses rope, 0 where it does not.
     no_rope = cfg.get("no_rope_layers") or []
     attn_mult = cfg.get("attention_multiplier")
+    if "query_pre_attn_scalar" in cfg:  # Gemma: the softmax scale
+        attn_mult = float(cfg["query_pre_attn_scalar"]) ** -0.5
+    attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
     return ModelConfig(
         architecture=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -454,7 +505,8 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         rope_scaling=rope,
         attention_bias=bool(cfg.get("attention_bias", False)),
-        hidden_act=str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))),
+        # Gemma's configs carry both; its models use ``hidden_activation``.
+        hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
         partial_rotary_factor=float(partial),
         sliding_window=None if window is None else int(window),
         window_layers=window_layers,
@@ -464,6 +516,9 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         no_rope_layers=tuple(i for i, use in enumerate(no_rope) if not use),
+        attn_logit_softcap=None if attn_cap is None else float(attn_cap),
+        final_logit_softcap=None if final_cap is None else float(final_cap),
+        rope_local_theta=local_theta,
     )
 
 

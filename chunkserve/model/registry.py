@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The modules whose classes register themselves (imported on first lookup).
-_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3")
+_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3", "gemma")
 
 
 @runtime_checkable
@@ -65,6 +65,9 @@ class CausalLM(Protocol):
     def init_dummy_weights(self, seed: int = 0) -> None: ...
 
     def kv_layout(self) -> KVLayout: ...
+
+    @classmethod
+    def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout: ...
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,13 @@ def build_model(
     return cls(config, dtype, device, max_positions=max_positions, shard=shard, group=group)
 
 
+def kv_layout(config: ModelConfig, num_kv_heads: int | None = None) -> KVLayout:
+    """The KV cache the family's model of ``config`` needs, before it is built, with
+    ``num_kv_heads`` KV heads (a tensor-parallel rank's; default all)."""
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return model_class(config).kv_layout_for(config, heads)
+
+
 def check_servable(config: ModelConfig, max_model_len: int, name: str = "model") -> None:
     """A ValueError, before any weight loads, for a model we do not serve (an unknown
     family). What the attention must compute (a sliding window) is checked against the
@@ -213,23 +223,45 @@ def check_servable(config: ModelConfig, max_model_len: int, name: str = "model")
     model_class(config)
 
 
+def layer_spec(config: ModelConfig, layer: int) -> AttentionSpec | None:
+    """What layer ``layer``'s attention computes beyond causal softmax attention at
+    ``head_dim ** -0.5`` (its softmax scale, window, score soft-cap), or None."""
+    spec = AttentionSpec(
+        scale=config.attention_multiplier,
+        sliding_window=config.layer_window(layer),
+        logit_softcap=config.attn_logit_softcap,
+    )
+    return None if spec == AttentionSpec() else spec
+
+
 def attention_specs(config: ModelConfig) -> set[AttentionSpec]:
     """What the model's layers ask of the attention backend beyond causal attention."""
-    windows = {config.layer_window(layer) for layer in range(config.num_layers)}
-    return {AttentionSpec(sliding_window=w) for w in windows if w is not None}
+    specs = {layer_spec(config, layer) for layer in range(config.num_layers)}
+    return {s for s in specs if s is not None}
 
 
 def check_attention(backend: AttentionBackend, config: ModelConfig, name: str = "model") -> None:
     """A ValueError naming what the model's attention needs and ``backend`` lacks (a
-    sliding window on a backend without one): never a silently different answer."""
+    sliding window or a score soft-cap on a backend without): never a silently different
+    answer."""
     for spec in sorted(attention_specs(config), key=repr):
         reason = backend.supports(spec)
-        if reason is not None:
-            raise ValueError(
-                f"{name}: this {config.architecture} model uses sliding window attention "
-                f"(sliding_window={spec.sliding_window}) and {reason}; choose another "
-                f"--attention-backend, or --max-model-len {spec.sliding_window} or less"
+        if reason is None:
+            continue
+        needs = []
+        if spec.sliding_window is not None:
+            needs.append(f"sliding window attention (sliding_window={spec.sliding_window})")
+        if spec.logit_softcap is not None:
+            needs.append(
+                f"soft-capped attention scores (attn_logit_softcapping={spec.logit_softcap})"
             )
+        advice = "choose another --attention-backend"
+        if spec.logit_softcap is None and spec.sliding_window is not None:
+            advice += f", or --max-model-len {spec.sliding_window} or less"
+        raise ValueError(
+            f"{name}: this {config.architecture} model uses {' and '.join(needs)} and "
+            f"{reason}; {advice}"
+        )
 
 
 def without_unreachable_window(config: ModelConfig, max_model_len: int) -> ModelConfig:
@@ -237,7 +269,8 @@ def without_unreachable_window(config: ModelConfig, max_model_len: int) -> Model
     ``max_model_len`` or more changes nothing): any backend then serves the model."""
     if config.sliding_window is None or config.sliding_window < max_model_len:
         return config
-    return dataclasses.replace(config, sliding_window=None, window_layers=None)
+    # The layers' types stay (Gemma 3's local rope follows them).
+    return dataclasses.replace(config, sliding_window=None)
 
 
 def serving_config(config: ModelConfig, max_model_len: int) -> ModelConfig:

@@ -56,6 +56,7 @@ from chunkserve.model.registry import (
     build_model,
     check_attention,
     check_servable,
+    kv_layout,
     serving_config,
 )
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
@@ -156,7 +157,7 @@ class Worker:
         self.block_size = config.block_size
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
         # Every rank's pool has the same blocks, sized by the rank with the most KV heads.
-        per_token = model_config.kv_bytes_per_token(dtype_size, self.shard.max_kv_heads)
+        per_token = kv_layout(model_config, self.shard.max_kv_heads).bytes_per_token(dtype_size)
         self._bytes_per_block = per_token * self.block_size
         # A draft model (speculative decoding) is found and checked now; its KV pool shares
         # the target's block ids, so every block costs both.
@@ -166,7 +167,7 @@ class Worker:
         if spec is not None and spec.method == "draft_model":
             self._open_draft(spec.model)
             assert self._draft_config is not None
-            per_token = self._draft_config.kv_bytes_per_token(dtype_size)
+            per_token = kv_layout(self._draft_config).bytes_per_token(dtype_size)
             self._bytes_per_block += per_token * self.block_size
         # On a GPU without a given size the cache takes what the weights leave free: sized
         # in ``load``. Everywhere else now, so a cache too small fails before the weights load.
