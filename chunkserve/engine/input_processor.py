@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chunkserve.config import ModelConfig
 from chunkserve.disagg.connector import KVHandle
@@ -40,11 +41,15 @@ class InputProcessor:
         model_config: ModelConfig,
         max_model_len: int,
         disaggregation_mode: str | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.disaggregation_mode = disaggregation_mode
+        # The model's generation config (``model.generation``): each applies to a request
+        # that leaves its field unset.
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     def process(
         self,
@@ -68,6 +73,12 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         params.validate_if_changed()
+        if self.sampling_defaults:
+            defaults = self.sampling_defaults
+            if "max_tokens" in defaults:  # a default length fits beside the prompt
+                room = max(1, self.max_model_len - len(token_ids))
+                defaults = {**defaults, "max_tokens": min(defaults["max_tokens"], room)}
+            params = params.with_defaults(defaults)
         if (
             not isinstance(priority, int)
             or isinstance(priority, bool)
