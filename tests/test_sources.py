@@ -286,9 +286,13 @@ def checked(engine: Engine, params: SamplingParams | None = None) -> SamplingPar
 
 
 @pytest.fixture(scope="module")
-def gen_engine(tiny_dirs, tmp_path_factory) -> Engine:
-    model = with_generation_config(tiny_dirs["a"], tmp_path_factory.mktemp("gen") / "m", GEN)
-    return make_engine(str(model))
+def gen_model(tiny_dirs, tmp_path_factory) -> Path:
+    return with_generation_config(tiny_dirs["a"], tmp_path_factory.mktemp("gen") / "m", GEN)
+
+
+@pytest.fixture(scope="module")
+def gen_engine(gen_model) -> Engine:
+    return make_engine(str(gen_model))
 
 
 def test_generation_config_defaults_fill_unset_fields_only(gen_engine) -> None:
@@ -312,6 +316,14 @@ def test_generation_config_defaults_fill_unset_fields_only(gen_engine) -> None:
     # tokenizer_config.json's eos_token (<|im_end|>).
     im_end = gen_engine.tokenizer.encode("<|im_end|>", add_special_tokens=False)
     assert set(gen_engine.eos_token_ids) == {0, 2, 7, *im_end}
+
+
+def test_model_eos_ids_count_with_another_tokenizer(gen_model, hf_dir: Path) -> None:
+    """--tokenizer elsewhere: the model folder's generation_config.json EOS ids still end
+    generation (its tokenizer folder has none of them)."""
+    engine = make_engine(str(gen_model), tokenizer=str(hf_dir))
+    assert {0, 7} <= set(engine.eos_token_ids)
+    assert not {0, 7} & set(engine.tokenizer.eos_token_ids)
 
 
 def test_generation_config_defaults_in_llm_generate(gen_engine, tiny_dirs) -> None:
