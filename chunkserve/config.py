@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -572,7 +573,8 @@ class EngineConfig:
     ``auto``: the model's ``generation_config.json`` (its ``temperature``, ``top_p``,
     ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as the default
     ``max_tokens``), applied to each request field the request leaves unset; ``vllm``: none;
-    a folder: its ``generation_config.json``."""
+    a folder: its ``generation_config.json``, whose ``max_new_tokens`` also limits every
+    request's ``max_tokens`` (as in vLLM's server)."""
     override_generation_config: dict | str | None = _flag(  # noqa: RUF009 (a field)
         None,
         "JSON of sampling defaults over (or, with --generation-config vllm, instead of) "
@@ -580,7 +582,7 @@ class EngineConfig:
     )
     """Default sampling parameters as a dict (or its JSON text) in ``generation_config.json``
     names, merged over the generation config's (``generation_config`` ``vllm``: the only
-    defaults)."""
+    defaults); its ``max_new_tokens`` also limits every request's ``max_tokens`` (vLLM)."""
     dtype: str = _flag("auto", choices=DTYPES)
     """auto: bf16 on GPUs and on CPUs with native bf16, else fp32."""
     device: str = _flag("auto", choices=DEVICES)
@@ -793,6 +795,9 @@ class EngineConfig:
         )
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):
             value = getattr(self, name)
+            if isinstance(value, os.PathLike):  # LLM(model=Path(...))
+                value = os.fspath(value)
+                object.__setattr__(self, name, value)
             _require(
                 value is None or (isinstance(value, str) and value.strip() != ""),
                 name,

@@ -107,7 +107,8 @@ def offline(monkeypatch, hub_cache):
 
     def recording(repo_id, **kw):
         calls.append(kw)
-        assert kw.get("local_files_only"), "a network call with HF_HUB_OFFLINE=1"
+        if not kw.get("local_files_only"):
+            raise AssertionError("a network call with HF_HUB_OFFLINE=1")
         return real(repo_id, **kw)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
@@ -143,6 +144,15 @@ def test_hub_id_loads_from_the_cache_offline(offline, tiny_dirs) -> None:
     assert offline and all(c["local_files_only"] for c in offline)
 
 
+def test_draft_model_from_the_hub_at_a_revision(offline, tiny_dirs) -> None:
+    spec = {"method": "draft_model", "model": REPO_ID, "revision": "v1"}
+    engine = make_engine(str(tiny_dirs["a"]), speculative_config=spec)
+    assert engine.core.worker._draft_source.path.name == COMMIT_V1
+    assert greedy_tokens(engine) == greedy_tokens(make_engine(str(tiny_dirs["a"])))
+    with pytest.raises(ValueError, match=r"^speculative_config\.model: model: 'tiny-org.*'v2'"):
+        make_engine(str(tiny_dirs["a"]), speculative_config={**spec, "revision": "v2"})
+
+
 def test_revision_branch_tag_commit_and_wrong_one(offline) -> None:
     main = resolve_model(REPO_ID)
     assert main.path.name == COMMIT_MAIN
@@ -154,9 +164,12 @@ def test_revision_branch_tag_commit_and_wrong_one(offline) -> None:
 
 def test_unknown_id_is_a_clear_error_offline(offline) -> None:
     with pytest.raises(
-        ValueError, match=r"^model: 'nobody/nothing' is neither a local path nor in the HF cache"
+        ValueError,
+        match=r"^model: 'nobody/nothing' is neither a local path nor in the HF cache.*"
+        r"HF_HUB_OFFLINE is set \(no download tried\)",
     ):
         resolve_model("nobody/nothing")
+    assert offline and all(c.get("local_files_only") for c in offline)
     with pytest.raises(ValueError, match=r"^model: 'nobody/nothing' is neither"):
         make_engine("nobody/nothing")
 
@@ -316,6 +329,7 @@ def test_generation_config_defaults_fill_unset_fields_only(gen_engine) -> None:
     # tokenizer_config.json's eos_token (<|im_end|>).
     im_end = gen_engine.tokenizer.encode("<|im_end|>", add_special_tokens=False)
     assert set(gen_engine.eos_token_ids) == {0, 2, 7, *im_end}
+    assert {0, 2, 7} <= set(gen_engine.tokenizer.eos_token_ids)  # the tokenizer's own list
 
 
 def test_model_eos_ids_count_with_another_tokenizer(gen_model, hf_dir: Path) -> None:
@@ -375,6 +389,18 @@ def test_generation_config_in_the_openai_server(gen_engine) -> None:
     assert (seen[2].temperature, seen[2].max_tokens) == (0.6, 5)
 
 
+def test_override_max_new_tokens_limits_every_request(gen_model, tmp_path) -> None:
+    """vLLM's server: max_new_tokens of --override-generation-config (or of a folder's file)
+    caps every request, named or not; the model's own file only gives the default."""
+    engine = make_engine(
+        gen_model, override_generation_config={"max_new_tokens": 4}
+    )  # a Path is taken
+    assert checked(engine).max_tokens == 4
+    assert checked(engine, SamplingParams(max_tokens=16)).max_tokens == 4
+    assert checked(engine, SamplingParams(max_tokens=3)).max_tokens == 3
+    assert checked(make_engine(str(gen_model)), SamplingParams(max_tokens=16)).max_tokens == 16
+
+
 def test_generation_config_modes(tiny_dirs, tmp_path) -> None:
     from chunkserve.model.generation import sampling_defaults
 
@@ -400,6 +426,12 @@ def test_generation_config_modes(tiny_dirs, tmp_path) -> None:
     folder.mkdir()
     (folder / "generation_config.json").write_text('{"temperature": 0.2}')
     assert defaults(generation_config=str(folder)) == {"temperature": 0.2}
+    from chunkserve.model.generation import max_tokens_cap
+
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 7}')
+    folder_config = EngineConfig(model=str(model), generation_config=str(folder))
+    assert max_tokens_cap(folder_config, defaults(generation_config=str(folder))) == 7
+    assert max_tokens_cap(EngineConfig(model=str(model)), defaults()) is None
     merged = defaults(override_generation_config={"temperature": 0.3, "max_new_tokens": 9})
     assert (merged["temperature"], merged["max_tokens"], merged["top_p"]) == (0.3, 9, 0.9)
     with pytest.raises(ValueError, match="^generation_config: '/nowhere' is neither"):

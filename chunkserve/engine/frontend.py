@@ -22,7 +22,7 @@ from chunkserve.engine.input_processor import CheckedRequest, InputProcessor
 from chunkserve.engine.output_processor import OutputProcessor, RequestOutput
 from chunkserve.engine.step_log import StepStats
 from chunkserve.engine.tokenizer import Tokenizer
-from chunkserve.model.generation import model_eos_ids, sampling_defaults
+from chunkserve.model.generation import max_tokens_cap, model_eos_ids, sampling_defaults
 from chunkserve.model.hub import resolve_tokenizer
 from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
 from chunkserve.scheduling.sampling_params import SamplingParams
@@ -76,11 +76,13 @@ class FrontEnd:
         self.eos_token_ids = tuple(sorted(eos))
         # Requests' defaults where they leave a field unset (``--generation-config``).
         self.sampling_defaults = sampling_defaults(config, source)
+        self.max_tokens_cap = max_tokens_cap(config, self.sampling_defaults)
         if self.sampling_defaults:
             logger.info(
                 "default sampling parameters from the generation config (requests that "
-                "leave them unset): %s",
+                "leave them unset): %s%s",
                 self.sampling_defaults,
+                "" if self.max_tokens_cap is None else f"; max_tokens <= {self.max_tokens_cap}",
             )
         self.max_model_len = config.resolve_max_model_len(model_config)
         # Pure configuration: a bad one fails here, before any core loads weights.
@@ -91,6 +93,7 @@ class FrontEnd:
             self.max_model_len,
             config.disaggregation_mode,
             self.sampling_defaults,
+            self.max_tokens_cap,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._source: ModelSource | None = source

@@ -9,6 +9,7 @@ checks on its event loop's thread; the engine thread only queues).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class InputProcessor:
         max_model_len: int,
         disaggregation_mode: str | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        max_tokens_cap: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -50,6 +52,8 @@ class InputProcessor:
         # The model's generation config (``model.generation``): each applies to a request
         # that leaves its field unset.
         self.sampling_defaults = dict(sampling_defaults or {})
+        # vLLM's server-wide limit from a generation config (``generation.max_tokens_cap``).
+        self.max_tokens_cap = max_tokens_cap
 
     def process(
         self,
@@ -79,6 +83,11 @@ class InputProcessor:
                 room = max(1, self.max_model_len - len(token_ids))
                 defaults = {**defaults, "max_tokens": min(defaults["max_tokens"], room)}
             params = params.with_defaults(defaults)
+        cap = self.max_tokens_cap
+        if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
+            params = copy.copy(params)  # the caller's object stays as it was
+            object.__setattr__(params, "max_tokens", cap)
+            params.validate()
         if (
             not isinstance(priority, int)
             or isinstance(priority, bool)

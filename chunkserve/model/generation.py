@@ -5,7 +5,10 @@ requests get where they leave a field unset (vLLM's ``--generation-config``):
 - ``vllm``: none, the engine's defaults;
 - a folder: the ``generation_config.json`` in it.
 
-``override_generation_config`` is merged over them (alone with ``vllm``). Of the file, the
+``override_generation_config`` is merged over them (alone with ``vllm``). As in vLLM's
+server, a ``max_new_tokens`` of a folder's file, or of ``override_generation_config`` (with
+``auto`` or ``vllm``), is also a limit on every request's ``max_tokens``
+(``max_tokens_cap``); the model's own file only gives the default. Of the file, the
 fields ``config.GENERATION_DEFAULT_KEYS`` count, as vLLM reads them: a value equal to
 transformers' ``GenerationConfig`` default is no default (vLLM takes the file's difference
 from those, so ``top_k: 50`` is dropped), ``do_sample`` is ignored, and ``max_new_tokens``
@@ -103,3 +106,12 @@ def sampling_defaults(config: EngineConfig, source: ModelSource) -> dict[str, An
                 raise ValueError(f"{origin}.{key}: {exc}") from None
             out[name] = value
     return out
+
+
+def max_tokens_cap(config: EngineConfig, defaults: dict[str, Any]) -> int | None:
+    """The limit on every request's ``max_tokens`` that vLLM's server derives from the
+    generation config: a folder's ``max_new_tokens`` (after the overrides), else the
+    ``max_new_tokens`` of ``override_generation_config``; None: no limit."""
+    if config.generation_config not in ("auto", "vllm"):
+        return defaults.get("max_tokens")
+    return (config.override_generation_config or {}).get("max_new_tokens")
