@@ -222,6 +222,34 @@ def test_download_takes_only_the_files_we_load(monkeypatch, tmp_path, tiny_dirs)
     assert not any(p.endswith((".bin", ".pt", ".pth")) or p == "*" for p in patterns)
 
 
+def test_an_incomplete_cached_snapshot_is_downloaded_again(monkeypatch, tmp_path, tiny_dirs):
+    """A cached snapshot lacking a shard its index names (an interrupted download): offline,
+    an error saying so; online, the download completes it."""
+    import huggingface_hub
+
+    cache = tmp_path / "cache"
+    snap = snapshot_into(cache, REPO_ID, COMMIT_MAIN, tiny_dirs["a_sharded"])
+    shard = sorted(snap.glob("*.safetensors"))[-1]
+    shard.unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"cache's copy of .* lacks config\.json and every"):
+        resolve_model(REPO_ID, download_dir=str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    calls: list[bool] = []
+    real = huggingface_hub.snapshot_download
+
+    def fake_hub(repo_id, **kw):
+        calls.append(kw.get("local_files_only", False))
+        if not kw.get("local_files_only"):  # "the network" brings the shard
+            shutil.copy(tiny_dirs["a_sharded"] / shard.name, shard)
+        return real(repo_id, **{**kw, "local_files_only": True})
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub)
+    assert resolve_model(REPO_ID, download_dir=str(cache)).path == snap
+    assert calls == [True, False]
+
+
 def test_unreachable_hub_names_the_id(monkeypatch, tmp_path) -> None:
     import huggingface_hub
 

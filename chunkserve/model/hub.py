@@ -17,6 +17,7 @@ cache it looked in.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -89,11 +90,20 @@ def cache_dir(download_dir: str | os.PathLike | None = None) -> Path:
 
 
 def _has_model(path: Path, quant: str | None) -> bool:
+    """The cached snapshot holds what we load: the one GGUF, or config.json with every shard
+    its index names (an interrupted download lacks some), or with a *.safetensors."""
     if quant is not None:
         return len(_gguf_matches(path, quant)) == 1
-    return (path / "config.json").is_file() and (
-        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
-    )
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return all((path / name).is_file() for name in shards)
+    return any(path.glob("*.safetensors"))
 
 
 def _gguf_matches(path: Path, quant: str) -> list[Path]:
@@ -166,14 +176,18 @@ def snapshot(
         raise ValueError(f"{field}: {name!r} is not a valid hub id ({exc})") from None
     except (LocalEntryNotFoundError, OSError):
         pass
-    what = "a model" if not tokenizer else "a tokenizer (tokenizer.json)"
+    what = "config.json and every safetensors shard" if not tokenizer else "tokenizer.json"
     if quant is not None:
         what = f"exactly one *{quant}.gguf file"
     if offline():
-        state = "is incomplete (no " + what + ")" if cached_but_incomplete else "has no copy"
+        state = (
+            f"the cache's copy of {where} lacks {what}"
+            if cached_but_incomplete
+            else f"the cache has no copy of {where}"
+        )
         raise ValueError(
-            f"{field}: {name!r} is neither a local path nor in the HF cache: the cache "
-            f"{state} of {where}, and HF_HUB_OFFLINE is set (no download tried)"
+            f"{field}: {name!r} is neither a local path nor in the HF cache: {state}, and "
+            f"HF_HUB_OFFLINE is set (no download tried)"
         )
     try:
         path = Path(
