@@ -133,7 +133,7 @@ def snapshot(
     works. For a GGUF, the file's path is ``gguf_file(folder, quant)``."""
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (
+        from huggingface_hub.utils import (  # also in huggingface_hub.errors since 0.24
             GatedRepoError,
             HFValidationError,
             LocalEntryNotFoundError,
