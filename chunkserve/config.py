@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,7 +252,7 @@ class SpeculativeConfig:
       the tokens that followed it.
     - ``draft_model``: a small model of the same vocabulary (``model``: a .gguf file or an HF
       directory; it may be the target itself) proposes them, its KV cache kept in step with
-      the target's blocks.
+      the target's blocks. ``model`` may be a hub id (``revision``: its branch, tag or commit).
     """
 
     method: str
@@ -259,6 +260,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
+    revision: str | None = None
+    """The draft model's revision when ``model`` is a hub id (a branch, tag or commit)."""
     disable_by_batch_size: int | None = None
     """No drafts in a step with more running decodes than this (None: no limit)."""
     min_acceptance_rate: float = 0.1
@@ -299,6 +302,16 @@ class SpeculativeConfig:
             )
         else:
             _require(self.model is None, f"{name}.model", "only method draft_model takes a model")
+        _require(
+            self.revision is None or (isinstance(self.revision, str) and bool(self.revision)),
+            f"{name}.revision",
+            f"must be a non-empty string (a branch, tag or commit), got {self.revision!r}",
+        )
+        _require(
+            self.revision is None or self.model is not None,
+            f"{name}.revision",
+            "belongs to a draft model (method draft_model with a model)",
+        )
         _require(
             self.disable_by_batch_size is None
             or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
@@ -352,6 +365,46 @@ class SpeculativeConfig:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# The fields of a ``generation_config.json`` that are requests' default sampling
+# parameters (vLLM's ``--generation-config auto``); ``max_new_tokens`` is ``max_tokens``.
+GENERATION_DEFAULT_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
+
+
+def parse_generation_overrides(value: Any) -> dict[str, Any] | None:
+    """``override_generation_config``: a dict or its JSON text, keys among
+    ``GENERATION_DEFAULT_KEYS``, numbers as values (their ranges are checked with the
+    sampling parameters' own rules when the engine loads)."""
+    name = "override_generation_config"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
+    for key, v in value.items():
+        _require(
+            key in GENERATION_DEFAULT_KEYS,
+            f"{name}.{key}",
+            f"unknown key (known: {', '.join(GENERATION_DEFAULT_KEYS)})",
+        )
+        _require(
+            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+            f"{name}.{key}",
+            f"must be a number, got {v!r}",
+        )
+    return dict(value)
 
 
 @dataclass(frozen=True)
@@ -538,12 +591,52 @@ class EngineConfig:
     the default and the help its ``Flag`` gives."""
 
     model: str | None = _flag(
-        None, "a .gguf file or an HF directory (default: embedded SmolLM2-135M)"
+        None,
+        "a .gguf file, an HF directory or a hub id (org/name; org/name:Q4_K_M for one GGUF "
+        "of a repository) (default: embedded SmolLM2-135M)",
     )
-    """Path to a ``.gguf`` file or an HF directory (config.json + *.safetensors). None: the
-    embedded SmolLM2-135M-Instruct."""
-    tokenizer: str | None = _flag(None, "tokenizer directory (tokenizer.json)")
-    """Tokenizer directory (tokenizer.json); default: from the model."""
+    """Path to a ``.gguf`` file or an HF directory (config.json + *.safetensors), or a
+    Hugging Face Hub id (``org/name``, found in the HF cache, else downloaded: ``model.hub``;
+    ``org/name:QUANT`` for one GGUF file of a repository). A local path that exists wins.
+    None: the embedded SmolLM2-135M-Instruct."""
+    tokenizer: str | None = _flag(None, "tokenizer directory (tokenizer.json) or hub id")
+    """Tokenizer directory (tokenizer.json) or hub id; default: from the model."""
+    revision: str | None = _flag(
+        None, "hub models: the branch, tag or commit of --model (default: main)"
+    )
+    """A hub id's revision: a branch, a tag or a commit (default ``main``)."""
+    tokenizer_revision: str | None = _flag(
+        None, "hub tokenizers: the branch, tag or commit of --tokenizer (default: main)"
+    )
+    """A hub tokenizer's revision (``tokenizer`` a hub id); default ``main``."""
+    download_dir: str | None = _flag(
+        None,
+        "the HF cache hub models are found in and downloaded to (default: HF_HUB_CACHE, "
+        "HF_HOME/hub or ~/.cache/huggingface/hub)",
+    )
+    """The HF cache directory (the ``models--org--name`` layout) hub ids are looked up in
+    and downloaded to; default ``HF_HUB_CACHE``, ``HF_HOME/hub`` or huggingface_hub's. With
+    ``HF_HUB_OFFLINE=1`` nothing is downloaded."""
+    generation_config: str = _flag(
+        "auto",
+        "default sampling parameters of requests that leave them unset: 'auto' from the "
+        "model's generation_config.json, 'vllm' none (the engine's defaults), or a folder "
+        "holding a generation_config.json",
+    )
+    """Where requests' default sampling parameters come from (vLLM's flag):
+    ``auto``: the model's ``generation_config.json`` (its ``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as the default
+    ``max_tokens``), applied to each request field the request leaves unset; ``vllm``: none;
+    a folder: its ``generation_config.json``, whose ``max_new_tokens`` also limits every
+    request's ``max_tokens`` (as in vLLM's server)."""
+    override_generation_config: dict | str | None = _flag(  # noqa: RUF009 (a field)
+        None,
+        "JSON of sampling defaults over (or, with --generation-config vllm, instead of) "
+        'the generation config\'s, e.g. {"temperature": 0.5}',
+    )
+    """Default sampling parameters as a dict (or its JSON text) in ``generation_config.json``
+    names, merged over the generation config's (``generation_config`` ``vllm``: the only
+    defaults); its ``max_new_tokens`` also limits every request's ``max_tokens`` (vLLM)."""
     dtype: str = _flag("auto", choices=DTYPES)
     """auto: bf16 on GPUs and on CPUs with native bf16, else fp32."""
     device: str = _flag("auto", choices=DEVICES)
@@ -686,7 +779,7 @@ class EngineConfig:
         'speculative decoding as JSON (vLLM\'s form): {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; also '
-        '"disable_by_batch_size", "min_acceptance_rate"',
+        '"disable_by_batch_size", "min_acceptance_rate", "revision"',
     )
     """Speculative decoding (``SpeculativeConfig``; a dict or JSON text in vLLM's form, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4}``). None: off."""
@@ -748,6 +841,27 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
+        object.__setattr__(
+            self,
+            "override_generation_config",
+            parse_generation_overrides(self.override_generation_config),
+        )
+        for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):  # LLM(model=Path(...))
+                value = os.fspath(value)
+                object.__setattr__(self, name, value)
+            _require(
+                value is None or (isinstance(value, str) and value.strip() != ""),
+                name,
+                f"must be a non-empty string, got {value!r}",
+            )
+        _require(
+            isinstance(self.generation_config, str) and self.generation_config.strip() != "",
+            "generation_config",
+            f"must be 'auto', 'vllm' or a folder holding generation_config.json, got "
+            f"{self.generation_config!r}",
         )
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")

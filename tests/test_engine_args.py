@@ -46,6 +46,11 @@ def config(command: str, *argv: str) -> EngineConfig:
 ENGINE_FLAGS: list[tuple[tuple[str, ...], bool, list[str] | None]] = [
     (("--model",), True, None),
     (("--tokenizer",), True, None),
+    (("--revision",), True, None),
+    (("--tokenizer-revision",), True, None),
+    (("--download-dir",), True, None),
+    (("--generation-config",), True, None),
+    (("--override-generation-config",), True, None),
     (("--dtype",), True, ["auto", "bfloat16", "float16", "float32"]),
     (("--device",), True, ["auto", "cpu", "cuda"]),
     (("--max-model-len",), True, None),
@@ -90,6 +95,14 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 2}'
 PARSED: list[tuple[list[str], dict[str, object]]] = [
     (["--model", "m.gguf"], {"model": "m.gguf"}),
     (["--tokenizer", "tok"], {"tokenizer": "tok"}),
+    (["--revision", "v1.0"], {"revision": "v1.0"}),
+    (["--tokenizer-revision", "abc"], {"tokenizer_revision": "abc"}),
+    (["--download-dir", "/tmp/hf"], {"download_dir": "/tmp/hf"}),
+    (["--generation-config", "vllm"], {"generation_config": "vllm"}),
+    (
+        ["--override-generation-config", '{"temperature": 0.5}'],
+        {"override_generation_config": {"temperature": 0.5}},
+    ),
     (["--dtype", "float32"], {"dtype": "float32"}),
     (["--device", "cpu"], {"device": "cpu"}),
     (["--max-model-len", "512"], {"max_model_len": 512}),

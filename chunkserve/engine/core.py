@@ -146,7 +146,12 @@ class EngineCore:
         self.config = config
         self.index = index
         if source is None:
-            source = resolve_model(config.model, weights=config.load_format != "dummy")
+            source = resolve_model(
+                config.model,
+                weights=config.load_format != "dummy",
+                revision=config.revision,
+                download_dir=config.download_dir,
+            )
         if model_config is None:
             model_config, reader = load_model_config(source)
         self.model_config = model_config
@@ -280,11 +285,14 @@ class EngineCore:
     def _load_tokenizer(self, source: ModelSource) -> Any:
         """The model's ``tokenizers.Tokenizer`` (for grammars over its vocabulary)."""
         from chunkserve.engine.tokenizer import Tokenizer
+        from chunkserve.model.hub import resolve_tokenizer
 
         reader = None
-        if self.config.tokenizer is None and source.kind != "hf":
+        config = self.config
+        if config.tokenizer is None and source.kind != "hf":
             _, reader = load_model_config(source)
-        return Tokenizer.from_source(source, reader, self.config.tokenizer).backend
+        path = resolve_tokenizer(config.tokenizer, config.tokenizer_revision, config.download_dir)
+        return Tokenizer.from_source(source, reader, path).backend
 
     def info(self) -> CoreInfo:
         w = self.worker

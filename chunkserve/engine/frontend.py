@@ -22,6 +22,8 @@ from chunkserve.engine.input_processor import CheckedRequest, InputProcessor
 from chunkserve.engine.output_processor import OutputProcessor, RequestOutput
 from chunkserve.engine.step_log import StepStats
 from chunkserve.engine.tokenizer import Tokenizer
+from chunkserve.model.generation import max_tokens_cap, model_eos_ids, sampling_defaults
+from chunkserve.model.hub import resolve_tokenizer
 from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
 from chunkserve.scheduling.sampling_params import SamplingParams
 
@@ -49,19 +51,49 @@ class FrontEnd:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        source = resolve_model(config.model, weights=config.load_format != "dummy")
+        source = resolve_model(
+            config.model,
+            weights=config.load_format != "dummy",
+            revision=config.revision,
+            download_dir=config.download_dir,
+        )
         self.model_name = source.name
         self.model_path = str(source.path)
         model_config, reader = load_model_config(source)
         self.model_config: ModelConfig = model_config
-        self.tokenizer = Tokenizer.from_source(source, reader, config.tokenizer)
-        eos = set(self.tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+        tokenizer_dir = resolve_tokenizer(
+            config.tokenizer, config.tokenizer_revision, config.download_dir
+        )
+        self.tokenizer = Tokenizer.from_source(source, reader, tokenizer_dir)
+        # Every source's EOS list counts: tokenizer_config.json's eos_token and the
+        # tokenizer folder's generation config (``Tokenizer``), the model's config.json and
+        # generation_config.json (Llama 3 lists three ids).
+        eos = (
+            set(self.tokenizer.eos_token_ids)
+            | set(model_config.eos_token_ids)
+            | set(model_eos_ids(source))
+        )
         self.eos_token_ids = tuple(sorted(eos))
+        # Requests' defaults where they leave a field unset (``--generation-config``).
+        self.sampling_defaults = sampling_defaults(config, source)
+        self.max_tokens_cap = max_tokens_cap(config, self.sampling_defaults)
+        if self.sampling_defaults:
+            logger.info(
+                "default sampling parameters from the generation config (requests that "
+                "leave them unset): %s%s",
+                self.sampling_defaults,
+                "" if self.max_tokens_cap is None else f"; max_tokens <= {self.max_tokens_cap}",
+            )
         self.max_model_len = config.resolve_max_model_len(model_config)
         # Pure configuration: a bad one fails here, before any core loads weights.
         self.budget_policy = config.budget_policy(self.max_model_len)
         self.inputs = InputProcessor(
-            self.tokenizer, model_config, self.max_model_len, config.disaggregation_mode
+            self.tokenizer,
+            model_config,
+            self.max_model_len,
+            config.disaggregation_mode,
+            self.sampling_defaults,
+            self.max_tokens_cap,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._source: ModelSource | None = source

@@ -9,9 +9,11 @@ checks on its event loop's thread; the engine thread only queues).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chunkserve.config import ModelConfig
 from chunkserve.disagg.connector import KVHandle
@@ -40,11 +42,18 @@ class InputProcessor:
         model_config: ModelConfig,
         max_model_len: int,
         disaggregation_mode: str | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
+        max_tokens_cap: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.disaggregation_mode = disaggregation_mode
+        # The model's generation config (``model.generation``): each applies to a request
+        # that leaves its field unset.
+        self.sampling_defaults = dict(sampling_defaults or {})
+        # vLLM's server-wide limit from a generation config (``generation.max_tokens_cap``).
+        self.max_tokens_cap = max_tokens_cap
 
     def process(
         self,
@@ -68,6 +77,17 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         params.validate_if_changed()
+        if self.sampling_defaults:
+            defaults = self.sampling_defaults
+            if "max_tokens" in defaults:  # a default length fits beside the prompt
+                room = max(1, self.max_model_len - len(token_ids))
+                defaults = {**defaults, "max_tokens": min(defaults["max_tokens"], room)}
+            params = params.with_defaults(defaults)
+        cap = self.max_tokens_cap
+        if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
+            params = copy.copy(params)  # the caller's object stays as it was
+            object.__setattr__(params, "max_tokens", cap)
+            params.validate()
         if (
             not isinstance(priority, int)
             or isinstance(priority, bool)

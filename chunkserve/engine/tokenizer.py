@@ -171,6 +171,8 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        # The ``eos_token`` a chat template sees (None: the first of ``eos_token_ids``).
+        self.eos_token_id: int | None = None
         self._compiled_template: Any = None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -234,23 +236,26 @@ class Tokenizer:
                 value = value.get("content")
             return None if value is None else tk.token_to_id(value)
 
+        # Every list counts: tokenizer_config.json's eos_token, generation_config.json's
+        # and config.json's eos_token_id (Llama 3: <|eot_id|> in one, three ids in another).
         eos_ids: list[int] = []
         eos = token_id(cfg.get("eos_token"))
         if eos is not None:
             eos_ids.append(eos)
-        if (path / "generation_config.json").is_file():
-            gen = json.loads((path / "generation_config.json").read_text())
-            ge = gen.get("eos_token_id")
-            eos_ids += ge if isinstance(ge, list) else ([ge] if ge is not None else [])
-        if not eos_ids and (path / "config.json").is_file():
-            ce = json.loads((path / "config.json").read_text()).get("eos_token_id")
-            eos_ids += ce if isinstance(ce, list) else ([ce] if ce is not None else [])
-        return cls(
+        for name in ("generation_config.json", "config.json"):
+            if (path / name).is_file():
+                listed = json.loads((path / name).read_text()).get("eos_token_id")
+                values = listed if isinstance(listed, list) else [listed]
+                eos_ids += [int(v) for v in values if isinstance(v, int)]
+        tokenizer = cls(
             tk,
             eos_token_ids=sorted(set(eos_ids)),
             bos_token_id=token_id(cfg.get("bos_token")),
             chat_template=template,
         )
+        # The template's eos_token is the tokenizer's own, not the smallest EOS id.
+        tokenizer.eos_token_id = eos
+        return tokenizer
 
     @property
     def backend(self) -> HFTokenizer:
@@ -276,14 +281,18 @@ class Tokenizer:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         if not self.chat_template:
-            raise ValueError("messages: this model has no chat template")
+            raise ValueError(
+                "messages: this model has no chat template (none in tokenizer_config.json's "
+                "chat_template, chat_template.jinja or the GGUF's tokenizer.chat_template); "
+                "send a prompt to /v1/completions instead"
+            )
         _check_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         special = {}
         for name, tid in (
             ("bos_token", self.bos_token_id),
-            ("eos_token", self.eos_token_ids[0] if self.eos_token_ids else None),
+            ("eos_token", self._template_eos()),
         ):
             special[name] = self.id_to_token(tid) if tid is not None else ""
         return self._compiled_template.render(
@@ -293,11 +302,18 @@ class Tokenizer:
             **kwargs,
         )
 
+    def _template_eos(self) -> int | None:
+        if self.eos_token_id is not None:
+            return self.eos_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt)
-        # The template already writes BOS where the model wants it.
+        # The template writes BOS where the model wants it (``{{ bos_token }}``) or not at
+        # all: encoded without the tokenizer's add-BOS rule, as transformers'
+        # apply_chat_template(tokenize=True) does, so BOS is never doubled.
         return self.encode(text, add_special_tokens=False)
 
 

