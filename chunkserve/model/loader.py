@@ -159,7 +159,8 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor in ``dtype``) one at a time, dequantising as it goes."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+
+    from chunkserve.model.dequant import dequantize
 
     for t in reader.tensors:
         if t.name in _GGUF_TOP_NAMES:
