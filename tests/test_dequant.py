@@ -1,6 +1,7 @@
-"""Our GGUF dequantiser (chunkserve.model.dequant) against gguf-py's, bit for bit: on the
-embedded file's own tensors and on blocks gguf-py's ``quantize`` writes for every type we
-decode ourselves; other types go to gguf-py."""
+"""Our GGUF decoding against gguf-py's: the dequantiser (chunkserve.model.dequant) bit for
+bit, on the embedded file's own tensors and on blocks gguf-py's ``quantize`` writes for
+every type we decode ourselves (other types go to gguf-py); the reader
+(chunkserve.model.gguf_reader) field for field and tensor for tensor."""
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from chunkserve.model import dequant
+from chunkserve.model.gguf_reader import GGUFReader
 from chunkserve.model.loader import open_gguf
 
 OURS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16]
@@ -68,3 +70,24 @@ def test_other_types_go_to_gguf_py():
 def test_rows_of_partial_blocks_are_refused():
     with pytest.raises(ValueError, match="Q4_1"):
         dequant.dequantize(np.zeros((2, 30), np.uint8), T.Q4_1)
+
+
+def test_reader_reads_what_gguf_py_reads(gguf_path):
+    import gguf
+
+    ours, theirs = GGUFReader(gguf_path), gguf.GGUFReader(gguf_path)
+    assert type(ours.data) is np.ndarray and not ours.data.flags.writeable
+    assert list(ours.fields) == list(theirs.fields)
+    for name, a in ours.fields.items():
+        b = theirs.fields[name]
+        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), name
+        assert len(a.parts) == len(b.parts), name
+        for x, y in zip(a.parts, b.parts, strict=True):
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
+    assert (ours.data_offset, ours.alignment) == (theirs.data_offset, theirs.alignment)
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
+        assert np.array_equal(a.shape, b.shape) and a.data.shape == b.data.shape
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+        assert not a.data.flags.writeable

@@ -206,7 +206,7 @@ def open_gguf(path: Path) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
+    from chunkserve.model.gguf_reader import GGUFReader
 
     try:
         return GGUFReader(path)
