@@ -342,75 +342,6 @@ def test_reset_prefix_cache_endpoint(server: Server) -> None:
     assert hits_of_one_request() >= 48
 
 
-def test_priority_decides_who_runs_when_the_engine_is_full() -> None:
-    """One sequence at a time under the priority policy: while a request runs, a less
-    urgent one then a more urgent one queue (seen in /metrics, no sleeps); when the slot
-    frees, the more urgent one runs first, though it came second. Each request the
-    second admitted could only start after the first's 400 tokens, so the first to stream
-    a token is the one admitted first."""
-    server = Server("--max-num-seqs", "1", "--scheduling-policy", "priority")
-    tails = {"running": "", "low": " Go.", "high": " Then list three more, with a reason."}
-    first_token = {name: threading.Event() for name in ("running", "low", "high")}
-    stop = {name: threading.Event() for name in first_token}
-
-    def stream(name: str, priority: int) -> None:
-        body = {
-            "model": MODEL,
-            # The more urgent one's prompt is the longest: by length or by arrival the
-            # less urgent one would go first.
-            "prompt": NATURAL_PROMPTS[3] + tails[name],
-            "max_tokens": 400,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "priority": priority,
-            "stream": True,
-        }
-        with (
-            httpx.Client(timeout=120) as c,
-            c.stream("POST", server.base + "/v1/completions", json=body) as resp,
-        ):
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    first_token[name].set()
-                if stop[name].is_set():
-                    return  # the connection closes: the server aborts the request
-
-    def wait_for(condition, what: str) -> dict[str, float]:
-        deadline = time.time() + 120  # a bound, not an ordering
-        while time.time() < deadline:
-            m = server.metrics()
-            if condition(m):
-                return m
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    threads = []
-    try:
-        for name, priority in (("running", 5), ("low", 10), ("high", 0)):
-            t = threading.Thread(target=stream, args=(name, priority), daemon=True)
-            t.start()
-            threads.append(t)
-            if name == "running":
-                assert first_token["running"].wait(120)
-            else:
-                n = 1 if name == "low" else 2
-                wait_for(lambda m, n=n: m["chunkserve:num_requests_waiting"] == n, f"{n} queued")
-        m = server.metrics()
-        assert m["chunkserve:num_requests_running"] == 1 and not first_token["low"].is_set()
-        stop["running"].set()  # its stream closes: the slot frees
-        deadline = time.time() + 120
-        while not (first_token["low"].is_set() or first_token["high"].is_set()):
-            assert time.time() < deadline, "neither queued request started"
-            first_token["high"].wait(0.05)
-        assert first_token["high"].is_set() and not first_token["low"].is_set()
-    finally:
-        for name in stop:
-            stop[name].set()
-        for t in threads:
-            t.join(30)
-        server.stop()
-
-
 # ---- disconnects ---------------------------------------------------------------------------
 def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     body = {
@@ -785,9 +716,22 @@ def test_body_size_is_bounded(server: Server) -> None:
 
 
 # ---- auth and overload ---------------------------------------------------------------------
+AUTH = {"Authorization": "Bearer sekret"}
+
+
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[Server]:
-    s = Server("--api-key", "sekret", "--max-waiting-requests", "2", "--max-num-seqs", "1")
+    """One sequence at a time, two waiting at most, an API key, the priority policy."""
+    s = Server(
+        "--api-key",
+        "sekret",
+        "--max-waiting-requests",
+        "2",
+        "--max-num-seqs",
+        "1",
+        "--scheduling-policy",
+        "priority",
+    )
     yield s
     s.stop()
 
@@ -831,6 +775,76 @@ def test_overload_is_503_with_retry_after(guarded: Server) -> None:
     assert ok.choices
 
 
+def test_priority_decides_who_runs_when_the_engine_is_full(guarded: Server) -> None:
+    """One sequence at a time under the priority policy: while a request runs, a less
+    urgent one then a more urgent one queue (seen in /metrics, no sleeps); when the slot
+    frees, the more urgent one runs first, though it came second. Each request the
+    second admitted could only start after the first's 400 tokens, so the first to stream
+    a token is the one admitted first. (Two waiting is within the server's bound.)"""
+    server = guarded
+    server.wait_idle()  # the counts below are this test's requests alone
+    tails = {"running": "", "low": " Go.", "high": " Then list three more, with a reason."}
+    first_token = {name: threading.Event() for name in ("running", "low", "high")}
+    stop = {name: threading.Event() for name in first_token}
+
+    def stream(name: str, priority: int) -> None:
+        body = {
+            "model": MODEL,
+            # The more urgent one's prompt is the longest: by length or by arrival the
+            # less urgent one would go first.
+            "prompt": NATURAL_PROMPTS[3] + tails[name],
+            "max_tokens": 400,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "priority": priority,
+            "stream": True,
+        }
+        with (
+            httpx.Client(timeout=120, headers=AUTH) as c,
+            c.stream("POST", server.base + "/v1/completions", json=body) as resp,
+        ):
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    first_token[name].set()
+                if stop[name].is_set():
+                    return  # the connection closes: the server aborts the request
+
+    def wait_for(condition, what: str) -> dict[str, float]:
+        deadline = time.time() + 120  # a bound, not an ordering
+        while time.time() < deadline:
+            m = server.metrics()
+            if condition(m):
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    threads = []
+    try:
+        for name, priority in (("running", 5), ("low", 10), ("high", 0)):
+            t = threading.Thread(target=stream, args=(name, priority), daemon=True)
+            t.start()
+            threads.append(t)
+            if name == "running":
+                assert first_token["running"].wait(120)
+            else:
+                n = 1 if name == "low" else 2
+                wait_for(lambda m, n=n: m["chunkserve:num_requests_waiting"] == n, f"{n} queued")
+        m = server.metrics()
+        assert m["chunkserve:num_requests_running"] == 1 and not first_token["low"].is_set()
+        stop["running"].set()  # its stream closes: the slot frees
+        deadline = time.time() + 120
+        while not (first_token["low"].is_set() or first_token["high"].is_set()):
+            assert time.time() < deadline, "neither queued request started"
+            first_token["high"].wait(0.05)
+        assert first_token["high"].is_set() and not first_token["low"].is_set()
+    finally:
+        for name in stop:
+            stop[name].set()
+        for t in threads:
+            t.join(30)
+    server.wait_idle()  # the aborted streams are gone: the next test finds it idle
+
+
 def test_metrics_text_is_valid(guarded: Server) -> None:
     text = httpx.get(guarded.base + "/metrics").text
     names = {f.name for f in text_string_to_metric_families(text)}
@@ -856,11 +870,17 @@ def test_metrics_text_is_valid(guarded: Server) -> None:
 
 
 # ---- lifecycle: API key from the environment, request timeout, SIGTERM drain --------------
+REQUEST_TIMEOUT_S = 8
+
+
 @pytest.fixture(scope="module")
 def lifecycle_server() -> Iterator[Server]:
     s = Server(
+        # The timeout test holds its requests in flight by pausing the core (PausedCores),
+        # so this needs only to exceed what runs before the pause: a 2-token request, and
+        # the first 3 tokens of a stream (well under a second on an idle machine).
         "--request-timeout",
-        "30",  # a short request finishes well within it on a loaded machine
+        str(REQUEST_TIMEOUT_S),
         "--shutdown-timeout",
         "1",
         env={"CHUNKSERVE_API_KEY": "sekret"},
@@ -910,8 +930,9 @@ def test_api_key_from_the_environment_and_request_timeout(lifecycle_server: Serv
     assert httpx.post(base + "/v1/completions", json=body, timeout=30).status_code == 401
     auth = {"Authorization": "Bearer sekret"}
     assert httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=30).is_success
-    # Past --request-timeout (30 s): a 504 naming the timeout, or an SSE error event; blocks
-    # freed. The core is paused once the request generates, so it cannot finish first.
+    # Past --request-timeout (REQUEST_TIMEOUT_S): a 504 naming the timeout, or an SSE error
+    # event; blocks freed. The core is paused once the request generates, so it cannot
+    # finish first.
     long = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         before = lifecycle_server.metrics()

@@ -355,7 +355,8 @@ def iter_gguf_weights(
     """Yield (HF name, tensor in ``dtype``) one at a time, dequantising as it goes and
     applying the family's ``GGUFSpec`` (splits, Q/K permutation, norm offset)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+
+    from chunkserve.model.dequant import dequantize
 
     _, spec = gguf_spec(_field(reader, "general.architecture"))
     for t in reader.tensors:
@@ -404,7 +405,7 @@ def open_gguf(path: Path) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
+    from chunkserve.model.gguf_reader import GGUFReader
 
     try:
         return GGUFReader(path)

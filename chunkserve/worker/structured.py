@@ -36,12 +36,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from chunkserve.scheduling.request import Request, RequestStatus
 from chunkserve.scheduling.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("chunkserve.structured")
+
+
+class _Xgrammar:
+    """xgrammar, imported on first use: it imports transformers (~1.5 s of CPU per
+    process), which a server front end or core that never sees a grammar does not need."""
+
+    def __getattr__(self, name: str) -> Any:
+        import xgrammar
+
+        return getattr(xgrammar, name)
+
+
+xgr = _Xgrammar()
 
 # Compiled grammars kept (distinct constraints; a JSON schema's is some kB to a few MB).
 MAX_CACHED_GRAMMARS = 256
