@@ -455,10 +455,11 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
     assert_no_blocks_in_use(tight)
 
 
-# Qwen2: sharded Q/K/V biases; OLMo 2: a q/k norm over all heads, summed over the ranks;
-# Phi-4-mini: each rank's q heads, KV heads, gate and up columns from the fused tensors;
+# Every family, e.g. Qwen2: sharded Q/K/V biases; Qwen3 / Gemma 3: per-head q/k norms (Gemma
+# 3's one KV head on both ranks); OLMo 2: a q/k norm over all heads, summed over the ranks;
+# Phi-3 / 4: each rank's q heads, KV heads, gate and up columns from the fused tensors;
 # Gemma 2: sandwich norms, capped scores and logits over a vocabulary split in two.
-@pytest.mark.parametrize("family", ["qwen2", "olmo2", "phi4", "gemma2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_matches_one_process(model_dirs, family: str) -> None:
     path = model_dirs[family]
     tp1 = make_engine(path, max_num_batched_tokens=64)

@@ -541,3 +541,17 @@ def test_chat_without_a_template_is_a_400_naming_it(tiny_dirs, tmp_path) -> None
         assert "no chat template" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 200
+
+
+def test_no_cost_profile_is_written_into_the_hub_cache(tmp_path) -> None:
+    """huggingface_hub owns its snapshot folders: a hub model's cost profile goes to
+    ~/.cache/chunkserve/profiles, a local model's beside it."""
+    from chunkserve.scheduling.costmodel import default_profile_path
+
+    snap = tmp_path / "models--org--name" / "snapshots" / COMMIT_MAIN
+    (snap / "sub").mkdir(parents=True)
+    for model in (snap, snap / "m.gguf"):
+        path = default_profile_path(str(model), "cpu", "float32", 2)
+        assert path.parent == Path.home() / ".cache" / "chunkserve" / "profiles"
+    local = default_profile_path(str(tmp_path / "m.gguf"), "cpu", "float32", 2)
+    assert local.parent == tmp_path

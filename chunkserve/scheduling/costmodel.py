@@ -29,6 +29,7 @@ missing profile converges.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -269,10 +270,15 @@ DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3, 1e-3)
 
 def default_profile_path(model_path: str, device: str, dtype: str, num_threads: int) -> Path:
     """``<model>.<device>-<dtype>-t<threads>.profile.json`` beside the model file, or the
-    same name under ~/.cache/chunkserve/profiles when the model's folder is read-only."""
+    same name under ~/.cache/chunkserve/profiles when the model's folder is read-only or is
+    a hub cache's snapshot (huggingface_hub owns those folders: nothing of ours goes there)."""
     name = f"{Path(model_path).name}.{device}-{dtype}-t{num_threads}.profile.json"
     beside = Path(model_path).parent
-    if os.access(beside, os.W_OK):
+    parts = beside.resolve().parts if beside.exists() else beside.parts
+    in_hub_cache = any(
+        a.startswith("models--") and b == "snapshots" for a, b in itertools.pairwise(parts)
+    )
+    if not in_hub_cache and os.access(beside, os.W_OK):
         return beside / name
     return Path.home() / ".cache" / "chunkserve" / "profiles" / name
 
