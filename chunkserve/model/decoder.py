@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -39,26 +38,10 @@ from chunkserve.model.layers import (
     Target,
     VocabParallelEmbedding,
 )
-from chunkserve.model.registry import layer_spec
+from chunkserve.model.registry import KVLayout, layer_spec
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What the model needs of the KV cache: one group of ``num_layers`` full-attention
-    layers of ``num_kv_heads`` (this rank's) x ``head_dim``; ``sliding_window``: the window
-    every layer attends within (None: all keys, or only some layers have one)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-
-    def bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V one token takes over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
 
 
 class DecoderLayer(nn.Module):

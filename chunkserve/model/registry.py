@@ -23,12 +23,27 @@ if TYPE_CHECKING:
     from chunkserve.attention.base import AttentionBackend, BatchLayout
     from chunkserve.distributed.group import TPGroup
     from chunkserve.distributed.shard import ShardPlan
-    from chunkserve.model.decoder import KVLayout
 
 logger = logging.getLogger(__name__)
 
 # The modules whose classes register themselves (imported on first lookup).
 _FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3", "gemma")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the model needs of the KV cache: one group of ``num_layers`` full-attention
+    layers of ``num_kv_heads`` (this rank's) x ``head_dim``; ``sliding_window``: the window
+    every layer attends within (None: all keys, or only some layers have one)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    def bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V one token takes over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
 
 
 @runtime_checkable
