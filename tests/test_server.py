@@ -721,8 +721,13 @@ AUTH = {"Authorization": "Bearer sekret"}
 
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[Server]:
-    """One sequence at a time, two waiting at most, an API key, the priority policy."""
+    """One sequence at a time, two waiting at most, an API key, the priority policy; a
+    context of 4096 so that one request can hold the only slot for thousands of tokens."""
     s = Server(
+        "--max-model-len",
+        "4096",
+        "--kv-cache-memory",
+        "256MiB",
         "--api-key",
         "sekret",
         "--max-waiting-requests",
@@ -778,9 +783,11 @@ def test_overload_is_503_with_retry_after(guarded: Server) -> None:
 def test_priority_decides_who_runs_when_the_engine_is_full(guarded: Server) -> None:
     """One sequence at a time under the priority policy: while a request runs, a less
     urgent one then a more urgent one queue (seen in /metrics, no sleeps); when the slot
-    frees, the more urgent one runs first, though it came second. Each request the
-    second admitted could only start after the first's 400 tokens, so the first to stream
-    a token is the one admitted first. (Two waiting is within the server's bound.)"""
+    frees, the more urgent one runs first, though it came second. The running request asks
+    for the whole context (~4,000 tokens): it holds the slot until the test closes its
+    stream, however fast the machine generates. Each queued request could only start after
+    that, so the first to stream a token is the one admitted first. (Two waiting is within
+    the server's bound.)"""
     server = guarded
     server.wait_idle()  # the counts below are this test's requests alone
     tails = {"running": "", "low": " Go.", "high": " Then list three more, with a reason."}
@@ -793,7 +800,8 @@ def test_priority_decides_who_runs_when_the_engine_is_full(guarded: Server) -> N
             # The more urgent one's prompt is the longest: by length or by arrival the
             # less urgent one would go first.
             "prompt": NATURAL_PROMPTS[3] + tails[name],
-            "max_tokens": 400,
+            # None: up to the context, so the running one cannot finish on its own first.
+            "max_tokens": None if name == "running" else 400,
             "temperature": 0.0,
             "ignore_eos": True,
             "priority": priority,
