@@ -334,7 +334,10 @@ def test_abort_while_the_grammar_compiles_frees_everything(engine) -> None:
     assert_no_blocks_in_use(engine)
 
 
-def test_a_mask_that_raises_fails_only_its_request(engine, monkeypatch) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-thread", "mask-thread"])
+def test_a_mask_that_raises_fails_only_its_request(engine, monkeypatch, overlap) -> None:
+    """On the mask thread too (torch's inference mode does not cross threads: the failed
+    row's overwrite raised there, and that error reached the request, not the grammar's)."""
     from chunkserve.worker.structured import GrammarMasks, RequestGrammar
 
     def batch_fill(self, matchers, bitmask, indices):
@@ -359,6 +362,7 @@ def test_a_mask_that_raises_fails_only_its_request(engine, monkeypatch) -> None:
     engine.get_request(ids[1]).grammar.bad = True
     masks = engine.core.worker.runner.masks
     assert isinstance(masks, GrammarMasks)
+    monkeypatch.setattr(masks, "overlap", overlap)
     monkeypatch.setattr(type(masks._batch), "batch_fill_next_token_bitmask", batch_fill)
     while engine.has_unfinished():
         for out in engine.step():

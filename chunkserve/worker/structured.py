@@ -398,6 +398,13 @@ class GrammarMasks:
         return job
 
     def _fill(self, job: MaskJob) -> None:
+        # Inference mode is per thread: the bitmask may have been made under the step's,
+        # and a failed row is overwritten in place (outside it torch refuses, and that
+        # error, not the grammar's, reached the request when the masks ran on their thread).
+        with torch.inference_mode():
+            self._fill_rows(job)
+
+    def _fill_rows(self, job: MaskJob) -> None:
         t0 = time.perf_counter()
         bitmask = self._bitmask
         plain = [(r, row) for r, row, drafts in job.rows_by_grammar if not drafts]
