@@ -556,7 +556,7 @@ class EngineCore:
             # The draft model writes its KV at the positions it proposes from: their slots
             # must be the request's (the next step's allocation covers them anyway). Drafts
             # are optional: they never take the blocks the decodes' next tokens may need.
-            spare = self.kv.num_free_blocks - len(decodes)
+            spare = self.kv.num_free_blocks - len(decodes) * self.kv.num_groups
             if k and self.kv.num_new_blocks(r, k) <= spare and self.kv.allocate_slots(r, k):
                 wanted.append((r, k))
             else:
