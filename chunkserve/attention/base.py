@@ -85,6 +85,18 @@ class BatchLayout:
     seq_lens_k_host: list[int]  # [B]
     block_tables_host: list[list[int]]  # [B][num_blocks of that sequence]
     block_size: int
+    # A hybrid KV cache (``kv_cache``: several KV groups): per group, this layout with the
+    # group's slot_mapping, fresh_block_ids and block tables (the other fields shared), and
+    # per layer its group. None: one group, this layout serves every layer.
+    kv_groups: list[BatchLayout] | None = None
+    layer_group: tuple[int, ...] | None = None
+
+    def layer_views(self, attn_meta: Any, num_layers: int) -> list[tuple[BatchLayout, Any]]:
+        """Per layer, the layout and the attention metadata its calls take: with KV
+        groups, ``attn_meta`` is the list of the groups' metadata (``prepare`` of each)."""
+        if self.kv_groups is None or self.layer_group is None:
+            return [(self, attn_meta)] * num_layers
+        return [(self.kv_groups[g], attn_meta[g]) for g in self.layer_group]
 
     @property
     def num_tokens(self) -> int:
