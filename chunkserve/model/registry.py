@@ -323,8 +323,10 @@ def check_attention(backend: AttentionBackend, config: ModelConfig, name: str = 
             needs.append(
                 f"soft-capped attention scores (attn_logit_softcapping={spec.logit_softcap})"
             )
+        if spec.sinks:
+            needs.append("attention sinks")
         advice = "choose another --attention-backend"
-        if spec.logit_softcap is None and spec.sliding_window is not None:
+        if spec.logit_softcap is None and not spec.sinks and spec.sliding_window is not None:
             advice += f", or --max-model-len {spec.sliding_window} or less"
         raise ValueError(
             f"{name}: this {config.architecture} model uses {' and '.join(needs)} and "
