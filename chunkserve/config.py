@@ -686,6 +686,15 @@ class EngineConfig:
         True, "reuse cached KV of shared prompt prefixes (default: on)", both=True
     )
     """Reuse the KV of full blocks whose prefix was computed before (chained block hashes)."""
+    hybrid_kv_cache: bool = _flag(
+        True,
+        "KV groups per attention kind: sliding-window layers give back the blocks out of "
+        "their window (default: on; off: every layer keeps every block)",
+        both=True,
+    )
+    """A model with sliding-window layers keeps one block table per group of layers of one
+    attention kind, and the sliding groups give back the blocks that left their window
+    (``scheduling.kv_cache``). False: one table, every block kept (the baseline)."""
     max_num_partial_prefills: int = _flag(0, "most prompts mid-prefill at once (0: no limit)")
     """Most prompts mid-prefill at once (0: no limit)."""
     max_long_partial_prefills: int = _flag(

@@ -237,9 +237,9 @@ class DecoderLM(nn.Module):
     def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout:
         """The KV layout of a model of ``config`` with ``num_kv_heads`` KV heads (a rank's),
         known before the model is built (the worker sizes the cache from it)."""
-        windows = {config.layer_window(i) for i in range(config.num_layers)}
-        window = windows.pop() if len(windows) == 1 else None
-        return KVLayout(config.num_layers, num_kv_heads, config.head_dim, window)
+        layer_windows = tuple(config.layer_window(i) for i in range(config.num_layers))
+        window = layer_windows[0] if len(set(layer_windows)) == 1 else None
+        return KVLayout(config.num_layers, num_kv_heads, config.head_dim, window, layer_windows)
 
     def kv_layout(self) -> KVLayout:
         return self.kv_layout_for(self.config, self.shard.num_kv_heads)
@@ -254,28 +254,26 @@ class DecoderLM(nn.Module):
         hidden = self.embed_tokens.forward(layout.input_ids)  # [T, hidden]
         if self.scale_embeddings or self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.embed_scale
+        views = layout.layer_views(attn_meta, len(self.layers))
         if self.fused_ops:
             residual = None
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            for layer, (k_cache, v_cache), (lay, meta) in zip(
+                self.layers, kv_caches, views, strict=True
+            ):
                 hidden, residual = layer.forward_fused(
-                    hidden,
-                    residual,
-                    layout.positions,
-                    self.rotary,
-                    k_cache,
-                    v_cache,
-                    attn,
-                    layout,
-                    attn_meta,
-                )
+                    hidden, residual, layout.positions, self.rotary, k_cache, v_cache, attn,
+                    lay, meta,
+                )  # fmt: skip
             return hidden if residual is None else residual + hidden
         cos, sin = self.rotary(layout.positions, self.dtype)
         local = cos, sin
         if self.rotary_local is not None:
             local = self.rotary_local(layout.positions, self.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), (lay, meta) in zip(
+            self.layers, kv_caches, views, strict=True
+        ):
             c, s = local if layer.local_rope else (cos, sin)
-            hidden = layer.forward(hidden, c, s, k_cache, v_cache, attn, layout, attn_meta)
+            hidden = layer.forward(hidden, c, s, k_cache, v_cache, attn, lay, meta)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
