@@ -9,6 +9,7 @@ ValueError naming them.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,24 @@ import torch.nn.functional as F
 from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.model.moe import MOE_NAMES, SparseMoE, grouped_experts, route
+from chunkserve.scheduling.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_in_use, random_prompt
+from tests.test_invariance import run_staggered
 from tests.test_model_families import (
+    BLOCK,
+    CHUNK_TOKENS,
+    CHUNK_WORK,
     SMALL,
+    VOCAB,
+    make_engine,
+    prompts,
+    reference,
+    run_all,
+    variant,
     write_model,
 )
+from tests.test_model_parity import all_row_logits
+from tests.test_tensor_parallel import record_logits
 
 # family -> (transformers config class, fields of the published checkpoint named, experts
 # and their widths shrunk).
@@ -257,3 +272,131 @@ def test_ranks_partial_sums_add_up_to_the_layer(ep: bool, size: int) -> None:
         assert all(p.w13.shape[0] == 6 for p in parts)
         assert sum(p.w2.shape[2] for p in parts) == 20
     torch.testing.assert_close(sum(p(x) for p in parts), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- families against transformers ---------------------------------------------------------
+@pytest.mark.parametrize("name", [*MOE_FAMILIES, *MOE_VARIANTS])
+def test_logits_and_greedy_tokens_match_transformers(moe_dirs, name: str) -> None:
+    path = moe_dirs[name]
+    ref = reference(path)
+    engine = make_engine(path)
+    assert engine.core.worker.model_config.architecture == family_of(name)
+    worst = 0.0
+    for ids in prompts():
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0].float()
+        for chunk in (10_000, 7):
+            got = all_row_logits(engine, ids, chunk)
+            assert got.shape == want.shape
+            rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+            worst = max(worst, rel)
+    assert worst < 1e-4, f"{name}: worst relative error {worst:.2e}"
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    for ids in prompts():
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        assert run_all(engine, [ids], params) == [out[0, len(ids) :].tolist()]
+    assert_no_blocks_in_use(engine)
+
+
+def test_the_layers_the_config_makes_sparse_have_experts(moe_dirs) -> None:
+    from chunkserve.model.moe import SparseMoE
+
+    layers = {}
+    for name in ("qwen2_moe", "qwen2_moe-mlp-only", "qwen2_moe-sparse-step"):
+        model = make_engine(moe_dirs[name]).core.worker.model
+        layers[name] = [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
+    assert layers == {
+        "qwen2_moe": [True, True],
+        "qwen2_moe-mlp-only": [False, True],
+        "qwen2_moe-sparse-step": [False, True],
+    }
+
+
+@pytest.fixture(scope="module")
+def unchunked(moe_dirs) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """Each family's work and its tokens, whole prompts a step (computed once)."""
+    out = {}
+    for family in MOE_FAMILIES:
+        rng = random.Random(21)
+        work = [random_prompt(rng, n) for n in CHUNK_WORK]
+        base = make_engine(
+            moe_dirs[family], enable_chunked_prefill=False, max_num_batched_tokens=2048
+        )
+        out[family] = (work, run_staggered(base, work, CHUNK_TOKENS))
+        assert base.core.scheduler.num_preemptions == 0
+    return out
+
+
+@pytest.mark.parametrize("budget", [16, 256])
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_chunked_and_prefix_cached_match_unchunked(moe_dirs, unchunked, family, budget) -> None:
+    work, expected = unchunked[family]
+    chunked = make_engine(moe_dirs[family], max_num_batched_tokens=budget)
+    steps = []
+    chunked.step_listeners.append(steps.append)
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
+    assert any(s.kind == "mixed" for s in steps)
+    hits = chunked.core.kv.num_hit_tokens
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
+    assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
+    assert_no_blocks_in_use(chunked)
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_preempted_matches_unchunked(moe_dirs, unchunked, family) -> None:
+    work, expected = unchunked[family]
+    per_block = make_engine(moe_dirs[family]).core.worker.model_config.kv_bytes_per_token(4)
+    tight = make_engine(
+        moe_dirs[family],
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=64,
+        kv_cache_memory=11 * per_block * BLOCK,
+        max_model_len=10 * BLOCK,
+    )
+    assert tight.core.worker.num_blocks == 10
+    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
+    assert tight.core.scheduler.num_preemptions > 0
+    assert_no_blocks_in_use(tight)
+
+
+# Each rank holds its columns of every expert (and of Qwen2-MoE's shared expert); the
+# router is replicated; one all-reduce sums the ranks' parts.
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_tensor_parallel_matches_one_process(moe_dirs, family: str) -> None:
+    path = moe_dirs[family]
+    tp1 = make_engine(path, max_num_batched_tokens=64)
+    tp2 = make_engine(path, max_num_batched_tokens=64, tensor_parallel_size=2)
+    try:
+        assert tp2.core.worker.shard.size == 2
+        work = [*prompts(), random_prompt(random.Random(3), 100)]
+        params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+        ref, got = record_logits(tp1), record_logits(tp2)
+        assert run_all(tp2, work, params) == run_all(tp1, work, params)
+        assert len(ref) == len(got) > 0
+        for a, b in zip(got, ref, strict=True):
+            assert a.shape == b.shape and a.shape[1] == VOCAB
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+        assert_no_blocks_in_use(tp2)
+    finally:
+        tp2.shutdown()
+
+
+# ---- what we do not serve ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "family, changes, field",
+    [
+        ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+        ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ("qwen3_moe", {"num_experts_per_tok": 17}, "num_experts_per_tok"),
+        ("mixtral", {"num_experts_per_tok": None}, "num_experts_per_tok"),
+    ],
+)
+def test_unsupported_moe_options_are_refused_naming_them(
+    moe_dirs, tmp_path, family, changes, field, no_weight_loading
+) -> None:
+    path = variant(moe_dirs[family], tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=field):
+        make_engine(path)

@@ -424,6 +424,8 @@ _HF_DEFAULTS = {
         attn_logit_softcapping=50.0,
     ),
     "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0),
+    # Qwen2-MoE's Q/K/V biases are its config's ``qkv_bias`` (true by default).
+    "qwen2_moe": dict(qkv_bias=True),
 }
 # Families whose layer types, when a config does not list them, follow a pattern: every
 # ``n``-th layer (1-based) has full attention, the others the window (HF's derivation;
@@ -512,7 +514,13 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     if "query_pre_attn_scalar" in cfg:  # Gemma: the softmax scale
         attn_mult = float(cfg["query_pre_attn_scalar"]) ** -0.5
     attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
+    if cfg.get("clip_qkv") is not None:  # OLMo / OLMoE: q, k, v clamped to +-clip_qkv
+        raise ValueError(
+            f"model: config.json: clip_qkv {cfg['clip_qkv']!r} is not supported (only null: "
+            f"no clamping of q, k and v)"
+        )
     return ModelConfig(
+        **_moe_fields(cfg, num_layers),
         architecture=family,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -528,7 +536,7 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         rope_scaling=rope,
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", False))),
         # Gemma's configs carry both; its models use ``hidden_activation``.
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
         partial_rotary_factor=float(partial),
@@ -543,6 +551,33 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         attn_logit_softcap=None if attn_cap is None else float(attn_cap),
         final_logit_softcap=None if final_cap is None else float(final_cap),
         rope_local_theta=local_theta,
+    )
+
+
+def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' fields (``ModelConfig``; none for a dense model): the number
+    of experts (``num_local_experts`` as Mixtral and transformers 5's Qwen3-MoE name it, or
+    ``num_experts``), the layers with experts from ``mlp_only_layers`` and
+    ``decoder_sparse_step`` as transformers' Qwen2/3-MoE derive them (layer i is sparse
+    unless listed, when (i + 1) is a multiple of the step)."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts == 0:
+        return {}
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(
+            f"model: config.json: decoder_sparse_step {step!r} must be an integer >= 1"
+        )
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    moe_inter = cfg.get("moe_intermediate_size")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=None if moe_inter is None else int(moe_inter),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        moe_layers=None if len(layers) == num_layers else layers,
     )
 
 

@@ -27,7 +27,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The modules whose classes register themselves (imported on first lookup).
-_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3", "gemma")
+_FAMILY_MODULES = (
+    "llama",
+    "qwen",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "phi3",
+    "gemma",
+    "mixtral",
+    "qwen_moe",
+    "olmoe",
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +68,9 @@ class CausalLM(Protocol):
       tensor-parallel rank 0; None on the others);
     - ``load_weights(iter of (HF name, tensor))``: a ValueError naming a missing, unexpected
       or misshapen tensor; ``init_dummy_weights(seed)``: random weights of the right shapes;
-    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels.
+    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels;
+    - ``supports_cuda_graphs`` (optional, default True): False where a step cannot be
+      captured in a CUDA graph (a mixture of experts' host-side loop over its experts).
     """
 
     config: ModelConfig

@@ -351,13 +351,16 @@ class Worker:
                 dummy_weights=config.load_format == "dummy",
             )
             self._draft_reader = None
-        graphs_ok = self.attention.supports_cuda_graphs and self.group is None
+        model_graphs = getattr(self.model, "supports_cuda_graphs", True)
+        graphs_ok = self.attention.supports_cuda_graphs and self.group is None and model_graphs
         self.cuda_graphs = on_cuda and not config.enforce_eager and graphs_ok
         if on_cuda and not config.enforce_eager and not graphs_ok:
             logger.info(
                 "CUDA graphs off: %s",
                 "tensor-parallel steps run eagerly"
                 if self.group is not None
+                else "the model's steps cannot be captured"
+                if not model_graphs
                 else f"the {self.attention.name} attention backend cannot be captured",
             )
         if self.cuda_graphs:
