@@ -848,6 +848,15 @@ class EngineConfig:
     """Ranks on one CPU host sum their partial outputs through shared memory (gloo's
     per-call latency is ~100x a decode layer's work on a small VM); False: every
     collective on gloo."""
+    enable_expert_parallel: bool = _flag(
+        False,
+        "mixture-of-experts models: divide the experts among the tensor-parallel ranks "
+        "(whole experts each) instead of splitting every expert's columns",
+    )
+    """A mixture of experts over ``tensor_parallel_size`` ranks: each rank holds whole
+    experts (a contiguous range), rather than its share of every expert's columns; a
+    token's choices are computed on its experts' ranks and summed by the all-reduce after
+    the layer (vLLM's ``--enable-expert-parallel``). A model without experts is refused."""
     disaggregation_mode: str | None = _flag(
         None,
         "prefill/decode disaggregation: 'prefill' computes prompts' KV and sends it to "

@@ -362,26 +362,38 @@ def test_preempted_matches_unchunked(moe_dirs, unchunked, family) -> None:
     assert_no_blocks_in_use(tight)
 
 
-# Each rank holds its columns of every expert (and of Qwen2-MoE's shared expert); the
-# router is replicated; one all-reduce sums the ranks' parts.
+# Tensor parallel: each rank holds its columns of every expert (and of Qwen2-MoE's shared
+# expert); expert parallel: its half of the experts, whole. The router is replicated; one
+# all-reduce sums the ranks' parts. EP 2 = TP 2 = TP 1, tokens and logits.
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
-def test_tensor_parallel_matches_one_process(moe_dirs, family: str) -> None:
+def test_tensor_and_expert_parallel_match_one_process(moe_dirs, family: str) -> None:
     path = moe_dirs[family]
+    experts = MOE_FAMILIES[family][1].get("num_local_experts") or MOE_FAMILIES[family][1].get(
+        "num_experts"
+    )
     tp1 = make_engine(path, max_num_batched_tokens=64)
-    tp2 = make_engine(path, max_num_batched_tokens=64, tensor_parallel_size=2)
-    try:
-        assert tp2.core.worker.shard.size == 2
-        work = [*prompts(), random_prompt(random.Random(3), 100)]
-        params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
-        ref, got = record_logits(tp1), record_logits(tp2)
-        assert run_all(tp2, work, params) == run_all(tp1, work, params)
-        assert len(ref) == len(got) > 0
-        for a, b in zip(got, ref, strict=True):
-            assert a.shape == b.shape and a.shape[1] == VOCAB
-            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
-        assert_no_blocks_in_use(tp2)
-    finally:
-        tp2.shutdown()
+    work = [*prompts(), random_prompt(random.Random(3), 100)]
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    ref = record_logits(tp1)
+    want = run_all(tp1, work, params)
+    assert len(ref) > 0
+    for ep in (False, True):
+        tp2 = make_engine(
+            path, max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=ep
+        )
+        try:
+            assert tp2.core.worker.shard.size == 2
+            mlp = tp2.core.worker.model.layers[0].mlp
+            assert mlp.w13.shape[0] == (experts // 2 if ep else experts)
+            got = record_logits(tp2)
+            assert run_all(tp2, work, params) == want
+            assert len(got) == len(ref)
+            for a, b in zip(got, ref, strict=True):
+                assert a.shape == b.shape and a.shape[1] == VOCAB
+                assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+            assert_no_blocks_in_use(tp2)
+        finally:
+            tp2.shutdown()
 
 
 # ---- what we do not serve ------------------------------------------------------------------
@@ -400,3 +412,11 @@ def test_unsupported_moe_options_are_refused_naming_them(
     path = variant(moe_dirs[family], tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=field):
         make_engine(path)
+
+
+def test_expert_parallel_without_experts_is_refused(hf_dir, tmp_path, no_weight_loading) -> None:
+    from tests.test_model_families import hf_config
+
+    dense = write_model(tmp_path / "llama", hf_config("llama"), hf_dir)
+    with pytest.raises(ValueError, match="enable_expert_parallel.*no experts"):
+        make_engine(dense, tensor_parallel_size=2, enable_expert_parallel=True)

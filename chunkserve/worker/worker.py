@@ -136,7 +136,14 @@ class Worker:
         check_servable(model_config, max_model_len)
         model_config = self.model_config = serving_config(model_config, max_model_len)
         # This rank's share of the model; a model that cannot be split so fails here.
-        self.shard = plan_shards(model_config, tp, self.rank)
+        if config.enable_expert_parallel and model_config.num_experts == 0:
+            raise ValueError(
+                f"enable_expert_parallel: this {model_config.architecture} model has no "
+                f"experts to divide among ranks"
+            )
+        self.shard = plan_shards(
+            model_config, tp, self.rank, expert_parallel=config.enable_expert_parallel
+        )
         self.group: TPGroup | None = None
         self.local_ranks: LocalRanks | None = None
         # Rank 0: stops the other ranks once, from ``shutdown`` or else when the worker is
