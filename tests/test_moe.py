@@ -396,6 +396,36 @@ def test_tensor_and_expert_parallel_match_one_process(moe_dirs, family: str) -> 
             tp2.shutdown()
 
 
+# ---- GGUF ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_gguf_matches_the_directory(moe_dirs, tmp_path, family: str) -> None:
+    """Written as llama.cpp's converters write them (experts stacked as ffn_*_exps, the
+    router ffn_gate_inp, Qwen2-MoE's shared expert ffn_*_shexp; Mixtral as "llama"): the
+    directory's logits and greedy tokens."""
+    from chunkserve.model.loader import gguf_model_config, open_gguf
+    from tests.test_gguf import _compare, write_gguf
+
+    path = write_gguf(moe_dirs[family], tmp_path / f"{family}.gguf")
+    config = gguf_model_config(open_gguf(path))
+    assert config.architecture == family
+    assert config.num_experts == MOE_FAMILIES[family][1].get(
+        "num_local_experts", MOE_FAMILIES[family][1].get("num_experts")
+    )
+    _compare(moe_dirs[family], path, 1e-5)
+
+
+def test_gguf_expert_options_we_do_not_honour_are_refused(moe_dirs, tmp_path) -> None:
+    """A scale llama.cpp applies to the routing weights (DeepSeek's): refused by its key."""
+    from chunkserve.model.loader import gguf_model_config, open_gguf
+    from tests.test_gguf import write_gguf
+
+    path = write_gguf(
+        moe_dirs["qwen3_moe"], tmp_path / "m.gguf", extra={"qwen3moe.expert_weights_scale": 2.5}
+    )
+    with pytest.raises(ValueError, match="qwen3moe.expert_weights_scale"):
+        gguf_model_config(open_gguf(path))
+
+
 # ---- what we do not serve ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "family, changes, field",

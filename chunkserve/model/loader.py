@@ -18,8 +18,10 @@ module applies it generically:
   a key we ignore could change the numbers.
 - **Tensors**: the Llama table below (``_GGUF_TOP_NAMES``, ``_GGUF_BLOCK_NAMES``: GGUF name
   -> HF name) updated with the spec's ``tensors``; the spec's ``splits`` cut fused tensors
-  into their HF parts; ``permuted_qk`` undoes llama.cpp's Q/K row permutation (its
-  ``LlamaModel.permute``, applied by the Llama-derived converters only); ``norm_offset``
+  into their HF parts; its ``experts`` cut a mixture of experts' stacked tensors
+  (``ffn_gate_exps`` ...) into one HF tensor per expert; ``permuted_qk`` undoes llama.cpp's
+  Q/K row permutation (its ``LlamaModel.permute``, applied by the Llama-derived converters
+  only); ``norm_offset``
   undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
   A tensor neither table names is a ValueError naming it.
 
@@ -178,6 +180,12 @@ _COMMON_KEYS = {
     "rope.freq_base": "rope_theta",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.sliding_window": "sliding_window",
+    # Mixtures of experts (a spec's ``experts`` names their stacked tensors).
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
 }
 # Read elsewhere in this module, or informational only.
 _OTHER_KEYS = {
@@ -336,6 +344,8 @@ def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
     prefix = f"model.layers.{idx}."
     if rest in spec.splits:
         return tuple(prefix + part for part in spec.splits[rest].parts)
+    if rest in spec.experts:  # stacked: one name per expert ("{}": its index)
+        return (prefix + spec.experts[rest],)
     hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
     if hf is not None:
         return (prefix + hf,)
@@ -370,7 +380,15 @@ def iter_gguf_weights(
         # GGUF lists dims fastest-first; numpy data is already [rows, cols] = HF's [out, in].
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
         parts = [arr]
-        if len(names) > 1:
+        if "{}" in names[0]:  # a mixture of experts' stacked tensor: expert by expert
+            if arr.ndim != 3 or arr.shape[0] != config.num_experts:
+                raise _refuse(
+                    f"tensor {t.name!r}",
+                    f"shape {arr.shape}, expected {config.num_experts} stacked experts",
+                )
+            names = tuple(names[0].format(e) for e in range(arr.shape[0]))
+            parts = list(arr)
+        elif len(names) > 1:
             sizes = spec.splits[t.name.split(".", 2)[2]].sizes(config)
             if sum(sizes) != arr.shape[0]:
                 raise _refuse(f"tensor {t.name!r}", f"{arr.shape[0]} rows, expected {sizes}")

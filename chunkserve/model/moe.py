@@ -60,6 +60,25 @@ MOE_NAMES = {
 }
 
 
+def gguf_moe_names(
+    names: dict[str, str] = MOE_NAMES, shared: bool = False
+) -> tuple[dict[str, str], dict[str, str]]:
+    """llama.cpp's names of an MoE block (gguf-py's ``ffn_gate_inp``, ``ffn_*_exps``,
+    ``ffn_*_shexp``) for a ``registry.GGUFSpec``: (``tensors``, ``experts``) -> the HF names
+    ``names`` gives."""
+    block = names["block"] + "."
+    tensors = {"ffn_gate_inp.weight": block + names["router"] + ".weight"}
+    experts = {
+        f"ffn_{part}_exps.weight": block + "experts.{}." + names[part] + ".weight"
+        for part in ("gate", "up", "down")
+    }
+    if shared:
+        for part in ("gate", "up", "down"):
+            tensors[f"ffn_{part}_shexp.weight"] = f"{block}{names['shared']}.{part}_proj.weight"
+        tensors["ffn_gate_inp_shexp.weight"] = block + names["shared_gate"] + ".weight"
+    return tensors, experts
+
+
 def _split(n: int, parts: int, i: int) -> tuple[int, int]:
     return i * n // parts, (i + 1) * n // parts
 
