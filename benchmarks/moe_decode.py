@@ -15,7 +15,8 @@ through the engine's model runner (``tuning.profiler.ShapeRunner``):
   (every layer's QKV, output and router projections, each touched expert's gate/up and down
   over the rows routed to it, the LM head), step and floor timed in turn (the VM drifts);
   also the floor of the touched experts alone;
-- the dense model's step at the same batches: its time over the MoE step's.
+- the dense model's step at the same batches, timed in turn with the MoE step: its time
+  over the MoE step's (the median of the rounds' ratios).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/moe_decode.py --threads 2
 
@@ -150,33 +151,39 @@ def time_calls(calls: list) -> float:
 
 
 @torch.inference_mode()
-def measure_moe(llm: LLM, args: argparse.Namespace) -> list[dict[str, Any]]:
-    core = llm.engine.core
-    model = core.worker.runner.model
-    runner = ShapeRunner(core)
+def measure(moe_llm: LLM, dense_llm: LLM, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per batch: the MoE step, its floors and the dense step, timed in turn (the machine's
+    load drifts; each ratio is the median of the rounds' ratios)."""
+    model = moe_llm.engine.core.worker.runner.model
+    runner, dense = ShapeRunner(moe_llm.engine.core), ShapeRunner(dense_llm.engine.core)
     out = []
     for batch in args.batches:
         shape = StepShape(decode_context_lens=(args.context,) * batch)
         step, reqs = runner.build(shape)
+        dense_step, dense_reqs = dense.build(shape)
         try:
             runner.worker.runner.execute(step)  # warm-up
+            dense.worker.runner.execute(dense_step)
             with RouteRecorder() as rec:
                 runner.worker.runner.execute(step)
             # Padded rows (a CPU step pads its token count) are routed too: the floor
             # counts the rows the step actually multiplied.
             rows = rec.ids[0].shape[0]
             every, experts = floor_calls(model, rec.ids, rows, batch)
-            steps, floors, expert_floors = [], [], []
+            steps, floors, expert_floors, dense_steps = [], [], [], []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 runner.worker.runner.execute(step)
                 steps.append(time.perf_counter() - t0)
                 floors.append(time_calls(every))
                 expert_floors.append(time_calls(experts))
+                t0 = time.perf_counter()
+                dense.worker.runner.execute(dense_step)
+                dense_steps.append(time.perf_counter() - t0)
         finally:
             runner.free(reqs)
+            dense.free(dense_reqs)
         touched = [len(set(ids[:batch].reshape(-1).tolist())) for ids in rec.ids]
-        ratios = [s / f for s, f in zip(steps, floors, strict=True)]
         out.append(
             dict(
                 batch=batch,
@@ -184,21 +191,16 @@ def measure_moe(llm: LLM, args: argparse.Namespace) -> list[dict[str, Any]]:
                 step_ms=1e3 * statistics.median(steps),
                 floor_ms=1e3 * statistics.median(floors),
                 experts_floor_ms=1e3 * statistics.median(expert_floors),
-                step_over_floor=statistics.median(ratios),
+                step_over_floor=statistics.median(
+                    [s / f for s, f in zip(steps, floors, strict=True)]
+                ),
                 experts_touched_per_layer=touched,
+                dense_step_ms=1e3 * statistics.median(dense_steps),
+                dense_over_moe=statistics.median(
+                    [d / s for d, s in zip(dense_steps, steps, strict=True)]
+                ),
             )
         )
-        print(out[-1], flush=True)
-    return out
-
-
-@torch.inference_mode()
-def measure_dense(llm: LLM, args: argparse.Namespace) -> list[dict[str, Any]]:
-    runner = ShapeRunner(llm.engine.core)
-    out = []
-    for batch in args.batches:
-        shape = StepShape(decode_context_lens=(args.context,) * batch)
-        out.append(dict(batch=batch, step_ms=1e3 * runner.time_shape(shape, args.repeats)))
         print(out[-1], flush=True)
     return out
 
@@ -228,18 +230,13 @@ def main() -> None:
         args=vars(args),
     )
     with tempfile.TemporaryDirectory() as tmp:
-        llm = make_llm(write_model_dir(Path(tmp) / "moe", args, dense=False), args)
-        results["moe_params"] = params(llm.engine.core.worker.runner.model)
-        results["moe"] = measure_moe(llm, args)
-        llm.engine.shutdown()
-        del llm
-        llm = make_llm(write_model_dir(Path(tmp) / "dense", args, dense=True), args)
-        results["dense_params"] = params(llm.engine.core.worker.runner.model)
-        results["dense"] = measure_dense(llm, args)
-        llm.engine.shutdown()
-        del llm
-    for m, d in zip(results["moe"], results["dense"], strict=True):
-        m["dense_over_moe"] = d["step_ms"] / m["step_ms"]
+        moe_llm = make_llm(write_model_dir(Path(tmp) / "moe", args, dense=False), args)
+        dense_llm = make_llm(write_model_dir(Path(tmp) / "dense", args, dense=True), args)
+        results["moe_params"] = params(moe_llm.engine.core.worker.runner.model)
+        results["dense_params"] = params(dense_llm.engine.core.worker.runner.model)
+        results["steps"] = measure(moe_llm, dense_llm, args)
+        moe_llm.engine.shutdown()
+        dense_llm.engine.shutdown()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -263,11 +260,11 @@ def report(r: dict[str, Any]) -> str:
         "touched per layer | dense step ms | dense / MoE |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for m, d in zip(r["moe"], r["dense"], strict=True):
+    for m in r["steps"]:
         lines.append(
             f"| {m['batch']} | {m['step_ms']:.1f} | {m['floor_ms']:.1f} | "
             f"{m['step_over_floor']:.2f} | {m['experts_floor_ms']:.1f} | "
-            f"{m['experts_touched_per_layer']} | {d['step_ms']:.1f} | "
+            f"{m['experts_touched_per_layer']} | {m['dense_step_ms']:.1f} | "
             f"{m['dense_over_moe']:.2f} |"
         )
     lines += [
