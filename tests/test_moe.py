@@ -274,6 +274,12 @@ def test_ranks_partial_sums_add_up_to_the_layer(ep: bool, size: int) -> None:
     torch.testing.assert_close(sum(p(x) for p in parts), want, rtol=1e-5, atol=1e-5)
 
 
+def test_more_expert_parallel_ranks_than_experts_are_refused() -> None:
+    config = moe_config(num_experts=3)
+    with pytest.raises(ValueError, match="enable_expert_parallel: 4 ranks.*3 experts"):
+        build_layer(config, checkpoint(config), size=4, rank=0, ep=True)
+
+
 # ---- families against transformers ---------------------------------------------------------
 @pytest.mark.parametrize("name", [*MOE_FAMILIES, *MOE_VARIANTS])
 def test_logits_and_greedy_tokens_match_transformers(moe_dirs, name: str) -> None:
