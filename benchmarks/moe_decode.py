@@ -30,6 +30,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -151,12 +152,14 @@ def time_calls(calls: list) -> float:
 
 
 @torch.inference_mode()
-def measure(moe_llm: LLM, dense_llm: LLM, args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(
+    moe_llm: LLM, dense_llm: LLM, args: argparse.Namespace, done: Callable[[dict], None]
+) -> None:
     """Per batch: the MoE step, its floors and the dense step, timed in turn (the machine's
-    load drifts; each ratio is the median of the rounds' ratios)."""
+    load drifts; each ratio is the median of the rounds' ratios); ``done`` gets each
+    batch's row."""
     model = moe_llm.engine.core.worker.runner.model
     runner, dense = ShapeRunner(moe_llm.engine.core), ShapeRunner(dense_llm.engine.core)
-    out = []
     for batch in args.batches:
         shape = StepShape(decode_context_lens=(args.context,) * batch)
         step, reqs = runner.build(shape)
@@ -184,25 +187,21 @@ def measure(moe_llm: LLM, dense_llm: LLM, args: argparse.Namespace) -> list[dict
             runner.free(reqs)
             dense.free(dense_reqs)
         touched = [len(set(ids[:batch].reshape(-1).tolist())) for ids in rec.ids]
-        out.append(
-            dict(
-                batch=batch,
-                rows_multiplied=rows,
-                step_ms=1e3 * statistics.median(steps),
-                floor_ms=1e3 * statistics.median(floors),
-                experts_floor_ms=1e3 * statistics.median(expert_floors),
-                step_over_floor=statistics.median(
-                    [s / f for s, f in zip(steps, floors, strict=True)]
-                ),
-                experts_touched_per_layer=touched,
-                dense_step_ms=1e3 * statistics.median(dense_steps),
-                dense_over_moe=statistics.median(
-                    [d / s for d, s in zip(dense_steps, steps, strict=True)]
-                ),
-            )
+        row = dict(
+            batch=batch,
+            rows_multiplied=rows,
+            step_ms=1e3 * statistics.median(steps),
+            floor_ms=1e3 * statistics.median(floors),
+            experts_floor_ms=1e3 * statistics.median(expert_floors),
+            step_over_floor=statistics.median([s / f for s, f in zip(steps, floors, strict=True)]),
+            experts_touched_per_layer=touched,
+            dense_step_ms=1e3 * statistics.median(dense_steps),
+            dense_over_moe=statistics.median(
+                [d / s for d, s in zip(dense_steps, steps, strict=True)]
+            ),
         )
-        print(out[-1], flush=True)
-    return out
+        print(row, flush=True)
+        done(row)
 
 
 def params(model) -> int:
@@ -234,14 +233,21 @@ def main() -> None:
         dense_llm = make_llm(write_model_dir(Path(tmp) / "dense", args, dense=True), args)
         results["moe_params"] = params(moe_llm.engine.core.worker.runner.model)
         results["dense_params"] = params(dense_llm.engine.core.worker.runner.model)
-        results["steps"] = measure(moe_llm, dense_llm, args)
+        results["steps"] = []
+        measure(moe_llm, dense_llm, args, lambda row: save(results, row, args.out_dir))
         moe_llm.engine.shutdown()
         dense_llm.engine.shutdown()
-    out = Path(args.out_dir)
+    print(report(results))
+
+
+def save(results: dict[str, Any], row: dict[str, Any], out_dir: str) -> None:
+    """Adds a batch's row and writes the results so far (a run the machine's load makes
+    too slow to finish keeps the batches it measured)."""
+    results["steps"].append(row)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(report(results))
-    print(report(results))
 
 
 def report(r: dict[str, Any]) -> str:
