@@ -28,7 +28,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The modules whose classes register themselves (imported on first lookup).
-_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3", "gemma")
+_FAMILY_MODULES = (
+    "llama",
+    "qwen",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "phi3",
+    "gemma",
+    "mixtral",
+    "qwen_moe",
+    "olmoe",
+)
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,9 @@ class CausalLM(Protocol):
       tensor-parallel rank 0; None on the others);
     - ``load_weights(iter of (HF name, tensor))``: a ValueError naming a missing, unexpected
       or misshapen tensor; ``init_dummy_weights(seed)``: random weights of the right shapes;
-    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels.
+    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels;
+    - ``supports_cuda_graphs`` (optional, default True): False where a step cannot be
+      captured in a CUDA graph (a mixture of experts' host-side loop over its experts).
     """
 
     config: ModelConfig
@@ -166,9 +179,13 @@ class GGUFSpec:
       ``ModelConfig`` field that gets their values as a tuple of floats;
     - ``config``: ``ModelConfig`` fields the GGUF has no key for (llama.cpp hard-codes them);
     - ``derive``: fields computed from those read so far (a dict of ``ModelConfig`` fields ->
-      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count``. A field
+      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count`` (or
+      ``architecture``: Mixtral is written as ``llama`` with experts). A field
       name starting with "_" in ``keys`` or ``config_tensors`` is a scratch value for
-      ``derive`` (e.g. parts of a rope scaling dict), dropped before ``ModelConfig``.
+      ``derive`` (e.g. parts of a rope scaling dict), dropped before ``ModelConfig``;
+    - ``experts``: a mixture of experts' stacked GGUF block tensors (after ``blk.N.``, e.g.
+      ``ffn_gate_exps.weight``, [E, rows, cols]) -> the HF name of one expert's tensor with
+      ``{}`` for its index (after ``model.layers.N.``): loaded expert by expert.
     """
 
     arch: str
@@ -180,6 +197,7 @@ class GGUFSpec:
     config_tensors: Mapping[str, str] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
     derive: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    experts: Mapping[str, str] = field(default_factory=dict)
 
 
 _CLASSES: dict[str, type] = {}  # family -> class

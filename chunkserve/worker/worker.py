@@ -136,7 +136,14 @@ class Worker:
         check_servable(model_config, max_model_len)
         model_config = self.model_config = serving_config(model_config, max_model_len)
         # This rank's share of the model; a model that cannot be split so fails here.
-        self.shard = plan_shards(model_config, tp, self.rank)
+        if config.enable_expert_parallel and model_config.num_experts == 0:
+            raise ValueError(
+                f"enable_expert_parallel: this {model_config.architecture} model has no "
+                f"experts to divide among ranks"
+            )
+        self.shard = plan_shards(
+            model_config, tp, self.rank, expert_parallel=config.enable_expert_parallel
+        )
         self.group: TPGroup | None = None
         self.local_ranks: LocalRanks | None = None
         # Rank 0: stops the other ranks once, from ``shutdown`` or else when the worker is
@@ -379,7 +386,13 @@ class Worker:
             )
             self._draft_reader = None
         hybrid = self.kv_groups.num_groups > 1
-        graphs_ok = self.attention.supports_cuda_graphs and self.group is None and not hybrid
+        model_graphs = getattr(self.model, "supports_cuda_graphs", True)
+        graphs_ok = (
+            self.attention.supports_cuda_graphs
+            and self.group is None
+            and not hybrid
+            and model_graphs
+        )
         self.cuda_graphs = on_cuda and not config.enforce_eager and graphs_ok
         if on_cuda and not config.enforce_eager and not graphs_ok:
             logger.info(
@@ -388,6 +401,8 @@ class Worker:
                 if self.group is not None
                 else "a hybrid KV cache's steps run eagerly"
                 if hybrid
+                else "the model's steps cannot be captured"
+                if not model_graphs
                 else f"the {self.attention.name} attention backend cannot be captured",
             )
         if self.cuda_graphs:
