@@ -120,6 +120,27 @@ class ModelConfig:
     # llama.cpp's ``rope_freqs`` (a GGUF's form of Llama 3's rope scaling): each of the
     # rotary_dim / 2 frequencies is divided by its factor; None: none.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Mixture of experts (``model.moe``): ``num_experts`` routed experts (0: a dense model),
+    # ``num_experts_per_tok`` of them per token, each a gated MLP of
+    # ``moe_intermediate_size`` columns (None: ``intermediate_size``); ``norm_topk_prob``:
+    # the chosen experts' softmax weights renormalised to sum to 1; a shared expert of
+    # ``shared_expert_intermediate_size`` columns (0: none) gated by sigmoid(x w) (Qwen2-MoE);
+    # ``moe_layers``: the layers with experts (None: every layer), the others a dense MLP of
+    # ``intermediate_size`` (Qwen2/3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     def is_window_layer(self, layer: int) -> bool:
         """Whether ``layer`` is one of the sliding-window layers (by the config's layer types,
@@ -227,6 +248,28 @@ class ModelConfig:
                 value is None or (math.isfinite(value) and value > 0),
                 name,
                 f"must be a finite number > 0 or None, got {value!r}",
+            )
+        _require(self.num_experts >= 0, "num_experts", "must not be negative")
+        if self.num_experts:
+            _require(
+                1 <= self.num_experts_per_tok <= self.num_experts,
+                "num_experts_per_tok",
+                f"must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}",
+            )
+            _require(
+                self.moe_intermediate_size is None or self.moe_intermediate_size > 0,
+                "moe_intermediate_size",
+                "must be positive",
+            )
+            _require(
+                self.shared_expert_intermediate_size >= 0,
+                "shared_expert_intermediate_size",
+                "must not be negative",
+            )
+            _require(
+                self.moe_layers is None or all(0 <= i < self.num_layers for i in self.moe_layers),
+                "moe_layers",
+                f"must be layer indices below num_layers ({self.num_layers})",
             )
         _require(
             all(0 <= i < self.num_layers for i in self.no_rope_layers),
@@ -686,6 +729,15 @@ class EngineConfig:
         True, "reuse cached KV of shared prompt prefixes (default: on)", both=True
     )
     """Reuse the KV of full blocks whose prefix was computed before (chained block hashes)."""
+    hybrid_kv_cache: bool = _flag(
+        True,
+        "KV groups per attention kind: sliding-window layers give back the blocks out of "
+        "their window (default: on; off: every layer keeps every block)",
+        both=True,
+    )
+    """A model with sliding-window layers keeps one block table per group of layers of one
+    attention kind, and the sliding groups give back the blocks that left their window
+    (``scheduling.kv_cache``). False: one table, every block kept (the baseline)."""
     max_num_partial_prefills: int = _flag(0, "most prompts mid-prefill at once (0: no limit)")
     """Most prompts mid-prefill at once (0: no limit)."""
     max_long_partial_prefills: int = _flag(
@@ -805,6 +857,15 @@ class EngineConfig:
     """Ranks on one CPU host sum their partial outputs through shared memory (gloo's
     per-call latency is ~100x a decode layer's work on a small VM); False: every
     collective on gloo."""
+    enable_expert_parallel: bool = _flag(
+        False,
+        "mixture-of-experts models: divide the experts among the tensor-parallel ranks "
+        "(whole experts each) instead of splitting every expert's columns",
+    )
+    """A mixture of experts over ``tensor_parallel_size`` ranks: each rank holds whole
+    experts (a contiguous range), rather than its share of every expert's columns; a
+    token's choices are computed on its experts' ranks and summed by the all-reduce after
+    the layer (vLLM's ``--enable-expert-parallel``). A model without experts is refused."""
     disaggregation_mode: str | None = _flag(
         None,
         "prefill/decode disaggregation: 'prefill' computes prompts' KV and sends it to "

@@ -23,11 +23,13 @@ from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
 H, HKV, HD = 6, 2, 32
 
 
-def dense_reference(q_rows, k_all, v_all, positions, scale, window=None, softcap=None):
+def dense_reference(q_rows, k_all, v_all, positions, scale, window=None, softcap=None, sinks=None):
     """q_rows: [n, H, hd] of one request at ``positions``; k_all/v_all: [ctx, Hkv, hd] of
     that request from position 0. Each row sees keys 0..its position; with a ``window`` W
     only keys > position - W (HF transformers' ``kv_idx > q_idx - sliding_window``). Scores
-    ``scale * q . k``, then ``softcap * tanh(s / softcap)``, then the mask, then softmax."""
+    ``scale * q . k``, then ``softcap * tanh(s / softcap)``, then the mask, then softmax
+    (with ``sinks`` [H]: over the keys and one more column per head holding its sink
+    logit, dropped after)."""
     g = q_rows.shape[1] // k_all.shape[1]
     k = k_all.repeat_interleave(g, dim=1).float()  # [ctx, H, hd]
     v = v_all.repeat_interleave(g, dim=1).float()
@@ -39,7 +41,12 @@ def dense_reference(q_rows, k_all, v_all, positions, scale, window=None, softcap
     scores = torch.einsum("nhd,khd->nhk", q_rows.float(), k) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink_col = sinks.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
     out = torch.einsum("nhk,khd->nhd", probs, v).to(q_rows.dtype)
     return out
 
@@ -108,6 +115,7 @@ def _check_random_batch(
     spec=None,
     tol=None,
     want_spec="same",
+    sinks=None,
 ) -> tuple[float, torch.Tensor]:
     """One batch (``random_batch``'s, or ``batch``: (prefills, decodes)) through the backend
     against the dense reference, the pool poisoned with NaN outside what was written.
@@ -173,8 +181,10 @@ def _check_random_batch(
     meta = attn.prepare(layout)
     if spec is None:
         got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta)
-    else:
+    elif sinks is None:
         got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta, spec=spec)
+    else:
+        got = attn.forward(q, k_new, v_new, k_cache, v_cache, layout, meta, spec, sinks)
     assert not got[layout.num_tokens :].any()  # padding rows stay zero
 
     row = 0
@@ -189,8 +199,9 @@ def _check_random_batch(
         rid = c.request.request_id
         rows = slice(row, row + c.num_tokens)
         want = dense_reference(
-            q[rows], full_k[rid], full_v[rid], list(range(c.start, c.end)), scale, window, softcap
-        )
+            q[rows], full_k[rid], full_v[rid], list(range(c.start, c.end)), scale, window, softcap,
+            sinks,
+        )  # fmt: skip
         err = (got[rows].float() - want.float()).abs().max().item()
         assert err < tol, (
             f"seed={seed} bs={block_size} {rid} start={c.start} n={c.num_tokens} spec={spec}: "

@@ -259,3 +259,58 @@ def test_triton_custom_scale_matches_dense() -> None:
         batch,
         spec=AttentionSpec(scale=0.3),
     )
+
+
+# ---- attention sinks (GPT-OSS: a learned logit per head in every row's denominator) -------
+@pytest.mark.parametrize("heads", [(8, 2, 64), (4, 1, 256), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sinks_with_windows_match_dense(heads, block_size: int, dtype) -> None:
+    """Every path of the torch backend (first chunks, chunks behind a cache, short chunks,
+    decodes) with sinks, alone and beside windows and a cap; sinks large enough to take a
+    real share (a missing sink term is far outside the tolerance)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    sinks = torch.randn(heads[0]) * 2.0
+    scale = 0.2 if dtype == torch.float32 else None
+    for w, prefills, decodes in _batches(block_size):
+        for spec in (
+            AttentionSpec(sinks=True),
+            AttentionSpec(sliding_window=w, sinks=True),
+            # (a scale of 0.2 over 256 dims makes bf16's rounding of peaked rows exceed the
+            # bf16 tolerance with or without sinks: fp32 only)
+            AttentionSpec(sliding_window=w, logit_softcap=30.0, scale=scale, sinks=True),
+        ):
+            _check_random_batch(
+                rng, block_size, dtype, CPU, seed, "torch", heads, (prefills, decodes),
+                spec=spec, sinks=sinks,
+            )  # fmt: skip
+
+
+def test_a_missing_sink_term_is_caught(monkeypatch) -> None:
+    """A backend that drops the sinks from the softmax fails the check above."""
+    from chunkserve.attention import torch_ref
+
+    softmax = torch_ref._softmax
+    monkeypatch.setattr(torch_ref, "_softmax", lambda scores, sinks: softmax(scores, None))
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    w, prefills, decodes = _batches(16)[3]
+    with pytest.raises(AssertionError, match="max err"):
+        _check_random_batch(
+            rng, 16, torch.float32, CPU, 3, "torch", (8, 2, 64), (prefills, decodes),
+            spec=AttentionSpec(sliding_window=w, sinks=True), sinks=torch.full((8,), 1.0),
+        )  # fmt: skip
+
+
+def test_sinks_are_refused_where_not_implemented() -> None:
+    spec = AttentionSpec(sliding_window=128, sinks=True)
+    assert get_attention_backend("torch", CPU, 8, 2, 64, torch.float32, 16).supports(spec) is None
+    with pytest.raises(ValueError, match="sinks"):
+        AttentionSpec(sinks=1)  # type: ignore[arg-type]
+    if shutil.which("gcc") or shutil.which("cc"):
+        cpu = get_attention_backend("cpu", CPU, 8, 2, 64, torch.float32, 16)
+        assert "attention sinks" in cpu.supports(spec)
+        with pytest.raises(ValueError, match="attention sinks"):
+            cpu.check_spec(spec)

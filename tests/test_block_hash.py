@@ -44,7 +44,7 @@ def cache_keys(prompt: list[int]) -> list[bytes]:
     assert kv.allocate_slots(req, len(prompt))
     req.num_computed_tokens = len(prompt)
     kv.cache_full_blocks(req)
-    by_block = {b: h for h, b in kv.pool.cached.items()}
+    by_block = {b: h for h, b in kv.pool.cached[0].items()}
     return [by_block[b] for b in req.block_ids[: len(prompt) // BS]]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +30,17 @@ from tests.test_model_families import (  # noqa: F401 (model_dirs: a fixture)
 from tests.test_model_parity import all_row_logits
 
 # HF model_type -> llama.cpp's general.architecture (its converter writes Mistral as llama).
-GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
+GGUF_ARCH = {
+    "mistral": "llama",
+    "mixtral": "llama",
+    "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
 # The converters derived from llama.cpp's LlamaModel, which permute Q/K rows.
-PERMUTED = {"llama", "mistral", "granite", "smollm3"}
+PERMUTED = {"llama", "mistral", "mixtral", "granite", "smollm3"}
+# One expert's tensor of a mixture of experts: the converters stack them over experts.
+EXPERT = re.compile(r"^(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
 # llama.cpp's converters of these store every norm as 1 + w.
 GEMMA = {"gemma2", "gemma3_text"}
 # What a GGUF cannot say, and llama.cpp hard-codes: the directory a family's GGUF is written
@@ -126,6 +135,14 @@ def write_gguf(
             for kind in ("long", "short"):
                 factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
                 w.add_tensor(f"rope_factors_{kind}.weight", factors)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:  # the converters' MoE keys
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     for key, value in (extra or {}).items():
         w.add_key_value(key, value, _value_type(value))
     _copy_tokenizer(w, open_gguf(embedded_model_path()))
@@ -134,6 +151,7 @@ def write_gguf(
         {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"]
     )
     tensors = {}
+    stacked: dict[str, dict[int, np.ndarray]] = {}  # "...experts.gate_proj" -> expert -> tensor
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = _llama3_rope_freqs(cfg, rope)
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
@@ -146,9 +164,18 @@ def write_gguf(
             data = _permute(data, n_head)
         elif family in PERMUTED and ".k_proj." in name:
             data = _permute(data, n_kv)
+        expert = EXPERT.match(name)
+        if expert:
+            prefix, index, proj = expert.groups()
+            stacked.setdefault(f"{prefix}.{proj}", {})[int(index)] = data
+            continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         tensors[gguf_name] = data
+    for name, parts in stacked.items():
+        gguf_name = names.get_name(name)
+        assert gguf_name is not None, name
+        tensors[gguf_name + ".weight"] = np.stack([parts[e] for e in range(len(parts))])
     if edit is not None:
         edit(tensors)
     for gguf_name, data in tensors.items():

@@ -170,11 +170,11 @@ def test_batch_metadata_is_one_buffer(tiny_model_dir: Path) -> None:
     engine.step()
     out = engine.core.scheduler.schedule()
     layout, _ = engine.core.worker.runner.build_layout(out)
-    from chunkserve.worker.model_runner import SECTIONS
+    from chunkserve.worker.model_runner import GROUP_SECTIONS, SECTIONS
 
-    storages = {getattr(layout, n).untyped_storage().data_ptr() for n in SECTIONS}
+    storages = {getattr(layout, n).untyped_storage().data_ptr() for n in SECTIONS + GROUP_SECTIONS}
     assert len(storages) == 1
-    assert all(getattr(layout, n).dtype == torch.int64 for n in SECTIONS)
+    assert all(getattr(layout, n).dtype == torch.int64 for n in SECTIONS + GROUP_SECTIONS)
     assert layout.block_tables.shape[0] == layout.num_seqs
 
 

@@ -98,7 +98,7 @@ def test_a_finished_requests_tail_is_evicted_before_its_head() -> None:
     assert kv.allocate_slots(other, 1) and other.block_ids == [last]
     again = make_request("c", prompt + [1])
     blocks, hit = kv.match_prefix(again)
-    assert blocks[0] == first and hit == 3 * BS  # all but the evicted last block
+    assert blocks[0][0] == first and hit == 3 * BS  # all but the evicted last block
     kv.free(other)
     kv.pool.check_invariants()
 
@@ -107,7 +107,7 @@ def test_a_finished_requests_tail_is_evicted_before_its_head() -> None:
 def test_double_free_is_refused_and_leaves_the_pool_as_it_was() -> None:
     pool = pool_with_cached(4, cached=[2])
     pool.free([1])
-    before = (list(pool.ref_cnt), list(pool._free), dict(pool.cached))
+    before = (list(pool.ref_cnt), list(pool._free), dict(pool.cached[0]))
     with pytest.raises(RuntimeError, match="double free of KV block 1"):
         pool.free([1])
     # A list that frees a live block twice: refused before anything is freed.
@@ -115,7 +115,7 @@ def test_double_free_is_refused_and_leaves_the_pool_as_it_was() -> None:
         pool.free([3, 2, 2])
     with pytest.raises(RuntimeError, match=f"double free of KV block {NULL_BLOCK}"):
         pool.free([4, NULL_BLOCK])
-    assert (list(pool.ref_cnt), list(pool._free), dict(pool.cached)) == before
+    assert (list(pool.ref_cnt), list(pool._free), dict(pool.cached[0])) == before
     pool.check_invariants()
 
 

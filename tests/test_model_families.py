@@ -322,7 +322,10 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) ->
 
 
 def test_every_family_is_tested() -> None:
-    assert set(supported_families()) == {FAMILY_OF.get(name, name) for name in FAMILIES}
+    from tests.test_moe import MOE_FAMILIES  # mixtures of experts: tested there
+
+    tested = {FAMILY_OF.get(name, name) for name in FAMILIES} | set(MOE_FAMILIES)
+    assert set(supported_families()) == tested
 
 
 # Variants of the families' models (config.json edited). Sliding windows (shorter than the
@@ -440,16 +443,17 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
     assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
     assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
     assert_no_blocks_in_use(chunked)
-    # 10 blocks for requests that grow past them: preempted and recomputed.
-    per_block = chunked.core.worker.model_config.kv_bytes_per_token(4) * BLOCK
+    # 10 blocks per KV group for requests that grow past them: preempted and recomputed.
+    per_block = chunked.core.worker._bytes_per_block
+    groups = chunked.core.kv.num_groups
     tight = make_engine(
         path,
         schedule_conservativeness=0.0,
         max_num_batched_tokens=64,
-        kv_cache_memory=11 * per_block,
+        kv_cache_memory=(10 * groups + 1) * per_block,
         max_model_len=10 * BLOCK,
     )
-    assert tight.core.worker.num_blocks == 10
+    assert tight.core.worker.num_blocks == 10 * groups
     assert run_staggered(tight, work, CHUNK_TOKENS) == expected
     assert tight.core.scheduler.num_preemptions > 0
     assert_no_blocks_in_use(tight)

@@ -33,7 +33,7 @@ def all_row_logits(engine: Engine, token_ids: list[int], chunk: int) -> torch.Te
             out = SchedulerOutput(prefills=[ScheduledChunk(req, start, n)])
             with torch.inference_mode():
                 layout, _ = engine.core.worker.runner.build_layout(out)
-                meta = engine.core.worker.runner.attn.prepare(layout)
+                meta = engine.core.worker.runner.prepare(layout)
                 hidden = engine.core.worker.model(
                     layout,
                     engine.core.worker.runner.kv_caches,

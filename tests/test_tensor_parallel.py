@@ -192,7 +192,7 @@ def test_step_arrays_cross_as_one_array(engines) -> None:
                 step.encode(),
                 dict(
                     sections=[a.tolist() for a in step.sections],
-                    tables=[list(t) for t in step.tables],
+                    tables=[[list(t) for t in group] for group in step.tables],
                     query_start=list(step.query_start),
                     seq_lens=list(step.seq_lens),
                     context_start=list(step.context_start),

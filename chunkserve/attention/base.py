@@ -41,11 +41,16 @@ class AttentionSpec:
       whatever the chunk size, block size or cached prefix. ``None``: no window.
     - ``logit_softcap`` c: scores (already scaled) become ``c * tanh(scores / c)`` before
       masking and softmax (Gemma 2's ``attn_logit_softcapping``). ``None``: none.
+    - ``sinks``: the layer has attention sinks (GPT-OSS): a learned logit per query head,
+      passed to ``forward`` as ``sinks`` [num_heads], joins each row's softmax denominator
+      (``exp(s_h)`` beside the keys' terms) and adds no value: a row may attend to
+      "nothing". False: none.
     """
 
     scale: float | None = None
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
@@ -56,6 +61,8 @@ class AttentionSpec:
         c = self.logit_softcap
         if c is not None and not (math.isfinite(c) and c > 0):
             raise ValueError(f"logit_softcap: must be a finite number > 0 or None, got {c!r}")
+        if not isinstance(self.sinks, bool):
+            raise ValueError(f"sinks: must be True or False, got {self.sinks!r}")
 
     def resolve_scale(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.scale is None else float(self.scale)
@@ -85,6 +92,18 @@ class BatchLayout:
     seq_lens_k_host: list[int]  # [B]
     block_tables_host: list[list[int]]  # [B][num_blocks of that sequence]
     block_size: int
+    # A hybrid KV cache (``kv_cache``: several KV groups): per group, this layout with the
+    # group's slot_mapping, fresh_block_ids and block tables (the other fields shared), and
+    # per layer its group. None: one group, this layout serves every layer.
+    kv_groups: list[BatchLayout] | None = None
+    layer_group: tuple[int, ...] | None = None
+
+    def layer_views(self, attn_meta: Any, num_layers: int) -> list[tuple[BatchLayout, Any]]:
+        """Per layer, the layout and the attention metadata its calls take: with KV
+        groups, ``attn_meta`` is the list of the groups' metadata (``prepare`` of each)."""
+        if self.kv_groups is None or self.layer_group is None:
+            return [(self, attn_meta)] * num_layers
+        return [(self.kv_groups[g], attn_meta[g]) for g in self.layer_group]
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +151,7 @@ class AttentionBackend(ABC):
             for name, value in (
                 ("sliding_window", spec.sliding_window),
                 ("logit_softcap", spec.logit_softcap),
+                ("attention sinks", spec.sinks or None),
             )
             if value is not None
         ]
@@ -181,7 +201,9 @@ class AttentionBackend(ABC):
         layout: BatchLayout,
         metadata: Any,
         spec: AttentionSpec | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` at ``layout.slot_mapping`` and return the attention output.
         ``spec``: this layer's scale, window and soft-cap (None: the defaults); one this
-        backend does not support (``supports``) is a ValueError."""
+        backend does not support (``supports``) is a ValueError. ``sinks``: [num_heads]
+        the layer's sink logits when ``spec.sinks``."""

@@ -70,7 +70,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self.kernel_max_rows = BF16_TILES_MAX_ROWS
 
     def supports(self, spec: AttentionSpec | None) -> str | None:
-        """Every scale, window and soft-cap (the kernel takes them on all its paths)."""
+        """Every scale, window and soft-cap (the kernel takes them on all its paths); not
+        attention sinks (the kernel has no sink term)."""
+        if spec is not None and spec.sinks:
+            return (
+                "the cpu attention backend's kernel does not implement attention sinks "
+                "(the torch backend does)"
+            )
         return None
 
     def _new_metadata(self) -> _CpuMetadata:
@@ -99,7 +105,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
         metadata: _TorchMetadata,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> None:
+        if sinks is not None:
+            raise ValueError(self.supports(AttentionSpec(sinks=True)))
         batch = metadata.kernel_batch
         if batch is None:
             return

@@ -20,7 +20,8 @@ them: prefill chunks go through ``_prefill_spec`` (query blocks, each against th
 rows' windows hold, gathered from the first block a window reaches); decodes gather only the
 blocks their windows reach (a gather and mask per window, built once per step); short chunks
 keep their padded gathers with the window's lower edge added to their masks; the cap applies
-to every path's scores.
+to every path's scores. Attention sinks (``AttentionSpec.sinks``: a learned logit per head
+in each row's softmax denominator) take the by-hand softmax on every path (``_softmax``).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._specs: dict[AttentionSpec, _Opts] = {}
 
     def supports(self, spec: AttentionSpec | None) -> str | None:
-        """Every scale, window and soft-cap."""
+        """Every scale, window, soft-cap and attention sinks."""
         return None
 
     def _opts(self, spec: AttentionSpec | None) -> _Opts:
@@ -281,14 +282,18 @@ class TorchAttentionBackend(AttentionBackend):
         layout: BatchLayout,
         metadata: _TorchMetadata,
         spec: AttentionSpec | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         opts = self._opts(spec)
+        if (sinks is not None) != (spec is not None and spec.sinks):
+            raise ValueError("sinks: passed exactly when the layer's spec has sinks")
         self.write_kv(k, v, k_cache, v_cache, layout)
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T_padded, H, hd]
         out[layout.num_tokens :] = 0  # padding rows (see ModelRunner.build_layout)
-        self._forward_prefills(q, k, v, k_cache, v_cache, out, metadata, opts)
-        self._forward_runs(q, k_cache, v_cache, out, metadata, opts)
+        sink = None if sinks is None else sinks.float()  # [H]
+        self._forward_prefills(q, k, v, k_cache, v_cache, out, metadata, opts, sink)
+        self._forward_runs(q, k_cache, v_cache, out, metadata, opts, sink)
         return out
 
     def _forward_prefills(
@@ -301,6 +306,7 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         metadata: _TorchMetadata,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         bs = k_cache.shape[1]
@@ -318,10 +324,10 @@ class TorchAttentionBackend(AttentionBackend):
                 kc = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
                 vc = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
                 kc, vc = kc[: chunk.ctx_len - key0], vc[: chunk.ctx_len - key0]
-            if opts.plain:
+            if opts.plain and sinks is None:
                 out[rows] = self._prefill(q[rows], kc, vc, start, opts.scale)
             else:
-                out[rows] = self._prefill_spec(q[rows], kc, vc, start, key0, opts)
+                out[rows] = self._prefill_spec(q[rows], kc, vc, start, key0, opts, sinks)
 
     def _forward_runs(
         self,
@@ -331,20 +337,24 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         metadata: _TorchMetadata,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Short chunks and decodes (``_prepare_runs``), into their rows of ``out``."""
         for short in metadata.short_groups:
-            o = self._short(q.index_select(0, short.q_index), k_cache, v_cache, short, opts)
+            qs = q.index_select(0, short.q_index)
+            o = self._short(qs, k_cache, v_cache, short, opts, sinks)
             out.index_copy_(0, short.out_rows, o[short.valid])
 
         for group in metadata.decode_groups:
             if group.contiguous_start is not None:
                 r0 = group.contiguous_start
                 qg = q[r0 : r0 + group.rows.numel()]
-                out[r0 : r0 + group.rows.numel()] = self._decode(qg, k_cache, v_cache, group, opts)
+                o = self._decode(qg, k_cache, v_cache, group, opts, sinks)
+                out[r0 : r0 + group.rows.numel()] = o
             else:
                 qg = q.index_select(0, group.rows)
-                out.index_copy_(0, group.rows, self._decode(qg, k_cache, v_cache, group, opts))
+                o = self._decode(qg, k_cache, v_cache, group, opts, sinks)
+                out.index_copy_(0, group.rows, o)
 
     def _prefill(
         self,
@@ -386,6 +396,7 @@ class TorchAttentionBackend(AttentionBackend):
         start: int,
         key0: int,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One chunk under a window and/or a soft-cap: ``q`` [L, H, hd] at positions
         start..start+L-1; ``k``/``v`` [start+L-key0, Hkv, hd] the keys from position
@@ -396,7 +407,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_rows = q.shape[0]
         h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         g, w, cap = h // hkv, opts.window, opts.softcap
-        sdpa = q.dtype == torch.float32 and cap is None
+        sdpa = q.dtype == torch.float32 and cap is None and sinks is None
+        sink = None if sinks is None else sinks.view(hkv, g, 1, 1)
         block = SDPA_WINDOW_ROWS if sdpa else PREFILL_BLOCK_ROWS
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, keys, hd]
         out = torch.empty(num_rows, h, hd, dtype=q.dtype, device=q.device)
@@ -422,7 +434,7 @@ class TorchAttentionBackend(AttentionBackend):
             if cap is not None:
                 scores.div_(cap).tanh_().mul_(cap)
             scores = scores.view(hkv, g, n, b - a).masked_fill_(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, g * n, b - a)
+            probs = _softmax(scores, sink).to(v.dtype).view(hkv, g * n, b - a)
             o = torch.bmm(probs, vh[:, a:b]).view(hkv, g, n, hd)
             out[r0:r1] = o.permute(2, 0, 1, 3).reshape(n, h, hd)
         return out
@@ -503,6 +515,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         group: _ShortGroup,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Short chunks as decodes with ``r`` query rows each: [m * r, H, hd] -> same."""
         m, r = group.m, group.r
@@ -526,7 +539,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._cap(scores, opts)
             mask = _window_mask(group.mask, group.limits, opts, group.window_masks)
             scores.masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(m, r * h, seq)
+        sink = None if sinks is None else sinks.view(1, 1, h, 1)
+        probs = _softmax(scores, sink).view(m, r * h, seq)
         o = torch.bmm(probs, vd).view(m * r, h, hkv, hd)
         return o[:, self._head_idx, self._kv_head_idx]
 
@@ -545,6 +559,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         group: _DecodeGroup,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One group of decode rows: [n, H, hd] -> [n, H, hd]. Under a window only the
         blocks the rows' windows reach are gathered."""
@@ -566,7 +581,8 @@ class TorchAttentionBackend(AttentionBackend):
         scores = torch.bmm(qb.view(n, self.num_heads, width), kd.transpose(1, 2))  # [n, H, S]
         self._cap(scores, opts)
         scores.masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # fp32 inside; 5x faster than dtype=fp32
+        # fp32 inside; 5x faster than dtype=fp32
+        probs = _softmax(scores, None if sinks is None else sinks.view(1, -1, 1))
         o = torch.bmm(probs, vd).view(n, self.num_heads, self.num_kv_heads, self.head_dim)
         return o[:, self._head_idx, self._kv_head_idx]  # each head's own KV head block
 
@@ -575,6 +591,18 @@ class TorchAttentionBackend(AttentionBackend):
         """Soft-cap scaled scores in place: c * tanh(s / c)."""
         if opts.softcap is not None:
             scores.div_(opts.softcap).tanh_().mul_(opts.softcap)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with ``sinks`` (fp32, broadcast against ``scores[..., :1]``)
+    each row's denominator also has ``exp(sink)`` (the sink takes its share, with no value).
+    Rows whose keys are all masked (-inf) then get zeros."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    x = scores.float()
+    top = torch.maximum(x.amax(dim=-1, keepdim=True), sinks)
+    e = (x - top).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True) + (sinks - top).exp()).to(scores.dtype)
 
 
 def _window_mask(

@@ -254,6 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
         layout: BatchLayout,
         metadata: _TritonMetadata,
         spec: AttentionSpec | None = None,
+        sinks: torch.Tensor | None = None,  # refused with the spec (``supports``)
     ) -> torch.Tensor:
         scale = self.scale
         if spec is not None:  # a scale only: windows and caps are refused (``supports``)

@@ -13,7 +13,9 @@ per KV head), ``I`` MLP columns and ``V`` vocabulary rows:
   contiguously;
 - embedding and LM head: vocabulary-parallel, ``ceil(V / N)`` rows per rank (the last rank's
   tail is padding: zero rows no token id reaches, logits dropped after the gather);
-- norms: replicated.
+- norms: replicated;
+- mixture-of-experts MLPs: each expert's columns split as the MLP's (or, expert parallel,
+  whole experts divided among the ranks; ``model.moe``).
 
 Every rank's KV pool has the same number of blocks (the block tables are the scheduler's, one
 for all ranks), sized for the rank with the most KV heads.
@@ -41,6 +43,9 @@ class ShardPlan:
     vocab: tuple[int, int]  # [first, end) real vocabulary rows
     vocab_shard: int  # rows of its embedding / LM head shard (padded: ceil(V / N))
     max_kv_heads: int  # most KV heads any rank holds (sizes every rank's pool alike)
+    # Mixture of experts: each rank holds whole experts (a contiguous range) rather than its
+    # columns of every expert (``model.moe``).
+    expert_parallel: bool = False
 
     @property
     def num_heads(self) -> int:
@@ -79,7 +84,9 @@ def _heads(config: ModelConfig, size: int, rank: int) -> tuple[tuple[int, int], 
     return (first, first + width), (kv_head, kv_head + 1)
 
 
-def plan_shards(config: ModelConfig, size: int, rank: int) -> ShardPlan:
+def plan_shards(
+    config: ModelConfig, size: int, rank: int, expert_parallel: bool = False
+) -> ShardPlan:
     """Rank ``rank``'s share of the model over ``size`` ranks (a ValueError naming
     ``tensor_parallel_size`` when the model cannot be split that way)."""
     if size < 1 or not 0 <= rank < size:
@@ -103,4 +110,5 @@ def plan_shards(config: ModelConfig, size: int, rank: int) -> ShardPlan:
         vocab=(first, min(first + shard, config.vocab_size)),
         vocab_shard=shard,
         max_kv_heads=max_kv,
+        expert_parallel=expert_parallel,
     )

@@ -173,7 +173,10 @@ class EngineCore:
             self.worker.shutdown()  # tensor-parallel ranks it started
             raise
         self.kv = KVCacheManager(
-            self.worker.num_blocks, config.block_size, config.enable_prefix_caching
+            self.worker.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.worker.kv_groups.windows,
         )
         self.scheduler = Scheduler(sched_config, self.kv)
         self.loop = StepLoop(self.scheduler, self.controller, time.perf_counter)
@@ -207,7 +210,7 @@ class EngineCore:
         logger.info(
             "chunkserve engine core: model=%s device=%s dtype=%s attention=%s cuda_graphs=%s "
             "fused_ops=%s weights loaded in %.1fs | KV cache: %d blocks x %d tokens = %d "
-            "tokens (%.0f MiB) | max_model_len=%d max_num_seqs=%d chunked_prefill=%s "
+            "tokens (%.0f MiB)%s | max_model_len=%d max_num_seqs=%d chunked_prefill=%s "
             "policy=%s | %s | speculative: %s | tensor_parallel_size=%d | "
             "disaggregation: %s",
             source.name,
@@ -221,6 +224,7 @@ class EngineCore:
             w.block_size,
             w.num_blocks * w.block_size,
             w.kv_cache_memory / 2**20,
+            _describe_kv_groups(w.kv_groups.windows, w.num_blocks * w.block_size),
             max_model_len,
             sched_config.max_num_seqs,
             sched_config.enable_chunked_prefill,
@@ -556,7 +560,7 @@ class EngineCore:
             # The draft model writes its KV at the positions it proposes from: their slots
             # must be the request's (the next step's allocation covers them anyway). Drafts
             # are optional: they never take the blocks the decodes' next tokens may need.
-            spare = self.kv.num_free_blocks - len(decodes)
+            spare = self.kv.num_free_blocks - len(decodes) * self.kv.num_groups
             if k and self.kv.num_new_blocks(r, k) <= spare and self.kv.allocate_slots(r, k):
                 wanted.append((r, k))
             else:
@@ -621,3 +625,16 @@ class EngineCore:
             CoreTiming.of(request),
             error,
         )
+
+
+def _describe_kv_groups(windows: tuple[int | None, ...], slots: int) -> str:
+    """The start-up line's KV groups: a block holds one group's layers; the tokens a
+    request of full history can hold when the sliding groups keep only their windows."""
+    if all(w is None for w in windows):
+        return ""
+    num_full = sum(w is None for w in windows)
+    kinds = ", ".join(f"{windows.count(w)} x window {w}" for w in sorted(set(windows) - {None}))
+    text = f", {len(windows)} KV group(s): {num_full} full, {kinds}"
+    if num_full:
+        text += f" (~{slots // num_full} tokens of full history)"
+    return text

@@ -6,7 +6,9 @@ A family (``llama.py``, ``qwen.py``, ...) is a subclass that says how its blocks
 norms of the attention and MLP outputs before the residual adds; "sandwich": Gemma 2/3's
 both), ``norm_offset`` (every RMSNorm Gemma's ``1 + w``), ``scale_embeddings`` (embeddings
 times sqrt(hidden) rounded to the model's dtype, as Gemma), and the checkpoint's names
-(``norm_names``; ``fused_names``: Phi-3's pre-fused qkv_proj and gate_up_proj).
+(``norm_names``; ``fused_names``: Phi-3's pre-fused qkv_proj and gate_up_proj; ``moe_names``:
+an MoE block's, Mixtral's ``block_sparse_moe``). A layer the config makes a mixture of experts
+(``ModelConfig.is_moe_layer``) has ``moe.SparseMoE`` for its MLP.
 Config-driven numerics (Granite's multipliers, SmolLM3's layers without rope, partial rotary,
 the activation, the softmax scale, soft-capping, Gemma 3's local rope) come from
 ``ModelConfig``.
@@ -38,6 +40,7 @@ from chunkserve.model.layers import (
     Target,
     VocabParallelEmbedding,
 )
+from chunkserve.model.moe import MOE_NAMES, SparseMoE
 from chunkserve.model.registry import KVLayout, layer_spec
 
 if TYPE_CHECKING:
@@ -69,7 +72,15 @@ class DecoderLayer(nn.Module):
             spec=layer_spec(config, index),
             norm_offset=offset,
         )
-        self.mlp = GatedMLP(config, shard, dtype, device, group)
+        # A mixture of experts where the config puts one (``model.moe``), else a dense MLP.
+        self.mlp: GatedMLP | SparseMoE
+        self.moe = config.is_moe_layer(index)
+        if self.moe:
+            self.mlp = SparseMoE(
+                config, shard, dtype, device, group, renormalize=model.moe_renormalize
+            )
+        else:
+            self.mlp = GatedMLP(config, shard, dtype, device, group)
         # Gemma 3: the sliding-window layers rotate with the local rope table.
         self.local_rope = config.rope_local_theta is not None and config.is_window_layer(index)
         self.norm_style = model.norm_style
@@ -149,10 +160,17 @@ class DecoderLayer(nn.Module):
         return delta, residual
 
     def targets(
-        self, prefix: str, names: dict[str, str], fused: dict[str, str]
+        self,
+        prefix: str,
+        names: dict[str, str],
+        fused: dict[str, str],
+        moe_names: dict[str, str] = MOE_NAMES,
     ) -> dict[str, Target | list[Target]]:
         out = self.attn.targets(prefix + "self_attn.", fused.get("qkv"))
-        out.update(self.mlp.targets(prefix + "mlp.", fused.get("gate_up")))
+        if isinstance(self.mlp, SparseMoE):
+            out.update(self.mlp.targets(prefix, moe_names))
+        else:
+            out.update(self.mlp.targets(prefix + "mlp.", fused.get("gate_up")))
         out.update(self.norm1.targets(prefix + names["norm1"]))
         out.update(self.norm2.targets(prefix + names["norm2"]))
         if self.norm3 is not None:
@@ -178,6 +196,11 @@ class DecoderLM(nn.Module):
     # Projections the checkpoint stores fused ("qkv", "gate_up" -> the tensor's name after
     # "self_attn." / "mlp."; Phi-3); the rest are separate q/k/v and gate/up tensors.
     fused_names: ClassVar[dict[str, str]] = {}
+    # Mixture of experts (layers the config makes sparse): the checkpoint's names of the
+    # block's tensors (``moe.MOE_NAMES``), and whether the router always renormalises the
+    # chosen experts' weights (Mixtral; None: the config's ``norm_topk_prob``).
+    moe_names: ClassVar[dict[str, str]] = MOE_NAMES
+    moe_renormalize: ClassVar[bool | None] = None
 
     def __init__(
         self,
@@ -231,15 +254,19 @@ class DecoderLM(nn.Module):
             and config.attention_multiplier is None
             and config.residual_multiplier == 1.0
             and not config.mlp_bias
+            and config.num_experts == 0
         )
+        # A step of an MoE model asks the host how many tokens each expert got (its loop
+        # over experts), which a CUDA graph cannot capture.
+        self.supports_cuda_graphs = config.num_experts == 0
 
     @classmethod
     def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout:
         """The KV layout of a model of ``config`` with ``num_kv_heads`` KV heads (a rank's),
         known before the model is built (the worker sizes the cache from it)."""
-        windows = {config.layer_window(i) for i in range(config.num_layers)}
-        window = windows.pop() if len(windows) == 1 else None
-        return KVLayout(config.num_layers, num_kv_heads, config.head_dim, window)
+        layer_windows = tuple(config.layer_window(i) for i in range(config.num_layers))
+        window = layer_windows[0] if len(set(layer_windows)) == 1 else None
+        return KVLayout(config.num_layers, num_kv_heads, config.head_dim, window, layer_windows)
 
     def kv_layout(self) -> KVLayout:
         return self.kv_layout_for(self.config, self.shard.num_kv_heads)
@@ -254,28 +281,26 @@ class DecoderLM(nn.Module):
         hidden = self.embed_tokens.forward(layout.input_ids)  # [T, hidden]
         if self.scale_embeddings or self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.embed_scale
+        views = layout.layer_views(attn_meta, len(self.layers))
         if self.fused_ops:
             residual = None
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            for layer, (k_cache, v_cache), (lay, meta) in zip(
+                self.layers, kv_caches, views, strict=True
+            ):
                 hidden, residual = layer.forward_fused(
-                    hidden,
-                    residual,
-                    layout.positions,
-                    self.rotary,
-                    k_cache,
-                    v_cache,
-                    attn,
-                    layout,
-                    attn_meta,
-                )
+                    hidden, residual, layout.positions, self.rotary, k_cache, v_cache, attn,
+                    lay, meta,
+                )  # fmt: skip
             return hidden if residual is None else residual + hidden
         cos, sin = self.rotary(layout.positions, self.dtype)
         local = cos, sin
         if self.rotary_local is not None:
             local = self.rotary_local(layout.positions, self.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), (lay, meta) in zip(
+            self.layers, kv_caches, views, strict=True
+        ):
             c, s = local if layer.local_rope else (cos, sin)
-            hidden = layer.forward(hidden, c, s, k_cache, v_cache, attn, layout, attn_meta)
+            hidden = layer.forward(hidden, c, s, k_cache, v_cache, attn, lay, meta)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -296,7 +321,11 @@ class DecoderLM(nn.Module):
         targets.update(self.norm.targets("model.norm.weight"))
         targets.update(self.lm_head.targets("lm_head.weight"))
         for i, layer in enumerate(self.layers):
-            targets.update(layer.targets(f"model.layers.{i}.", self.norm_names, self.fused_names))
+            targets.update(
+                layer.targets(
+                    f"model.layers.{i}.", self.norm_names, self.fused_names, self.moe_names
+                )
+            )
         return targets
 
     @torch.no_grad()

@@ -18,8 +18,10 @@ module applies it generically:
   a key we ignore could change the numbers.
 - **Tensors**: the Llama table below (``_GGUF_TOP_NAMES``, ``_GGUF_BLOCK_NAMES``: GGUF name
   -> HF name) updated with the spec's ``tensors``; the spec's ``splits`` cut fused tensors
-  into their HF parts; ``permuted_qk`` undoes llama.cpp's Q/K row permutation (its
-  ``LlamaModel.permute``, applied by the Llama-derived converters only); ``norm_offset``
+  into their HF parts; its ``experts`` cut a mixture of experts' stacked tensors
+  (``ffn_gate_exps`` ...) into one HF tensor per expert; ``permuted_qk`` undoes llama.cpp's
+  Q/K row permutation (its ``LlamaModel.permute``, applied by the Llama-derived converters
+  only); ``norm_offset``
   undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
   A tensor neither table names is a ValueError naming it.
 
@@ -178,6 +180,12 @@ _COMMON_KEYS = {
     "rope.freq_base": "rope_theta",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.sliding_window": "sliding_window",
+    # Mixtures of experts (a spec's ``experts`` names their stacked tensors).
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
 }
 # Read elsewhere in this module, or informational only.
 _OTHER_KEYS = {
@@ -336,6 +344,8 @@ def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
     prefix = f"model.layers.{idx}."
     if rest in spec.splits:
         return tuple(prefix + part for part in spec.splits[rest].parts)
+    if rest in spec.experts:  # stacked: one name per expert ("{}": its index)
+        return (prefix + spec.experts[rest],)
     hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
     if hf is not None:
         return (prefix + hf,)
@@ -370,7 +380,15 @@ def iter_gguf_weights(
         # GGUF lists dims fastest-first; numpy data is already [rows, cols] = HF's [out, in].
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
         parts = [arr]
-        if len(names) > 1:
+        if "{}" in names[0]:  # a mixture of experts' stacked tensor: expert by expert
+            if arr.ndim != 3 or arr.shape[0] != config.num_experts:
+                raise _refuse(
+                    f"tensor {t.name!r}",
+                    f"shape {arr.shape}, expected {config.num_experts} stacked experts",
+                )
+            names = tuple(names[0].format(e) for e in range(arr.shape[0]))
+            parts = list(arr)
+        elif len(names) > 1:
             sizes = spec.splits[t.name.split(".", 2)[2]].sizes(config)
             if sum(sizes) != arr.shape[0]:
                 raise _refuse(f"tensor {t.name!r}", f"{arr.shape[0]} rows, expected {sizes}")
@@ -424,6 +442,8 @@ _HF_DEFAULTS = {
         attn_logit_softcapping=50.0,
     ),
     "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0),
+    # Qwen2-MoE's Q/K/V biases are its config's ``qkv_bias`` (true by default).
+    "qwen2_moe": dict(qkv_bias=True),
 }
 # Families whose layer types, when a config does not list them, follow a pattern: every
 # ``n``-th layer (1-based) has full attention, the others the window (HF's derivation;
@@ -512,7 +532,13 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     if "query_pre_attn_scalar" in cfg:  # Gemma: the softmax scale
         attn_mult = float(cfg["query_pre_attn_scalar"]) ** -0.5
     attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
+    if cfg.get("clip_qkv") is not None:  # OLMo / OLMoE: q, k, v clamped to +-clip_qkv
+        raise ValueError(
+            f"model: config.json: clip_qkv {cfg['clip_qkv']!r} is not supported (only null: "
+            f"no clamping of q, k and v)"
+        )
     return ModelConfig(
+        **_moe_fields(cfg, num_layers),
         architecture=family,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -528,7 +554,7 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         rope_scaling=rope,
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", False))),
         # Gemma's configs carry both; its models use ``hidden_activation``.
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
         partial_rotary_factor=float(partial),
@@ -543,6 +569,33 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         attn_logit_softcap=None if attn_cap is None else float(attn_cap),
         final_logit_softcap=None if final_cap is None else float(final_cap),
         rope_local_theta=local_theta,
+    )
+
+
+def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' fields (``ModelConfig``; none for a dense model): the number
+    of experts (``num_local_experts`` as Mixtral and transformers 5's Qwen3-MoE name it, or
+    ``num_experts``), the layers with experts from ``mlp_only_layers`` and
+    ``decoder_sparse_step`` as transformers' Qwen2/3-MoE derive them (layer i is sparse
+    unless listed, when (i + 1) is a multiple of the step)."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts == 0:
+        return {}
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(
+            f"model: config.json: decoder_sparse_step {step!r} must be an integer >= 1"
+        )
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    moe_inter = cfg.get("moe_intermediate_size")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=None if moe_inter is None else int(moe_inter),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        moe_layers=None if len(layers) == num_layers else layers,
     )
 
 

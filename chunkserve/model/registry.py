@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -27,23 +28,86 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The modules whose classes register themselves (imported on first lookup).
-_FAMILY_MODULES = ("llama", "qwen", "granite", "olmo2", "smollm3", "phi3", "gemma")
+_FAMILY_MODULES = (
+    "llama",
+    "qwen",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "phi3",
+    "gemma",
+    "mixtral",
+    "qwen_moe",
+    "olmoe",
+)
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How the KV cache's layers form groups (a hybrid cache; see ``kv_cache``): ``windows``
+    per group (None: full attention, W: sliding window), and per layer its group and its
+    pool slot (its index within the group). Every group has ``num_slots`` layers, so layer
+    slot j of all groups shares one pool tensor, and a block id holds ``num_slots`` layers'
+    K/V of one group."""
+
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+    num_slots: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def gives_back(self) -> bool:
+        """Whether any group gives blocks back (has a window)."""
+        return any(w is not None for w in self.windows)
+
+
+def form_kv_groups(layer_windows: Sequence[int | None]) -> KVGroups:
+    """Group layers of one attention kind (full first, then windows from the smallest),
+    ``gcd`` of the kinds' layer counts per group: Gemma 3 270M (3 full, 15 sliding layers)
+    -> 6 groups of 3 layers, 1 full and 5 sliding; one kind -> one group of every layer."""
+    kinds = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
+    by_kind = {w: [i for i, lw in enumerate(layer_windows) if lw == w] for w in kinds}
+    size = math.gcd(*(len(layers) for layers in by_kind.values()))
+    windows: list[int | None] = []
+    layer_group = [0] * len(layer_windows)
+    layer_slot = [0] * len(layer_windows)
+    for w in kinds:
+        layers = by_kind[w]
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start : start + size]):
+                layer_group[layer], layer_slot[layer] = len(windows), slot
+            windows.append(w)
+    return KVGroups(tuple(windows), tuple(layer_group), tuple(layer_slot), size)
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What the model needs of the KV cache: one group of ``num_layers`` full-attention
-    layers of ``num_kv_heads`` (this rank's) x ``head_dim``; ``sliding_window``: the window
-    every layer attends within (None: all keys, or only some layers have one)."""
+    """What the model needs of the KV cache: ``num_layers`` layers of ``num_kv_heads``
+    (this rank's) x ``head_dim``; ``sliding_window``: the window every layer attends within
+    (None: all keys, or only some layers have one); ``layer_windows``: each layer's window
+    (empty: ``sliding_window`` on every layer)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
 
-    def bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V one token takes over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+    def groups(self, hybrid: bool = True) -> KVGroups:
+        """The KV groups of this model's layers; ``hybrid`` False: one group of every layer
+        with full attention (every block kept: no window gives any back)."""
+        if not hybrid:
+            return form_kv_groups([None] * self.num_layers)
+        return form_kv_groups(self.layer_windows or [self.sliding_window] * self.num_layers)
+
+    def bytes_per_token(self, dtype_size: int, hybrid: bool = True) -> int:
+        """Bytes of K and V one token slot of a block takes (over one group's layers)."""
+        num_slots = self.groups(hybrid).num_slots
+        return 2 * num_slots * self.num_kv_heads * self.head_dim * dtype_size
 
 
 @runtime_checkable
@@ -57,7 +121,9 @@ class CausalLM(Protocol):
       tensor-parallel rank 0; None on the others);
     - ``load_weights(iter of (HF name, tensor))``: a ValueError naming a missing, unexpected
       or misshapen tensor; ``init_dummy_weights(seed)``: random weights of the right shapes;
-    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels.
+    - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels;
+    - ``supports_cuda_graphs`` (optional, default True): False where a step cannot be
+      captured in a CUDA graph (a mixture of experts' host-side loop over its experts).
     """
 
     config: ModelConfig
@@ -113,9 +179,13 @@ class GGUFSpec:
       ``ModelConfig`` field that gets their values as a tuple of floats;
     - ``config``: ``ModelConfig`` fields the GGUF has no key for (llama.cpp hard-codes them);
     - ``derive``: fields computed from those read so far (a dict of ``ModelConfig`` fields ->
-      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count``. A field
+      more fields), e.g. a layer pattern llama.cpp hard-codes from ``block_count`` (or
+      ``architecture``: Mixtral is written as ``llama`` with experts). A field
       name starting with "_" in ``keys`` or ``config_tensors`` is a scratch value for
-      ``derive`` (e.g. parts of a rope scaling dict), dropped before ``ModelConfig``.
+      ``derive`` (e.g. parts of a rope scaling dict), dropped before ``ModelConfig``;
+    - ``experts``: a mixture of experts' stacked GGUF block tensors (after ``blk.N.``, e.g.
+      ``ffn_gate_exps.weight``, [E, rows, cols]) -> the HF name of one expert's tensor with
+      ``{}`` for its index (after ``model.layers.N.``): loaded expert by expert.
     """
 
     arch: str
@@ -127,6 +197,7 @@ class GGUFSpec:
     config_tensors: Mapping[str, str] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
     derive: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    experts: Mapping[str, str] = field(default_factory=dict)
 
 
 _CLASSES: dict[str, type] = {}  # family -> class
@@ -270,8 +341,10 @@ def check_attention(backend: AttentionBackend, config: ModelConfig, name: str = 
             needs.append(
                 f"soft-capped attention scores (attn_logit_softcapping={spec.logit_softcap})"
             )
+        if spec.sinks:
+            needs.append("attention sinks")
         advice = "choose another --attention-backend"
-        if spec.logit_softcap is None and spec.sliding_window is not None:
+        if spec.logit_softcap is None and not spec.sinks and spec.sliding_window is not None:
             advice += f", or --max-model-len {spec.sliding_window} or less"
         raise ValueError(
             f"{name}: this {config.architecture} model uses {' and '.join(needs)} and "

@@ -145,7 +145,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
-        self.block_ids: list[int] = []  # this request's block table
+        # One block table per KV group (``kv_cache``): entry i holds the request's tokens
+        # ``i * block_size ..``; a sliding-window group's entries out of its window are the
+        # null block. A model without windows has one group.
+        self.block_tables: list[list[int]] = [[]]
         # Prefix cache: chained hashes of the full blocks of token_ids computed so far, how
         # many of this request's blocks are published, and what else keys its KV (LoRA...).
         self.block_hashes: list[bytes] = []
@@ -162,6 +165,16 @@ class Request:
         self.grammar: Any = None
 
     # ---- derived state -------------------------------------------------------------------
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV group's block table (the only one of a model without windows)."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, block_ids: list[int]) -> None:
+        """Set a one-group table (a model without windows; tests and warm-up)."""
+        self.block_tables = [list(block_ids)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -208,7 +208,7 @@ class Scheduler:
         needed = request.num_prompt_tokens + request.max_tokens
         assert needed <= self.config.max_model_len, f"{needed} tokens > max_model_len"
         # The last sampled token is never written to the cache, hence ``needed - 1``.
-        assert self.kv.num_blocks_for(needed - 1) <= self.kv.num_blocks, "cannot ever fit"
+        assert self.kv.max_blocks_for(needed - 1) <= self.kv.num_blocks, "cannot ever fit"
         self.requests[request.request_id] = request
         if request.prefill_url is not None:
             self.remote_waiting.append(request)  # computed elsewhere: no prefill load here
@@ -484,7 +484,6 @@ class Scheduler:
         long_partial = sum(1 for r in prefilling if self._is_long(r))
         headroom = self._admission_headroom()
         free_blocks = self.kv.num_free_blocks
-        block = self.config.block_size
         for i, request in enumerate(requests):
             if request.status not in WAITING_STATES or self._admission_closed(running, partial):
                 return i
@@ -492,7 +491,7 @@ class Scheduler:
             if is_long and (self._caps_long or self._long_limit_reached(long_partial)):
                 return i
             need = self._future_tokens(request)
-            blocks = -(-request.num_uncomputed_tokens // block)
+            blocks = self.kv.num_new_blocks(request, request.num_uncomputed_tokens)
             if (running and need > headroom) or blocks > free_blocks:
                 return i
             running, partial, long_partial = running + 1, partial + 1, long_partial + is_long
@@ -637,12 +636,14 @@ class Scheduler:
 
     def _future_tokens(self, request: Request) -> float:
         """KV slots a request will still need beyond the blocks it holds: its uncomputed
-        tokens plus ``new_token_ratio`` of the outputs it may still produce."""
+        tokens plus ``new_token_ratio`` of the outputs it may still produce, in every KV
+        group (a sliding group's at most its window: ``KVCacheManager.slots_for``)."""
         outputs = min(
             request.max_tokens - request.num_output_tokens, self.config.output_estimate_clip
         )
         room = len(request.block_ids) * self.kv.block_size - request.num_computed_tokens
-        return max(0.0, request.num_uncomputed_tokens + outputs * self.new_token_ratio - room)
+        tokens = max(0.0, request.num_uncomputed_tokens + outputs * self.new_token_ratio - room)
+        return self.kv.slots_for(tokens)
 
     def _admission_headroom(self) -> float:
         """Free KV slots left after reserving the running requests' future tokens."""

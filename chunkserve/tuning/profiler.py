@@ -111,7 +111,8 @@ class ShapeRunner:
         r.num_computed_tokens = computed
         # Zero the blocks: uninitialised memory could hold denormals or NaNs that would
         # distort timings (the engine zeroes blocks on first write).
-        blocks = torch.tensor(r.block_ids, dtype=torch.int64, device=self.worker.device)
+        held = sorted({b for table in r.block_tables for b in table})
+        blocks = torch.tensor(held, dtype=torch.int64, device=self.worker.device)
         for k_cache, v_cache in self.worker.runner.kv_caches:
             k_cache.index_fill_(0, blocks, 0)
             v_cache.index_fill_(0, blocks, 0)

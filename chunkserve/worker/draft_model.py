@@ -2,7 +2,8 @@
 
 A smaller model of the target's vocabulary proposes each decode's draft tokens. Its KV cache
 is its own pool over the *same block ids* as the target's: the scheduler's block tables
-serve both, so prefix caching, preemption and freed blocks need nothing of their own.
+(the first KV group's, with a hybrid cache) serve both, so prefix caching, preemption and
+freed blocks need nothing of their own.
 
 - ``follow(out)``: every step, after the target's forward pass, the draft model runs the
   same batch (prefill chunks, decodes, verified drafts) and writes its KV where the target
@@ -35,7 +36,7 @@ class _Ahead:
     def __init__(self, request: Request, drafts: list[int]) -> None:
         self.request_id = request.request_id
         self.sampling_params = request.sampling_params
-        self.block_ids = request.block_ids
+        self.block_tables = request.block_tables
         self.token_ids = request.token_ids + drafts
         # Seeded rows are keyed by output position: the draft's noise at a position is the
         # target's there (coupled draws: the draft matches when the two models agree).

@@ -7,14 +7,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from chunkserve.attention import AttentionBackend, BatchLayout
 from chunkserve.distributed.group import OP_STEP, CollectiveError, TPGroup
-from chunkserve.model.registry import CausalLM
+from chunkserve.model.registry import CausalLM, KVGroups
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.cuda_graphs import DecodeGraphs
@@ -44,18 +45,11 @@ class RunnerOutput:
     comm_time: float = 0.0
 
 
-# The per-step index arrays, in the order they lie in the step's one device buffer.
-SECTIONS = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "fresh_block_ids",
-    "cu_seqlens_q",
-    "seq_lens_k",
-    "block_tables",
-    "logits_indices",
-)
-_HEADER = 5 + len(SECTIONS)
+# The per-step index arrays, in the order they lie in the step's one device buffer: the
+# ones every KV group shares, then each group's own (one set per group).
+SECTIONS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens_k", "logits_indices")
+GROUP_SECTIONS = ("slot_mapping", "fresh_block_ids", "block_tables")
+_HEADER = 6 + len(SECTIONS)
 
 
 @dataclass
@@ -64,47 +58,58 @@ class StepArrays:
     and what rank 0 of a tensor-parallel group broadcasts (``encode``) so every rank runs
     the same batch."""
 
-    sections: list[np.ndarray]  # int64 arrays, in SECTIONS order
+    sections: list[np.ndarray]  # int64 arrays: SECTIONS, then GROUP_SECTIONS per KV group
     num_prefill_seqs: int
     num_prefill_tokens: int
     num_decode_tokens: int
-    table_width: int  # columns of block_tables
+    table_width: int  # columns of block_tables (every group's tables are as long)
     context_start: list[int]  # [B]
-    tables: list[list[int]]  # [B][blocks of that sequence]
+    tables: list[list[list[int]]]  # [G][B][blocks of that sequence]
     # Host lists of two sections (the backends loop over them without a device sync).
     query_start: list[int]  # [B + 1], cu_seqlens_q
     seq_lens: list[int]  # [B], seq_lens_k
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.tables)
+
     def encode(self) -> np.ndarray:
         """One int64 array: a header (counts, section sizes), the sections, each sequence's
-        first position and its block table's length."""
+        first position and its block tables' length."""
         header = [
             self.num_prefill_seqs,
             self.num_prefill_tokens,
             self.num_decode_tokens,
             self.table_width,
             len(self.context_start),
-        ] + [len(a) for a in self.sections]
+            self.num_groups,
+        ]
         return np.concatenate(
             [
-                np.asarray(header, dtype=np.int64),
+                np.asarray(header + [len(a) for a in self.sections], dtype=np.int64),
                 *self.sections,
                 np.asarray(self.context_start, dtype=np.int64),
-                np.asarray([len(t) for t in self.tables], dtype=np.int64),
+                np.asarray([len(t) for t in self.tables[0]], dtype=np.int64),
             ]
         )
 
     @classmethod
     def decode(cls, data: np.ndarray) -> StepArrays:
-        header = data[:_HEADER].tolist()
-        num_prefill_seqs, num_prefill_tokens, num_decode_tokens, width, num_seqs = header[:5]
-        sections, at = [], _HEADER
-        for n in header[5:]:
+        header = data[:6].tolist()
+        num_prefill_seqs, num_prefill_tokens, num_decode_tokens, width, num_seqs, groups = header
+        num_sections = len(SECTIONS) + len(GROUP_SECTIONS) * groups
+        sizes = data[6 : 6 + num_sections].tolist()
+        sections, at = [], 6 + num_sections
+        for n in sizes:
             sections.append(data[at : at + n])
             at += n
         context_start = data[at : at + num_seqs].tolist()
         table_lens = data[at + num_seqs : at + 2 * num_seqs].tolist()
-        rows = sections[SECTIONS.index("block_tables")].reshape(num_seqs, width)
+        tables = []
+        for g in range(groups):
+            at = len(SECTIONS) + len(GROUP_SECTIONS) * g + GROUP_SECTIONS.index("block_tables")
+            rows = sections[at].reshape(num_seqs, width)
+            tables.append([rows[i, :n].tolist() for i, n in enumerate(table_lens)])
         return cls(
             sections,
             num_prefill_seqs,
@@ -112,7 +117,7 @@ class StepArrays:
             num_decode_tokens,
             width,
             context_start,
-            [rows[i, :n].tolist() for i, n in enumerate(table_lens)],
+            tables,
             sections[SECTIONS.index("cu_seqlens_q")].tolist(),
             sections[SECTIONS.index("seq_lens_k")].tolist(),
         )
@@ -126,19 +131,24 @@ def allocate_kv_caches(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    layer_slot: Sequence[int] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One pool per layer for K and for V: [num_blocks + 1, block_size, Hkv, hd] each, block 0
-    being the null block (see ``kv_cache``).
+    being the null block (see ``kv_cache``). ``layer_slot``: a hybrid cache's layer ->
+    pool slot (``KVGroups.layer_slot``): layers of one slot share its pool, told apart by
+    their groups' block ids.
 
     Uninitialised: on a CPU its pages take memory only once written. Blocks are zeroed when
     first written (``BatchLayout.fresh_block_ids``); the null block is zeroed here."""
+    num_slots = num_layers if layer_slot is None else max(layer_slot) + 1
     pool = torch.empty(
-        (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim),
+        (num_slots, 2, num_blocks + 1, block_size, num_kv_heads, head_dim),
         dtype=dtype,
         device=device,
     )
     pool[:, :, NULL_BLOCK].zero_()
-    return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+    slots = range(num_layers) if layer_slot is None else layer_slot
+    return [(pool[i, 0], pool[i, 1]) for i in slots]
 
 
 def padded_num_tokens(num_tokens: int) -> int:
@@ -163,10 +173,12 @@ class ModelRunner:
         device: torch.device,
         pad_batches: bool = True,
         group: TPGroup | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         """``sampler`` None: a tensor-parallel rank other than 0 (it samples nothing);
         ``group``: on rank 0 of a tensor-parallel group, every layout is broadcast to the
-        other ranks before the forward pass."""
+        other ranks before the forward pass; ``kv_groups``: a hybrid KV cache's groups (None:
+        one group, the requests' first block table)."""
         self.model = model
         self.group = group
         self.attn = attn
@@ -175,6 +187,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.pad_batches = pad_batches
+        self.kv_groups = kv_groups
+        self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         # Pinned staging buffers for the per-step metadata (CUDA), used in turn so a buffer
         # is never refilled while its previous copy may still be in flight.
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
@@ -217,22 +231,25 @@ class ModelRunner:
         # Padding rows: token 0 at position 0; they write no KV (see write_kv).
         input_ids = np.zeros(padded, dtype=np.int64)
         positions = np.zeros(padded, dtype=np.int64)
-        slots = np.full(padded, NULL_BLOCK * bs, dtype=np.int64)
         query_start = [0]
         context_start: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
         logits_rows: list[int] = []
-        fresh_blocks: list[int] = []
         sampled_chunks: list[ScheduledChunk] = []
+        num_groups = self.num_kv_groups
+        # Per KV group: the slots rows write, the blocks first written, the block tables.
+        slots = [np.full(padded, NULL_BLOCK * bs, dtype=np.int64) for _ in range(num_groups)]
+        fresh_blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         row = 0
         for chunk in chunks:
             r, s, n = chunk.request, chunk.start, chunk.num_tokens
-            table = r.block_ids
+            request_tables = r.block_tables
             if n == 1:
                 input_ids[row] = r.token_ids[s]
                 positions[row] = s
-                slots[row] = table[s // bs] * bs + s % bs
+                for g in range(num_groups):
+                    slots[g][row] = request_tables[g][s // bs] * bs + s % bs
             else:
                 pos = np.arange(s, s + n)
                 if chunk.draft_token_ids:
@@ -241,14 +258,18 @@ class ModelRunner:
                 else:
                     input_ids[row : row + n] = r.token_ids[s : s + n]
                 positions[row : row + n] = pos
-                slots[row : row + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+                index, offset = pos // bs, pos % bs
+                for g in range(num_groups):
+                    slots[g][row : row + n] = np.asarray(request_tables[g])[index] * bs + offset
             first = -(-s // bs) * bs  # first block-aligned position in [s, s + n)
-            fresh_blocks.extend(table[p // bs] for p in range(first, s + n, bs))
+            for g in range(num_groups):
+                table = request_tables[g]
+                fresh_blocks[g].extend(table[p // bs] for p in range(first, s + n, bs))
+                tables[g].append(table)
             row += n
             query_start.append(row)
             context_start.append(s)
             seq_lens.append(s + n)
-            tables.append(table)
             if chunk.draft_token_ids:
                 logits_rows.extend(range(row - n, row))
                 sampled_chunks.append(chunk)
@@ -256,22 +277,26 @@ class ModelRunner:
                 logits_rows.append(row - 1)
                 sampled_chunks.append(chunk)
 
-        max_blocks = max((len(t) for t in tables), default=0)
+        max_blocks = max((len(t) for t in tables[0]), default=0)
         width = max(max_blocks, 1)
-        block_tables = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        step = StepArrays(
-            [
-                input_ids,
-                positions,
-                slots,
-                np.asarray(fresh_blocks, dtype=np.int64),
-                np.asarray(query_start, dtype=np.int64),
-                np.asarray(seq_lens, dtype=np.int64),
+        sections = [
+            input_ids,
+            positions,
+            np.asarray(query_start, dtype=np.int64),
+            np.asarray(seq_lens, dtype=np.int64),
+            np.asarray(logits_rows, dtype=np.int64),
+        ]
+        for g in range(num_groups):
+            block_tables = np.zeros((len(tables[g]), width), dtype=np.int64)
+            for i, t in enumerate(tables[g]):
+                block_tables[i, : len(t)] = t
+            sections += [
+                slots[g],
+                np.asarray(fresh_blocks[g], dtype=np.int64),
                 block_tables.ravel(),
-                np.asarray(logits_rows, dtype=np.int64),
-            ],
+            ]
+        step = StepArrays(
+            sections,
             num_prefill_seqs=len(multi),
             num_prefill_tokens=sum(c.num_tokens for c in multi),
             num_decode_tokens=len(singles),
@@ -286,7 +311,8 @@ class ModelRunner:
         return self.layout_of(step), sampled_chunks
 
     def layout_of(self, step: StepArrays) -> BatchLayout:
-        """The step's arrays on the device (one copy) as a ``BatchLayout``."""
+        """The step's arrays on the device (one copy) as a ``BatchLayout`` (with KV groups,
+        the first group's, carrying every group's in ``kv_groups``)."""
         # Every per-step array in one int64 buffer: one host-to-device copy per step.
         # Sections start at even offsets (16-byte aligned), as GPU kernels load best.
         sizes = [len(a) for a in step.sections]
@@ -295,20 +321,42 @@ class ModelRunner:
         for a, start, n in zip(step.sections, starts, sizes):
             host[start : start + n] = a
         dev = self.transfer(host)
-        views = {name: dev[start : start + n] for name, start, n in zip(SECTIONS, starts, sizes)}
+        views = [dev[start : start + n] for start, n in zip(starts, sizes)]
         num_seqs = len(step.context_start)
-        views["block_tables"] = views["block_tables"].view(num_seqs, step.table_width)
-        return BatchLayout(
-            **views,
+        common = dict(zip(SECTIONS, views))
+        per_group = []
+        for g in range(step.num_groups):
+            at = len(SECTIONS) + len(GROUP_SECTIONS) * g
+            own = dict(zip(GROUP_SECTIONS, views[at : at + len(GROUP_SECTIONS)]))
+            own["block_tables"] = own["block_tables"].view(num_seqs, step.table_width)
+            per_group.append(own)
+        layout = BatchLayout(
+            **common,
+            **per_group[0],
             num_prefill_seqs=step.num_prefill_seqs,
             num_prefill_tokens=step.num_prefill_tokens,
             num_decode_tokens=step.num_decode_tokens,
             query_start_host=step.query_start,
             context_start_host=step.context_start,
             seq_lens_k_host=step.seq_lens,
-            block_tables_host=step.tables,
+            block_tables_host=step.tables[0],
             block_size=self.block_size,
         )
+        if step.num_groups > 1:
+            assert self.kv_groups is not None
+            layout.kv_groups = [layout] + [
+                replace(layout, **per_group[g], block_tables_host=step.tables[g])
+                for g in range(1, step.num_groups)
+            ]
+            layout.layer_group = self.kv_groups.layer_group
+        return layout
+
+    def prepare(self, layout: BatchLayout) -> object:
+        """The attention backend's per-step metadata (with KV groups, a list: each
+        group's)."""
+        if layout.kv_groups is None:
+            return self.attn.prepare(layout)
+        return [self.attn.prepare(g) for g in layout.kv_groups]
 
     @torch.inference_mode()
     def execute(
@@ -328,7 +376,7 @@ class ModelRunner:
         else:
             layout, sampled_chunks = self.build_layout(out)
             masks = self._start_masks(sampled_chunks)
-            meta = self.attn.prepare(layout)
+            meta = self.prepare(layout)
             layout_time = time.perf_counter() - t0
             try:
                 hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
@@ -367,7 +415,7 @@ class ModelRunner:
         """A tensor-parallel rank other than 0: run rank 0's batch (its share of every
         layer, the collectives with the others, and its part of the logits)."""
         layout = self.layout_of(step)
-        meta = self.attn.prepare(layout)
+        meta = self.prepare(layout)
         hidden = self.model(layout, self.kv_caches, self.attn, meta)
         if layout.logits_indices.numel():
             self.model.compute_logits(hidden[layout.logits_indices])

@@ -136,7 +136,14 @@ class Worker:
         check_servable(model_config, max_model_len)
         model_config = self.model_config = serving_config(model_config, max_model_len)
         # This rank's share of the model; a model that cannot be split so fails here.
-        self.shard = plan_shards(model_config, tp, self.rank)
+        if config.enable_expert_parallel and model_config.num_experts == 0:
+            raise ValueError(
+                f"enable_expert_parallel: this {model_config.architecture} model has no "
+                f"experts to divide among ranks"
+            )
+        self.shard = plan_shards(
+            model_config, tp, self.rank, expert_parallel=config.enable_expert_parallel
+        )
         self.group: TPGroup | None = None
         self.local_ranks: LocalRanks | None = None
         # Rank 0: stops the other ranks once, from ``shutdown`` or else when the worker is
@@ -157,7 +164,16 @@ class Worker:
         self.block_size = config.block_size
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
         # Every rank's pool has the same blocks, sized by the rank with the most KV heads.
-        per_token = kv_layout(model_config, self.shard.max_kv_heads).bytes_per_token(dtype_size)
+        # A block id holds one KV group's layers (``kv_cache``).
+        layout = kv_layout(model_config, self.shard.max_kv_heads)
+        self.kv_groups = layout.groups(config.hybrid_kv_cache)
+        if self.kv_groups.num_groups > 1 and config.disaggregation_mode is not None:
+            raise ValueError(
+                "disaggregation_mode: this model's layers form "
+                f"{self.kv_groups.num_groups} KV groups (sliding-window and full attention), "
+                "and disaggregated KV transfer supports one; pass --no-hybrid-kv-cache"
+            )
+        per_token = layout.bytes_per_token(dtype_size, config.hybrid_kv_cache)
         self._bytes_per_block = per_token * self.block_size
         # A draft model (speculative decoding) is found and checked now; its KV pool shares
         # the target's block ids, so every block costs both.
@@ -167,7 +183,9 @@ class Worker:
         if spec is not None and spec.method == "draft_model":
             self._open_draft(spec.model, spec.revision)
             assert self._draft_config is not None
-            per_token = kv_layout(self._draft_config).bytes_per_token(dtype_size)
+            draft_layout = kv_layout(self._draft_config)
+            self._check_draft_window(draft_layout.layer_windows)
+            per_token = draft_layout.bytes_per_token(dtype_size, hybrid=False)
             self._bytes_per_block += per_token * self.block_size
         # On a GPU without a given size the cache takes what the weights leave free: sized
         # in ``load``. Everywhere else now, so a cache too small fails before the weights load.
@@ -199,6 +217,20 @@ class Worker:
                 f"is not the target's ({self.model_config.vocab_size})"
             )
         self._draft_source, self._draft_config, self._draft_reader = source, draft_config, reader
+
+    def _check_draft_window(self, draft_windows: tuple[int | None, ...]) -> None:
+        """The draft model's cache follows the target's first KV group's table: where that
+        group gives blocks back (a window W), the draft may not look further back than W."""
+        window = self.kv_groups.windows[0]
+        if window is None:
+            return
+        if any(w is None or w > window for w in draft_windows):
+            raise ValueError(
+                f"speculative_config.model: the target's KV cache gives back blocks older "
+                f"than its sliding window ({window} tokens) and the draft model attends "
+                f"further back; pass --no-hybrid-kv-cache or a draft model with a window of "
+                f"at most {window}"
+            )
 
     @property
     def num_threads(self) -> int:
@@ -303,6 +335,7 @@ class Worker:
             model_config.head_dim,
             self.dtype,
             self.device,
+            self.kv_groups.layer_slot,
         )
         if config.disaggregation_mode == "decode" and not on_cuda:
             # Blocks arrive from another instance into any block of the pool: touch its pages
@@ -332,6 +365,7 @@ class Worker:
             self.device,
             pad_batches=not on_cuda,
             group=self.group if leader else None,
+            kv_groups=self.kv_groups if self.kv_groups.num_groups > 1 else None,
         )
         if not leader:
             return  # a rank other than 0 follows rank 0's steps (``follow``)
@@ -351,13 +385,24 @@ class Worker:
                 dummy_weights=config.load_format == "dummy",
             )
             self._draft_reader = None
-        graphs_ok = self.attention.supports_cuda_graphs and self.group is None
+        hybrid = self.kv_groups.num_groups > 1
+        model_graphs = getattr(self.model, "supports_cuda_graphs", True)
+        graphs_ok = (
+            self.attention.supports_cuda_graphs
+            and self.group is None
+            and not hybrid
+            and model_graphs
+        )
         self.cuda_graphs = on_cuda and not config.enforce_eager and graphs_ok
         if on_cuda and not config.enforce_eager and not graphs_ok:
             logger.info(
                 "CUDA graphs off: %s",
                 "tensor-parallel steps run eagerly"
                 if self.group is not None
+                else "a hybrid KV cache's steps run eagerly"
+                if hybrid
+                else "the model's steps cannot be captured"
+                if not model_graphs
                 else f"the {self.attention.name} attention backend cannot be captured",
             )
         if self.cuda_graphs:
@@ -478,7 +523,7 @@ class Worker:
         prompt = Request("warm-up-0", [0] * (2 * bs), params, max_tokens=1)
         decode = Request("warm-up-1", [0] * (bs + 1), params, max_tokens=1)
         for r in (prompt, decode):
-            r.block_ids = [NULL_BLOCK, NULL_BLOCK]
+            r.block_tables = [[NULL_BLOCK, NULL_BLOCK] for _ in self.kv_groups.windows]
         t0 = time.perf_counter()
         self.runner.execute(SchedulerOutput(prefills=[ScheduledChunk(prompt, 0, 2 * bs)]))
         self.runner.execute(
@@ -498,13 +543,16 @@ class Worker:
         ``max_model_len`` tokens is a configuration error."""
         kv_memory = self._kv_cache_memory()
         num_blocks = kv_memory // self._bytes_per_block - 1  # one more is the null block
-        capacity = num_blocks * self.block_size
+        # A prompt computed in one step fills every KV group's table before any window
+        # moves on: one sequence of max_model_len tokens needs that many blocks per group.
+        groups = self.kv_groups.num_groups
+        capacity = num_blocks // groups * self.block_size
         if capacity < self.max_model_len:
+            needed = groups * -(-self.max_model_len // self.block_size) + 1
             raise ValueError(
                 f"kv_cache_memory: {kv_memory} bytes hold {capacity} tokens, fewer than "
                 f"max_model_len ({self.max_model_len}); raise kv_cache_memory to at least "
-                f"{-(-self.max_model_len // self.block_size) * self._bytes_per_block} or "
-                f"lower max_model_len"
+                f"{needed * self._bytes_per_block} or lower max_model_len"
             )
         self.num_blocks = num_blocks
         self.kv_cache_memory = (num_blocks + 1) * self._bytes_per_block
