@@ -76,12 +76,13 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_dir(gguf_path: Path) -> Path:
+def hf_dir(request) -> Path:
     """An HF-format copy of the embedded model (config.json, model.safetensors,
     tokenizer.json, tokenizer_config.json), built once from the GGUF with transformers."""
     out = CACHE / "smollm2-hf"
     if (out / "model.safetensors").is_file():
         return out
+    gguf_path: Path = request.getfixturevalue("gguf_path")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -154,7 +155,11 @@ def _embedded_weights_once():
     import chunkserve.worker.worker as worker
     from chunkserve.model import loader
 
-    embedded = Path(embedded_model_path()).resolve()
+    try:
+        embedded = Path(embedded_model_path()).resolve()
+    except ValueError:  # not installed (a GPU check of the tiny-model tests): nothing to share
+        yield
+        return
     decoded: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     original = loader.iter_weights
 

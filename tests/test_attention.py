@@ -45,7 +45,7 @@ def dense_reference(q_rows, k_all, v_all, positions, scale, window=None, softcap
     if sinks is None:
         probs = scores.softmax(-1)
     else:
-        sink_col = sinks.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        sink_col = sinks.float().to(scores.device).view(1, -1, 1).expand(scores.shape[0], -1, 1)
         probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
     out = torch.einsum("nhk,khd->nhd", probs, v).to(q_rows.dtype)
     return out

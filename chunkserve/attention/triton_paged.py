@@ -14,8 +14,14 @@ serves the whole group::
         keys    0 .. last row's position, BLOCK_N at a time; key n lives at slot
                 block_tables[s, n // block_size] * block_size + n % block_size
         mask    key n visible to row m iff n <= position(m)   (causal over the cached prefix)
+                and, under a sliding window W, n > position(m) - W
 
-Softmax is online in fp32 (exp2, the scale folded in); the output is in q's dtype. Keys past
+Softmax is online in fp32 (exp2, the scale folded in); the output is in q's dtype. A layer's
+``AttentionSpec`` is honoured whole: a window starts the key loop at the tile holding the
+block's first row's window start and reads no key before it (a sliding KV group has given
+those blocks back), so a decode reads W keys whatever its context; a soft-cap c maps the
+scaled scores to ``c * tanh(s / c)``; attention sinks start each row's softmax with the
+head's sink logit as its running maximum and a denominator of 1 (a key with no value). Keys past
 a sequence's length are never read, so blocks need no zeroing, and a decode-only step runs on
 a fixed grid whose padding rows (seq_len 1, block table of null blocks) are harmless: that is
 what lets decode steps replay as CUDA graphs.
@@ -33,6 +39,7 @@ import triton.language as tl
 from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 
 LOG2_E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(LOG2_E)
 
 
 # Per-step values are not specialised on (value 1, divisibility by 16, pointer alignment):
@@ -103,6 +110,12 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    window=0,
+    softcap=1.0,
+    sinks_ptr=None,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0) + seq_offset
     q_block = tl.program_id(1)
@@ -131,16 +144,24 @@ def _paged_attention_kernel(
         if DOT_FP32:
             q = q.to(tl.float32)
 
-        # The block's last row sees keys [0, kv_end).
+        # The block's last row sees keys [0, kv_end); under a window its first row none
+        # before kv_lo (nor does any later row).
         kv_end = ctx_start + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        kv_lo = 0
+        if HAS_WINDOW:
+            kv_lo = tl.maximum(ctx_start + q_block * BLOCK_Q - window + 1, 0)
+        if HAS_SINKS:  # the sink: a running maximum of its logit, a denominator of 1
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         offs_n = tl.arange(0, BLOCK_N)
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
             key = start + offs_n
-            key_ok = key < kv_end
+            key_ok = (key < kv_end) & (key >= kv_lo)
             block = tl.load(table + key // block_size, mask=key_ok, other=0).to(tl.int64)
             base = block * stride_cb + (key % block_size) * stride_cs + kv_head * stride_ch
             k = tl.load(
@@ -150,13 +171,22 @@ def _paged_attention_kernel(
             )  # [BLOCK_D, BLOCK_N]
             if DOT_FP32:
                 k = k.to(tl.float32)
-            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            if HAS_SOFTCAP:  # c * tanh(scaled / c), tanh by exp2 (finite at any score)
+                e = tl.exp2((2.0 * scale_log2 / softcap) * s)
+                s = softcap * (1.0 - 2.0 / (e + 1.0)) * LOG2E
+            else:
+                s = s * scale_log2
             visible = (key[None, :] <= q_pos[:, None]) & key_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & (key[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            # Every row sees key 0 in the first tile, so m_new is finite from then on.
+            # A row may see no key of a tile (the tile before its window, a padding row):
+            # its maximum stays -inf, and exp2 then runs against 0 instead (no NaN).
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 v_cache_ptr + base[:, None] + offs_d[None, :],
@@ -167,7 +197,7 @@ def _paged_attention_kernel(
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        l_i = tl.where(l_i > 0.0, l_i, 1.0)
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row that saw nothing (padding) gives 0
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -200,10 +230,18 @@ class TritonAttentionBackend(AttentionBackend):
         self.group = num_heads // num_kv_heads
         self.group_pad = _next_pow2(self.group)
         self.block_d = max(16, _next_pow2(head_dim))
-        self.prefill_q = max(1, self.PREFILL_ROWS // self.group_pad)
+        # Heads of 256 (Gemma 3) halve the key tile and the prefill rows: at 64 x 128 rows
+        # an fp32 program wanted 288 KiB of shared memory (an H200 has 227).
+        wide = self.block_d >= 256
+        self.block_n = self.BLOCK_N // 2 if wide else self.BLOCK_N
+        rows = self.PREFILL_ROWS // 2 if wide else self.PREFILL_ROWS
+        self.prefill_q = max(1, rows // self.group_pad)
         self.prefill_m = max(16, self.prefill_q * self.group_pad)
         self.decode_m = max(16, self.group_pad)
         self.prefill_warps = 8 if self.block_d >= 128 else 4
+
+    def supports(self, spec: AttentionSpec | None) -> str | None:
+        return None  # every scale, window, soft-cap and attention sinks
 
     def prepare(self, layout: BatchLayout) -> _TritonMetadata:
         p = layout.num_prefill_seqs
@@ -254,12 +292,15 @@ class TritonAttentionBackend(AttentionBackend):
         layout: BatchLayout,
         metadata: _TritonMetadata,
         spec: AttentionSpec | None = None,
-        sinks: torch.Tensor | None = None,  # refused with the spec (``supports``)
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scale = self.scale
-        if spec is not None:  # a scale only: windows and caps are refused (``supports``)
-            self.check_spec(spec)
+        if (sinks is not None) != (spec is not None and spec.sinks):
+            raise ValueError("sinks: passed exactly when the layer's spec has sinks")
+        window, cap = None, None
+        if spec is not None:
             scale = spec.resolve_scale(self.head_dim)
+            window, cap = spec.sliding_window, spec.logit_softcap
         if k.stride(2) != 1 or q.stride(2) != 1 or k_cache.stride(3) != 1:
             raise ValueError("triton attention: head_dim must be the contiguous dimension")
         self.write_kv(k, v, k_cache, v_cache, layout)
@@ -283,9 +324,15 @@ class TritonAttentionBackend(AttentionBackend):
             G_PAD=self.group_pad,
             HEAD_DIM=self.head_dim,
             BLOCK_D=self.block_d,
-            BLOCK_N=self.BLOCK_N,
+            BLOCK_N=self.block_n,
             PRECISION=precision,
             DOT_FP32=dot_fp32,
+            window=window or 0,
+            softcap=cap or 1.0,
+            sinks_ptr=None if sinks is None else sinks.to(q.device, torch.float32).contiguous(),
+            HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=cap is not None,
+            HAS_SINKS=sinks is not None,
         )
         args = (
             out,
