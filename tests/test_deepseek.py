@@ -252,18 +252,24 @@ def test_preempted_matches_unchunked(dirs, unchunked) -> None:
     assert_no_blocks_in_use(tight)
 
 
-def test_tensor_parallel_matches_one_process(dirs) -> None:
+@pytest.mark.parametrize("ep", [False, True], ids=["tensor-parallel", "expert-parallel"])
+def test_tensor_and_expert_parallel_match_one_process(dirs, ep: bool) -> None:
     """Each rank its half of the heads (q, kv_b rows; o columns) over the whole latent
-    cache, and its columns of every expert: tokens and logits of one process."""
+    cache, and its columns of every expert (expert parallel: half the experts, whole):
+    tokens and logits of one process."""
     path = dirs["v2"]
     tp1 = make_engine(path, max_num_batched_tokens=64)
     work = [*prompts(), random_prompt(random.Random(3), 100)]
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
     ref = record_logits(tp1)
     want = run_all(tp1, work, params)
-    tp2 = make_engine(path, max_num_batched_tokens=64, tensor_parallel_size=2)
+    tp2 = make_engine(
+        path, max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=ep
+    )
     try:
-        assert tp2.core.worker.model.layers[0].attn.num_heads == 2
+        model = tp2.core.worker.model
+        assert model.layers[0].attn.num_heads == 2
+        assert model.layers[1].mlp.w13.shape[0] == (8 if ep else 16)
         got = record_logits(tp2)
         assert run_all(tp2, work, params) == want
         assert len(got) == len(ref) > 0
@@ -272,6 +278,15 @@ def test_tensor_parallel_matches_one_process(dirs) -> None:
         assert_no_blocks_in_use(tp2)
     finally:
         tp2.shutdown()
+
+
+def test_speculative_decoding_matches(dirs, unchunked) -> None:
+    """n-gram drafts verified as short chunks over the cached latents (expanded)."""
+    work, expected = unchunked
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    engine = make_engine(dirs["v2"], max_num_batched_tokens=64, speculative_config=spec)
+    assert run_staggered(engine, work, CHUNK_TOKENS) == expected
+    assert_no_blocks_in_use(engine)
 
 
 # ---- the config ----------------------------------------------------------------------------
@@ -284,6 +299,18 @@ def test_moe_layer_freq_and_first_dense_layers(dirs, tmp_path, no_weight_loading
     assert hf_model_config(path).moe_layers == (2, 4)
     path = variant(dirs["lite"], tmp_path / "n", num_hidden_layers=4, first_k_dense_replace=2)
     assert hf_model_config(path).moe_layers == (2, 3)
+
+
+def test_what_the_latent_cache_cannot_serve_is_refused(dirs, tmp_path, no_weight_loading):
+    # The C kernel's head size limit (DeepSeek-V2's latent: 512 + 64 values).
+    wide = variant(dirs["lite"], tmp_path / "wide", kv_lora_rank=512)
+    with pytest.raises(ValueError, match="'cpu' is not usable.*latent attention.*520 values"):
+        make_engine(wide, attention_backend="cpu")
+    with pytest.raises(ValueError, match="disaggregation_mode.*latent"):
+        make_engine(dirs["lite"], disaggregation_mode="prefill")
+    spec = {"method": "draft_model", "model": str(dirs["lite"]), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative_config.model.*latent"):
+        make_engine(dirs["lite"], speculative_config=spec)
 
 
 @pytest.mark.parametrize(

@@ -308,15 +308,24 @@ class Worker:
         # Latent attention: the backend attends over the cached latent, one KV "head" of
         # the latent's width (queries absorbed into it by the model).
         latent = self.kv_layout.latent
-        self.attention = get_attention_backend(
-            config.attention_backend,
-            self.device,
-            self.shard.num_heads,
-            self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads,
-            self.kv_layout.head_dim if latent else model_config.head_dim,
-            self.dtype,
-            self.block_size,
-        )
+        try:
+            self.attention = get_attention_backend(
+                config.attention_backend,
+                self.device,
+                self.shard.num_heads,
+                self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads,
+                self.kv_layout.head_dim if latent else model_config.head_dim,
+                self.dtype,
+                self.block_size,
+            )
+        except ValueError as exc:
+            if not latent:
+                raise
+            raise ValueError(
+                f"{exc} (this model's multi-head latent attention attends over one latent "
+                f"of {self.kv_layout.head_dim} values: kv_lora_rank + qk_rope_head_dim; "
+                f"the torch attention backend serves it)"
+            ) from None
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
         self.model = build_model(
