@@ -9,6 +9,7 @@ we do not serve are a ValueError naming them.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 
@@ -124,7 +125,15 @@ def decode_logits(ref, ids: list[int], n: int) -> list[torch.Tensor]:
 
 
 # ---- against transformers ------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+# The decode rows through each backend: torch, the C kernel, Triton (interpreted on a CPU,
+# TRITON_INTERPRET=1 as conftest sets it; skipped without the triton package).
+TRITON = pytest.param(
+    "triton",
+    marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton"),
+)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", TRITON])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_logits_and_greedy_tokens_match_transformers(dirs, refs, name, backend) -> None:
     """Prompt rows (chunks: keys and values expanded from the latents) and decode rows
