@@ -338,3 +338,32 @@ def test_unsupported_options_are_refused_naming_them(
     path = variant(dirs["lite"], tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=field):
         make_engine(path)
+
+
+def test_a_published_config_json_reads(dirs, tmp_path) -> None:
+    """DeepSeek-V2-Lite's config.json as published (remote-code era): ``rope_scaling`` with
+    ``type``, no ``head_dim`` (the rope part is ``qk_rope_head_dim``), ``moe_layer_freq``,
+    ``scoring_func``, ``ep_size``."""
+    from chunkserve.model.loader import hf_model_config
+
+    rope = {k: v for k, v in LITE["rope_parameters"].items() if k not in ("rope_type",)}
+    rope.pop("rope_theta")
+    path = variant(
+        dirs["lite"],
+        tmp_path / "m",
+        head_dim=None,
+        qk_head_dim=None,
+        rope_parameters=None,
+        rope_theta=10000,
+        rope_scaling={"type": "yarn", **rope},
+        moe_layer_freq=1,
+        scoring_func="softmax",
+        ep_size=1,
+        aux_loss_alpha=0.001,
+    )
+    config = hf_model_config(path)
+    assert (config.head_dim, config.kv_lora_rank, config.qk_nope_head_dim) == (8, 32, 16)
+    assert (config.q_lora_rank, config.v_head_dim, config.num_experts) == (None, 16, 8)
+    assert config.rope_scaling["factor"] == 40.0 and config.rope_theta == 10000
+    assert config.moe_layers == (1,) and config.topk_method == "greedy"
+    assert config.shared_expert_intermediate_size == 2 * 32 and not config.shared_expert_gate
