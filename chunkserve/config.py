@@ -52,6 +52,11 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 
 
+# DeepSeek's routers (``ModelConfig.topk_method``); V3's "noaux_tc" (sigmoid scores with a
+# correction bias) is not one of them.
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
 def rope_type(scaling: dict[str, Any] | None) -> str:
     """The type of an HF ``rope_scaling`` / ``rope_parameters`` dict ("default" if none)."""
     scaling = scaling or {}
@@ -133,6 +138,25 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] | None = None
+    # DeepSeek's router (``model.moe``): ``topk_method`` None is the softmax top-k above;
+    # "greedy" / "group_limited_greedy": softmax scores, top-k over the experts of the
+    # ``topk_group`` best of ``n_group`` groups (a group scored by its best expert), the
+    # chosen weights times ``routed_scaling_factor``; ``shared_expert_gate`` False: the
+    # shared expert is added ungated (DeepSeek's ``n_shared_experts``).
+    topk_method: str | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
+    # Multi-head latent attention (DeepSeek-V2; ``model.deepseek``): set iff
+    # ``kv_lora_rank`` is. Keys and values come from a ``kv_lora_rank`` latent per token
+    # (the KV cache keeps it and the rope part, ``head_dim`` = qk_rope_head_dim); queries
+    # through a ``q_lora_rank`` bottleneck (None: one projection); per head
+    # ``qk_nope_head_dim`` + ``head_dim`` query/key dims and ``v_head_dim`` value dims.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -271,6 +295,32 @@ class ModelConfig:
                 "moe_layers",
                 f"must be layer indices below num_layers ({self.num_layers})",
             )
+        if self.topk_method is not None:
+            _require(
+                self.topk_method in TOPK_METHODS,
+                "topk_method",
+                f"{self.topk_method!r} is not supported (supported: {', '.join(TOPK_METHODS)})",
+            )
+            _require(
+                self.n_group >= 1 and self.num_experts % self.n_group == 0,
+                "n_group",
+                f"must be >= 1 and divide num_experts ({self.num_experts}), got {self.n_group}",
+            )
+            _require(
+                1 <= self.topk_group <= self.n_group
+                and self.num_experts_per_tok <= self.topk_group * self.num_experts // self.n_group,
+                "topk_group",
+                f"must be in 1..n_group ({self.n_group}) with num_experts_per_tok "
+                f"({self.num_experts_per_tok}) experts in its groups, got {self.topk_group}",
+            )
+        if self.kv_lora_rank is not None:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                _require(getattr(self, name) > 0, name, "must be positive")
+            _require(
+                self.q_lora_rank is None or self.q_lora_rank > 0,
+                "q_lora_rank",
+                "must be positive or None",
+            )
         _require(
             all(0 <= i < self.num_layers for i in self.no_rope_layers),
             "no_rope_layers",
@@ -280,6 +330,8 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_size: int, num_kv_heads: int | None = None) -> int:
         """Bytes of K and V cache one token takes over all layers (of ``num_kv_heads`` KV
         heads: a tensor-parallel rank's share; default all)."""
+        if self.kv_lora_rank is not None:  # latent attention: one latent vector, every rank
+            return self.num_layers * (self.kv_lora_rank + self.head_dim) * dtype_size
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         return 2 * self.num_layers * heads * self.head_dim * dtype_size
 

@@ -28,6 +28,7 @@ from tests.test_model_families import (
     CHUNK_WORK,
     SMALL,
     VOCAB,
+    assert_matches_transformers,
     make_engine,
     prompts,
     reference,
@@ -35,7 +36,6 @@ from tests.test_model_families import (
     variant,
     write_model,
 )
-from tests.test_model_parity import all_row_logits
 from tests.test_tensor_parallel import record_logits
 
 # family -> (transformers config class, fields of the published checkpoint named, experts
@@ -284,27 +284,9 @@ def test_more_expert_parallel_ranks_than_experts_are_refused() -> None:
 @pytest.mark.parametrize("name", [*MOE_FAMILIES, *MOE_VARIANTS])
 def test_logits_and_greedy_tokens_match_transformers(moe_dirs, name: str) -> None:
     path = moe_dirs[name]
-    ref = reference(path)
     engine = make_engine(path)
     assert engine.core.worker.model_config.architecture == family_of(name)
-    worst = 0.0
-    for ids in prompts():
-        with torch.no_grad():
-            want = ref(torch.tensor([ids])).logits[0].float()
-        for chunk in (10_000, 7):
-            got = all_row_logits(engine, ids, chunk)
-            assert got.shape == want.shape
-            rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-            worst = max(worst, rel)
-    assert worst < 1e-4, f"{name}: worst relative error {worst:.2e}"
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
-    for ids in prompts():
-        with torch.no_grad():
-            out = ref.generate(
-                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None
-            )
-        assert run_all(engine, [ids], params) == [out[0, len(ids) :].tolist()]
-    assert_no_blocks_in_use(engine)
+    assert_matches_transformers(engine, reference(path), name)
 
 
 def test_the_layers_the_config_makes_sparse_have_experts(moe_dirs) -> None:

@@ -105,6 +105,33 @@ class BatchLayout:
             return [(self, attn_meta)] * num_layers
         return [(self.kv_groups[g], attn_meta[g]) for g in self.layer_group]
 
+    def decodes_only(self) -> BatchLayout:
+        """This layout without its prefill chunks: the decode rows (and the padding after
+        them) as rows 0.., their sequences as 0..; no fresh blocks (whoever calls this
+        writes the step's K/V first: multi-head latent attention attends its chunks
+        itself and only the decodes through the backend)."""
+        p, rows = self.num_prefill_seqs, self.num_prefill_tokens
+        if p == 0:
+            return self
+        return BatchLayout(
+            input_ids=self.input_ids[rows:],
+            positions=self.positions[rows:],
+            slot_mapping=self.slot_mapping[rows:],
+            fresh_block_ids=self.fresh_block_ids[:0],
+            cu_seqlens_q=self.cu_seqlens_q[p:] - rows,
+            seq_lens_k=self.seq_lens_k[p:],
+            block_tables=self.block_tables[p:],
+            logits_indices=self.logits_indices[:0],
+            num_prefill_seqs=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=self.num_decode_tokens,
+            query_start_host=[q - rows for q in self.query_start_host[p:]],
+            context_start_host=self.context_start_host[p:],
+            seq_lens_k_host=self.seq_lens_k_host[p:],
+            block_tables_host=self.block_tables_host[p:],
+            block_size=self.block_size,
+        )
+
     @property
     def num_tokens(self) -> int:
         """Real rows; the tensors may carry padding rows after them."""

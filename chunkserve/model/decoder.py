@@ -60,18 +60,22 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         h, eps, offset = config.hidden_size, config.rms_norm_eps, model.norm_offset
-        self.attn = Attention(
-            config,
-            shard,
-            dtype,
-            device,
-            group,
-            qkv_bias=model.qkv_bias or config.attention_bias,
-            qk_norm=model.qk_norm,
-            use_rope=index not in config.no_rope_layers,
-            spec=layer_spec(config, index),
-            norm_offset=offset,
-        )
+        self.attn: Attention | nn.Module
+        if model.attention_cls is not None:  # the family's own (DeepSeek's latent attention)
+            self.attn = model.attention_cls(config, shard, dtype, device, group)
+        else:
+            self.attn = Attention(
+                config,
+                shard,
+                dtype,
+                device,
+                group,
+                qkv_bias=model.qkv_bias or config.attention_bias,
+                qk_norm=model.qk_norm,
+                use_rope=index not in config.no_rope_layers,
+                spec=layer_spec(config, index),
+                norm_offset=offset,
+            )
         # A mixture of experts where the config puts one (``model.moe``), else a dense MLP.
         self.mlp: GatedMLP | SparseMoE
         self.moe = config.is_moe_layer(index)
@@ -201,6 +205,10 @@ class DecoderLM(nn.Module):
     # chosen experts' weights (Mixtral; None: the config's ``norm_topk_prob``).
     moe_names: ClassVar[dict[str, str]] = MOE_NAMES
     moe_renormalize: ClassVar[bool | None] = None
+    # An attention module of the family's own in place of ``layers.Attention``: built as
+    # ``attention_cls(config, shard, dtype, device, group)``, with Attention's ``forward``
+    # and ``targets`` (DeepSeek's latent attention).
+    attention_cls: ClassVar[type[nn.Module] | None] = None
 
     def __init__(
         self,

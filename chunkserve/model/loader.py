@@ -537,7 +537,7 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
             f"model: config.json: clip_qkv {cfg['clip_qkv']!r} is not supported (only null: "
             f"no clamping of q, k and v)"
         )
-    return ModelConfig(
+    fields = dict(
         **_moe_fields(cfg, num_layers),
         architecture=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -570,6 +570,8 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         final_logit_softcap=None if final_cap is None else float(final_cap),
         rope_local_theta=local_theta,
     )
+    fields.update(_mla_fields(cfg))
+    return ModelConfig(**fields)
 
 
 def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -578,9 +580,13 @@ def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     ``num_experts``), the layers with experts from ``mlp_only_layers`` and
     ``decoder_sparse_step`` as transformers' Qwen2/3-MoE derive them (layer i is sparse
     unless listed, when (i + 1) is a multiple of the step)."""
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    experts = int(
+        cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    )
     if experts == 0:
         return {}
+    if "n_routed_experts" in cfg:
+        return _deepseek_moe_fields(cfg, num_layers, experts)
     step = cfg.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step < 1:
         raise ValueError(
@@ -596,6 +602,53 @@ def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         moe_layers=None if len(layers) == num_layers else layers,
+    )
+
+
+def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> dict[str, Any]:
+    """DeepSeek's MoE fields (``n_routed_experts``): experts on layer i from
+    ``first_k_dense_replace`` on where i is a multiple of ``moe_layer_freq`` (DeepSeek's
+    rule; transformers' DeepseekV2 reads no ``moe_layer_freq``, as if it were 1), its router
+    (``topk_method``, ``n_group``, ``topk_group``, ``routed_scaling_factor``; softmax scores
+    only), ``n_shared_experts`` experts' width as one ungated shared expert."""
+    freq = cfg.get("moe_layer_freq", 1)
+    if not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"model: config.json: moe_layer_freq {freq!r} must be an integer >= 1")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(
+            f"model: config.json: scoring_func {scoring!r} is not supported (only 'softmax')"
+        )
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    layers = tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
+    moe_inter = int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"] or 0),
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * moe_inter,
+        shared_expert_gate=False,
+        moe_layers=None if len(layers) == num_layers else layers,
+        topk_method=str(cfg.get("topk_method") or "greedy"),
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _mla_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's fields (``kv_lora_rank``; none without): ``head_dim``
+    is the rope part of a head (``qk_rope_head_dim``, as transformers sets it)."""
+    if cfg.get("kv_lora_rank") is None:
+        return {}
+    q_lora = cfg.get("q_lora_rank")
+    return dict(
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        head_dim=int(cfg["qk_rope_head_dim"]),
     )
 
 

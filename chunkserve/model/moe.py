@@ -12,8 +12,11 @@ grouping the step's tokens by expert, and an optional shared expert.
   tokens' rows (``index_add_``). A Python loop runs over the experts the step touches, never
   over tokens: a decode batch pays for the experts its tokens pick, a long prefill chunk for
   (nearly) all of them.
+- **DeepSeek's router** (``route_grouped``, ``ModelConfig.topk_method``): softmax scores,
+  the top-k restricted to the best ``topk_group`` of ``n_group`` expert groups, weights
+  times ``routed_scaling_factor`` (or renormalised).
 - **Shared expert** (Qwen2-MoE): a gated MLP every token takes, scaled by
-  ``sigmoid(x . w_gate)``, added to the routed experts' sum.
+  ``sigmoid(x . w_gate)``, added to the routed experts' sum (DeepSeek's: ungated).
 
 Tensor parallel (the default over a tensor-parallel group): every expert's intermediate
 columns are split over the ranks as a dense MLP's are (each rank holds its gate and up rows
@@ -90,6 +93,35 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_grouped(
+    logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    scaling: float,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's router (``topk_method`` "group_limited_greedy"; "greedy" is one group):
+    softmax scores in fp32; the experts, cut into ``num_groups`` groups, keep only those of
+    the ``topk_group`` groups with the best single score; the ``top_k`` best of those. Their
+    weights are renormalised to sum to 1 (``renormalize``, with top_k > 1) or else times
+    ``scaling`` (``routed_scaling_factor``), as DeepSeek's V2 code does."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    if num_groups > 1:
+        t, e = scores.shape
+        best = scores.view(t, num_groups, e // num_groups).amax(dim=-1)  # [T, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(best, topk_group, dim=-1).indices, True)
+        keep = keep[:, :, None].expand(t, num_groups, e // num_groups).reshape(t, e)
+        scores = scores.masked_fill(~keep, 0.0)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif scaling != 1.0:
+        weights = weights * scaling
     return weights, ids
 
 
@@ -185,16 +217,35 @@ class SparseMoE(nn.Module):
             sw = self.shared_cols[1] - self.shared_cols[0]
             self.shared_w13 = _param(2 * sw, h, dtype=dtype, device=device)
             self.shared_w2 = _param(h, sw, dtype=dtype, device=device)
-            self.shared_gate = _param(1, h, dtype=dtype, device=device)
+            if config.shared_expert_gate:
+                self.shared_gate = _param(1, h, dtype=dtype, device=device)
+        # DeepSeek's grouped router (``route_grouped``) where the config names its method.
+        self.topk_method = config.topk_method
+        self.groups = (config.n_group, config.topk_group) if self.topk_method else (1, 1)
+        if self.topk_method == "greedy":
+            self.groups = (1, 1)
+        self.routed_scaling = config.routed_scaling_factor
         self.group = group
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] fp32, expert ids [T, top_k]) of the rows ``x``."""
+        logits = F.linear(x, self.router)
+        if self.topk_method is None:
+            return route(logits, self.top_k, self.renormalize)
+        return route_grouped(
+            logits, self.top_k, *self.groups, self.routed_scaling, self.renormalize
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         out = grouped_experts(x, self.w13, self.w2, weights, ids, self.act, self.experts[0])
         if self.shared_w13 is not None:
             gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)
             shared = F.linear(self.act(gate) * up, self.shared_w2)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            if self.shared_gate is None:  # DeepSeek's shared experts: ungated
+                out = out + shared
+            else:
+                out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out
@@ -239,7 +290,8 @@ class SparseMoE(nn.Module):
             out[shared + "down_proj.weight"] = Target(
                 self.shared_w2, (slice(None), slice(s0, s1)), (h, si)
             )
-            out[block + names["shared_gate"] + ".weight"] = Target(
-                self.shared_gate, (slice(None),), (1, h)
-            )
+            if self.shared_gate is not None:
+                out[block + names["shared_gate"] + ".weight"] = Target(
+                    self.shared_gate, (slice(None),), (1, h)
+                )
         return out

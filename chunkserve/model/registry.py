@@ -39,6 +39,7 @@ _FAMILY_MODULES = (
     "mixtral",
     "qwen_moe",
     "olmoe",
+    "deepseek",
 )
 
 
@@ -89,13 +90,22 @@ class KVLayout:
     """What the model needs of the KV cache: ``num_layers`` layers of ``num_kv_heads``
     (this rank's) x ``head_dim``; ``sliding_window``: the window every layer attends within
     (None: all keys, or only some layers have one); ``layer_windows``: each layer's window
-    (empty: ``sliding_window`` on every layer)."""
+    (empty: ``sliding_window`` on every layer). ``latent``: multi-head latent attention
+    (DeepSeek): a layer's entry for a token is one vector of ``head_dim`` values (the
+    compressed latent and the rope part; ``num_kv_heads`` 1), not a K and a V per head: its
+    pool holds it once, and the layer's (k, v) cache pair is that one tensor twice."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] = ()
+    latent: bool = False
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors a layer's cache entry has: K and V (2), or the latent (1)."""
+        return 1 if self.latent else 2
 
     def groups(self, hybrid: bool = True) -> KVGroups:
         """The KV groups of this model's layers; ``hybrid`` False: one group of every layer
@@ -105,9 +115,10 @@ class KVLayout:
         return form_kv_groups(self.layer_windows or [self.sliding_window] * self.num_layers)
 
     def bytes_per_token(self, dtype_size: int, hybrid: bool = True) -> int:
-        """Bytes of K and V one token slot of a block takes (over one group's layers)."""
+        """Bytes of K and V (or the latent) one token slot of a block takes (over one
+        group's layers)."""
         num_slots = self.groups(hybrid).num_slots
-        return 2 * num_slots * self.num_kv_heads * self.head_dim * dtype_size
+        return self.kv_parts * num_slots * self.num_kv_heads * self.head_dim * dtype_size
 
 
 @runtime_checkable

@@ -132,23 +132,25 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     layer_slot: Sequence[int] | None = None,
+    latent: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One pool per layer for K and for V: [num_blocks + 1, block_size, Hkv, hd] each, block 0
     being the null block (see ``kv_cache``). ``layer_slot``: a hybrid cache's layer ->
     pool slot (``KVGroups.layer_slot``): layers of one slot share its pool, told apart by
-    their groups' block ids.
+    their groups' block ids. ``latent`` (``KVLayout.latent``): one pool per layer, its
+    entry the layer's (k, v) pair twice (multi-head latent attention caches one vector).
 
     Uninitialised: on a CPU its pages take memory only once written. Blocks are zeroed when
     first written (``BatchLayout.fresh_block_ids``); the null block is zeroed here."""
     num_slots = num_layers if layer_slot is None else max(layer_slot) + 1
     pool = torch.empty(
-        (num_slots, 2, num_blocks + 1, block_size, num_kv_heads, head_dim),
+        (num_slots, 1 if latent else 2, num_blocks + 1, block_size, num_kv_heads, head_dim),
         dtype=dtype,
         device=device,
     )
     pool[:, :, NULL_BLOCK].zero_()
     slots = range(num_layers) if layer_slot is None else layer_slot
-    return [(pool[i, 0], pool[i, 1]) for i in slots]
+    return [(pool[i, 0], pool[i, 0 if latent else 1]) for i in slots]
 
 
 def padded_num_tokens(num_tokens: int) -> int:

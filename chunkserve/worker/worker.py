@@ -166,7 +166,13 @@ class Worker:
         # Every rank's pool has the same blocks, sized by the rank with the most KV heads.
         # A block id holds one KV group's layers (``kv_cache``).
         layout = kv_layout(model_config, self.shard.max_kv_heads)
+        self.kv_layout = layout
         self.kv_groups = layout.groups(config.hybrid_kv_cache)
+        if layout.latent and config.disaggregation_mode is not None:
+            raise ValueError(
+                "disaggregation_mode: this model caches a latent per token (multi-head latent "
+                "attention), and disaggregated KV transfer moves K and V blocks"
+            )
         if self.kv_groups.num_groups > 1 and config.disaggregation_mode is not None:
             raise ValueError(
                 "disaggregation_mode: this model's layers form "
@@ -184,6 +190,11 @@ class Worker:
             self._open_draft(spec.model, spec.revision)
             assert self._draft_config is not None
             draft_layout = kv_layout(self._draft_config)
+            if draft_layout.latent:
+                raise ValueError(
+                    "speculative_config.model: a draft model with multi-head latent "
+                    "attention (a latent KV cache) is not supported"
+                )
             self._check_draft_window(draft_layout.layer_windows)
             per_token = draft_layout.bytes_per_token(dtype_size, hybrid=False)
             self._bytes_per_block += per_token * self.block_size
@@ -294,15 +305,27 @@ class Worker:
         config, model_config = self.config, self.model_config
         self._join_group()
         # The backend first: what the model's attention needs is checked before weights load.
-        self.attention = get_attention_backend(
-            config.attention_backend,
-            self.device,
-            self.shard.num_heads,
-            self.shard.num_kv_heads,
-            model_config.head_dim,
-            self.dtype,
-            self.block_size,
-        )
+        # Latent attention: the backend attends over the cached latent, one KV "head" of
+        # the latent's width (queries absorbed into it by the model).
+        latent = self.kv_layout.latent
+        try:
+            self.attention = get_attention_backend(
+                config.attention_backend,
+                self.device,
+                self.shard.num_heads,
+                self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads,
+                self.kv_layout.head_dim if latent else model_config.head_dim,
+                self.dtype,
+                self.block_size,
+            )
+        except ValueError as exc:
+            if not latent:
+                raise
+            raise ValueError(
+                f"{exc} (this model's multi-head latent attention attends over one latent "
+                f"of {self.kv_layout.head_dim} values: kv_lora_rank + qk_rope_head_dim; "
+                f"the torch attention backend serves it)"
+            ) from None
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
         self.model = build_model(
@@ -331,11 +354,12 @@ class Worker:
             model_config.num_layers,
             self.num_blocks,
             self.block_size,
-            self.shard.num_kv_heads,
-            model_config.head_dim,
+            self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads,
+            self.kv_layout.head_dim if latent else model_config.head_dim,
             self.dtype,
             self.device,
             self.kv_groups.layer_slot,
+            latent=latent,
         )
         if config.disaggregation_mode == "decode" and not on_cuda:
             # Blocks arrive from another instance into any block of the pool: touch its pages

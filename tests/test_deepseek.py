@@ -1,0 +1,369 @@
+"""DeepSeek-V2: multi-head latent attention over a latent KV cache and DeepSeek's router,
+against transformers' DeepseekV2 (tiny random models from its config class with a published
+checkpoint's fields, shrunk): fp32 logits of prompt rows (whole and chunked) and of decode
+rows (the absorbed path) within 1e-4 relative, greedy tokens and the experts each token
+picks identical; chunked = unchunked = prefix-cached = preempted; the pool holds
+kv_lora_rank + qk_rope_head_dim values per token per layer; tensor parallel 2 = 1; options
+we do not serve are a ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkserve.model.moe import route_grouped
+from chunkserve.scheduling.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_in_use, random_prompt
+from tests.test_invariance import run_staggered
+from tests.test_model_families import (
+    BLOCK,
+    CHUNK_TOKENS,
+    CHUNK_WORK,
+    SMALL,
+    assert_matches_transformers,
+    make_engine,
+    prompts,
+    reference,
+    run_all,
+    variant,
+    write_model,
+)
+from tests.test_moe import rewrite
+from tests.test_tensor_parallel import record_logits
+
+DEEPSEEK = "deepseek_v2"
+# deepseek-ai/DeepSeek-V2-Lite: latent 512 + rope 64 (here 32 + 8), no q bottleneck, heads
+# of 128 no-rope + 64 rope query/key dims and 128 value dims (here 16 + 8, 16), 64 experts
+# top 6 of 1408 columns (here 8 top 2 of 32) and 2 shared, the first layer dense, greedy
+# routing, YaRN x40 from 4096 positions (here from 128) with mscale 0.707 on both.
+LITE = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    topk_method="greedy",
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=5120,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=128,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+        beta_fast=32,
+        beta_slow=1,
+    ),
+)
+# deepseek-ai/DeepSeek-V2: a q bottleneck of 1536 (here 48), 160 experts in 8 groups, the
+# top 6 from the best 3 groups (here 16 in 4, top 4 from the best 2), weights x16.
+MODELS = {
+    "lite": LITE,
+    "v2": {
+        **LITE,
+        "q_lora_rank": 48,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 16.0,
+    },
+}
+RANK, ROPE = LITE["kv_lora_rank"], LITE["qk_rope_head_dim"]
+
+
+def hf_config(name: str, **changes):
+    import transformers
+
+    return transformers.DeepseekV2Config(**{**SMALL, **MODELS[name], **changes})
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, hf_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {name: write_model(root / name, hf_config(name), hf_dir) for name in MODELS}
+    # Routers drawn wider than HF's N(0, 0.02): top-k choices (and groups) without near-ties.
+    for path in out.values():
+        rewrite(path, lambda t: {k: v * 20 for k, v in t.items() if k.endswith("gate.weight")})
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs(dirs) -> dict:
+    return {name: reference(path) for name, path in dirs.items()}
+
+
+def decode_logits(ref, ids: list[int], n: int) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = ref.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return [x[0].float() for x in out.logits]
+
+
+# ---- against transformers ------------------------------------------------------------------
+# The decode rows through each backend: torch, the C kernel, Triton (interpreted on a CPU,
+# TRITON_INTERPRET=1 as conftest sets it; skipped without the triton package).
+TRITON = pytest.param(
+    "triton",
+    marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton"),
+)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", TRITON])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_and_greedy_tokens_match_transformers(dirs, refs, name, backend) -> None:
+    """Prompt rows (chunks: keys and values expanded from the latents) and decode rows
+    (queries absorbed into the latent: the backend attends over the cached latents)."""
+    engine = make_engine(dirs[name], attention_backend=backend)
+    assert engine.core.worker.model_config.architecture == DEEPSEEK
+    assert engine.core.worker.attention.name == backend
+    assert_matches_transformers(engine, refs[name], name)
+    seen = record_logits(engine)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    for ids in prompts():
+        seen.clear()
+        run_all(engine, [ids], params)
+        want = decode_logits(refs[name], ids, 6)
+        assert len(seen) == len(want)
+        for got, exp in zip(seen, want, strict=True):  # the first: the prompt's last row
+            rel = ((got[0] - exp).norm() / exp.norm()).item()
+            assert rel < 1e-4, f"{name}: decode row relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_experts_each_token_picks_match_transformers(dirs, refs, name) -> None:
+    """The MoE layer's input as transformers computes it, routed by its router and ours."""
+    ref = refs[name]
+    engine = make_engine(dirs[name])
+    ours = engine.core.worker.model.layers[1].mlp
+    inputs: list[torch.Tensor] = []
+    gate = ref.model.layers[1].mlp.gate
+    hook = gate.register_forward_hook(lambda m, args, out: inputs.append((args[0], out)))
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([prompts()[2]]))
+    finally:
+        hook.remove()
+    ((x, (_, want_w, want_ids)),) = inputs
+    x = x.reshape(-1, x.shape[-1])
+    got_w, got_ids = ours.route(x)
+    assert [sorted(r) for r in got_ids.tolist()] == [sorted(r) for r in want_ids.tolist()]
+    # Each pick's weight (transformers' order is not sorted).
+    order_got, order_want = got_ids.argsort(-1), want_ids.argsort(-1)
+    torch.testing.assert_close(
+        got_w.gather(1, order_got), want_w.float().gather(1, order_want), rtol=1e-5, atol=1e-6
+    )
+    if MODELS[name]["n_group"] > 1:  # the groups' restriction mattered for some token
+        plain = torch.topk(torch.softmax(x.float() @ ours.router.float().T, -1), 4).indices
+        assert any(sorted(a) != sorted(b) for a, b in zip(plain.tolist(), got_ids.tolist()))
+
+
+def test_grouped_router_against_a_naive_reference() -> None:
+    """Per token: the groups ranked by their best score, experts outside the best
+    ``topk_group`` dropped, top-k of the rest; renormalised (then not scaled, as DeepSeek's
+    V2 code) or scaled."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(50, 12, generator=gen)
+    for renorm in (False, True):
+        w, ids = route_grouped(logits, 3, 4, 2, 2.5, renorm)
+        for t in range(50):
+            p = torch.softmax(logits[t], -1).tolist()
+            groups = sorted(range(4), key=lambda g: -max(p[3 * g : 3 * g + 3]))[:2]
+            allowed = [e for g in groups for e in range(3 * g, 3 * g + 3)]
+            chosen = sorted(allowed, key=lambda e: -p[e])[:3]
+            assert sorted(ids[t].tolist()) == sorted(chosen)
+            total = sum(p[e] for e in chosen)
+            want = [p[e] / total if renorm else 2.5 * p[e] for e in ids[t].tolist()]
+            torch.testing.assert_close(w[t], torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+# ---- the latent cache ----------------------------------------------------------------------
+def test_the_cache_holds_one_latent_per_token_and_layer(dirs) -> None:
+    engine = make_engine(dirs["lite"])
+    worker = engine.core.worker
+    layers = worker.model_config.num_layers
+    assert worker.model_config.kv_bytes_per_token(4) == layers * (RANK + ROPE) * 4
+    # A block: every layer's latents of BLOCK tokens (one KV group of every layer).
+    assert worker._bytes_per_block == BLOCK * layers * (RANK + ROPE) * 4
+    caches = worker.runner.kv_caches
+    # The layer's (k, v) pair is one view of its latent pool, twice.
+    assert all(k.data_ptr() == v.data_ptr() and k.shape == v.shape for k, v in caches)
+    assert len({k.data_ptr() for k, _ in caches}) == layers
+    assert caches[0][0].shape == (worker.num_blocks + 1, BLOCK, 1, RANK + ROPE)
+    # Every layer's pool in one allocation of exactly the latents' bytes.
+    assert len({k.untyped_storage().data_ptr() for k, _ in caches}) == 1
+    nbytes = caches[0][0].untyped_storage().nbytes()
+    assert nbytes == layers * (worker.num_blocks + 1) * BLOCK * (RANK + ROPE) * 4
+
+
+# ---- chunking, prefix cache, preemption, tensor parallel -----------------------------------
+@pytest.fixture(scope="module")
+def unchunked(dirs) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(21)
+    work = [random_prompt(rng, n) for n in CHUNK_WORK]
+    base = make_engine(dirs["v2"], enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    expected = run_staggered(base, work, CHUNK_TOKENS)
+    assert base.core.scheduler.num_preemptions == 0
+    return work, expected
+
+
+@pytest.mark.parametrize("budget", [16, 256])
+def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget) -> None:
+    work, expected = unchunked
+    chunked = make_engine(dirs["v2"], max_num_batched_tokens=budget)
+    steps = []
+    chunked.step_listeners.append(steps.append)
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
+    assert any(s.kind == "mixed" for s in steps)  # chunks beside decodes in one step
+    hits = chunked.core.kv.num_hit_tokens
+    assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
+    assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
+    assert_no_blocks_in_use(chunked)
+
+
+def test_preempted_matches_unchunked(dirs, unchunked) -> None:
+    work, expected = unchunked
+    per_token = make_engine(dirs["v2"]).core.worker.model_config.kv_bytes_per_token(4)
+    tight = make_engine(
+        dirs["v2"],
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=64,
+        kv_cache_memory=11 * per_token * BLOCK,
+        max_model_len=10 * BLOCK,
+    )
+    assert tight.core.worker.num_blocks == 10
+    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
+    assert tight.core.scheduler.num_preemptions > 0
+    assert_no_blocks_in_use(tight)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tensor-parallel", "expert-parallel"])
+def test_tensor_and_expert_parallel_match_one_process(dirs, ep: bool) -> None:
+    """Each rank its half of the heads (q, kv_b rows; o columns) over the whole latent
+    cache, and its columns of every expert (expert parallel: half the experts, whole):
+    tokens and logits of one process."""
+    path = dirs["v2"]
+    tp1 = make_engine(path, max_num_batched_tokens=64)
+    work = [*prompts(), random_prompt(random.Random(3), 100)]
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    ref = record_logits(tp1)
+    want = run_all(tp1, work, params)
+    tp2 = make_engine(
+        path, max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=ep
+    )
+    try:
+        model = tp2.core.worker.model
+        assert model.layers[0].attn.num_heads == 2
+        assert model.layers[1].mlp.w13.shape[0] == (8 if ep else 16)
+        got = record_logits(tp2)
+        assert run_all(tp2, work, params) == want
+        assert len(got) == len(ref) > 0
+        for a, b in zip(got, ref, strict=True):
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+        assert_no_blocks_in_use(tp2)
+    finally:
+        tp2.shutdown()
+
+
+def test_speculative_decoding_matches(dirs, unchunked) -> None:
+    """n-gram drafts verified as short chunks over the cached latents (expanded)."""
+    work, expected = unchunked
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    engine = make_engine(dirs["v2"], max_num_batched_tokens=64, speculative_config=spec)
+    assert run_staggered(engine, work, CHUNK_TOKENS) == expected
+    assert_no_blocks_in_use(engine)
+
+
+# ---- the config ----------------------------------------------------------------------------
+def test_moe_layer_freq_and_first_dense_layers(dirs, tmp_path, no_weight_loading) -> None:
+    """DeepSeek's rule: experts on layer i >= first_k_dense_replace with i % moe_layer_freq
+    == 0 (transformers' DeepseekV2 has no moe_layer_freq: 1)."""
+    from chunkserve.model.loader import hf_model_config
+
+    path = variant(dirs["lite"], tmp_path / "m", num_hidden_layers=6, moe_layer_freq=2)
+    assert hf_model_config(path).moe_layers == (2, 4)
+    path = variant(dirs["lite"], tmp_path / "n", num_hidden_layers=4, first_k_dense_replace=2)
+    assert hf_model_config(path).moe_layers == (2, 3)
+
+
+def test_what_the_latent_cache_cannot_serve_is_refused(dirs, tmp_path, no_weight_loading):
+    # The C kernel's head size limit (DeepSeek-V2's latent: 512 + 64 values).
+    wide = variant(dirs["lite"], tmp_path / "wide", kv_lora_rank=512)
+    with pytest.raises(ValueError, match="'cpu' is not usable.*latent attention.*520 values"):
+        make_engine(wide, attention_backend="cpu")
+    with pytest.raises(ValueError, match="disaggregation_mode.*latent"):
+        make_engine(dirs["lite"], disaggregation_mode="prefill")
+    spec = {"method": "draft_model", "model": str(dirs["lite"]), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative_config.model.*latent"):
+        make_engine(dirs["lite"], speculative_config=spec)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"topk_method": "noaux_tc"}, "topk_method"),  # DeepSeek-V3's router
+        ({"scoring_func": "sigmoid"}, "scoring_func"),
+        ({"n_group": 3}, "n_group"),  # does not divide 8 experts
+        ({"topk_group": 2}, "topk_group"),  # more groups than n_group (1)
+        ({"moe_layer_freq": 0}, "moe_layer_freq"),
+    ],
+)
+def test_unsupported_options_are_refused_naming_them(
+    dirs, tmp_path, changes, field, no_weight_loading
+) -> None:
+    path = variant(dirs["lite"], tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=field):
+        make_engine(path)
+
+
+def test_a_published_config_json_reads(dirs, tmp_path) -> None:
+    """DeepSeek-V2-Lite's config.json as published (remote-code era): ``rope_scaling`` with
+    ``type``, no ``head_dim`` (the rope part is ``qk_rope_head_dim``), ``moe_layer_freq``,
+    ``scoring_func``, ``ep_size``."""
+    from chunkserve.model.loader import hf_model_config
+
+    rope = {k: v for k, v in LITE["rope_parameters"].items() if k not in ("rope_type",)}
+    rope.pop("rope_theta")
+    path = variant(
+        dirs["lite"],
+        tmp_path / "m",
+        head_dim=None,
+        qk_head_dim=None,
+        rope_parameters=None,
+        rope_theta=10000,
+        rope_scaling={"type": "yarn", **rope},
+        moe_layer_freq=1,
+        scoring_func="softmax",
+        ep_size=1,
+        aux_loss_alpha=0.001,
+    )
+    config = hf_model_config(path)
+    assert (config.head_dim, config.kv_lora_rank, config.qk_nope_head_dim) == (8, 32, 16)
+    assert (config.q_lora_rank, config.v_head_dim, config.num_experts) == (None, 16, 8)
+    assert config.rope_scaling["factor"] == 40.0 and config.rope_theta == 10000
+    assert config.moe_layers == (1,) and config.topk_method == "greedy"
+    assert config.shared_expert_intermediate_size == 2 * 32 and not config.shared_expert_gate
