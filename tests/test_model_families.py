@@ -324,7 +324,8 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) ->
 def test_every_family_is_tested() -> None:
     from tests.test_moe import MOE_FAMILIES  # mixtures of experts: tested there
 
-    tested = {FAMILY_OF.get(name, name) for name in FAMILIES} | set(MOE_FAMILIES)
+    # GPT-OSS: tests/test_gpt_oss.py
+    tested = {FAMILY_OF.get(name, name) for name in FAMILIES} | set(MOE_FAMILIES) | {"gpt_oss"}
     assert set(supported_families()) == tested
 
 

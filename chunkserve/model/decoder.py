@@ -7,8 +7,9 @@ norms of the attention and MLP outputs before the residual adds; "sandwich": Gem
 both), ``norm_offset`` (every RMSNorm Gemma's ``1 + w``), ``scale_embeddings`` (embeddings
 times sqrt(hidden) rounded to the model's dtype, as Gemma), and the checkpoint's names
 (``norm_names``; ``fused_names``: Phi-3's pre-fused qkv_proj and gate_up_proj; ``moe_names``:
-an MoE block's, Mixtral's ``block_sparse_moe``). A layer the config makes a mixture of experts
-(``ModelConfig.is_moe_layer``) has ``moe.SparseMoE`` for its MLP.
+an MoE block's, Mixtral's ``block_sparse_moe``; ``moe_router`` / ``moe_bias``: GPT-OSS's
+router and expert biases; ``o_bias``: the output projection's bias). A layer the config
+makes a mixture of experts (``ModelConfig.is_moe_layer``) has ``moe.SparseMoE`` for its MLP.
 Config-driven numerics (Granite's multipliers, SmolLM3's layers without rope, partial rotary,
 the activation, the softmax scale, soft-capping, Gemma 3's local rope) come from
 ``ModelConfig``.
@@ -71,14 +72,16 @@ class DecoderLayer(nn.Module):
             use_rope=index not in config.no_rope_layers,
             spec=layer_spec(config, index),
             norm_offset=offset,
+            o_bias=model.o_bias and config.attention_bias,
         )
         # A mixture of experts where the config puts one (``model.moe``), else a dense MLP.
         self.mlp: GatedMLP | SparseMoE
         self.moe = config.is_moe_layer(index)
         if self.moe:
             self.mlp = SparseMoE(
-                config, shard, dtype, device, group, renormalize=model.moe_renormalize
-            )
+                config, shard, dtype, device, group, renormalize=model.moe_renormalize,
+                router=model.moe_router, bias=model.moe_bias,
+            )  # fmt: skip
         else:
             self.mlp = GatedMLP(config, shard, dtype, device, group)
         # Gemma 3: the sliding-window layers rotate with the local rope table.
@@ -185,6 +188,7 @@ class DecoderLM(nn.Module):
     # What a family sets.
     qkv_bias: ClassVar[bool] = False  # Q/K/V biases whatever the config says
     qk_norm: ClassVar[str | None] = None
+    o_bias: ClassVar[bool] = False  # the output projection's bias too, by attention_bias
     norm_style: ClassVar[str] = "pre"
     norm_offset: ClassVar[bool] = False  # RMSNorms are x * (1 + w) (Gemma)
     scale_embeddings: ClassVar[bool] = False  # embeddings times sqrt(hidden) (Gemma)
@@ -201,6 +205,10 @@ class DecoderLM(nn.Module):
     # chosen experts' weights (Mixtral; None: the config's ``norm_topk_prob``).
     moe_names: ClassVar[dict[str, str]] = MOE_NAMES
     moe_renormalize: ClassVar[bool | None] = None
+    # The router (``moe.ROUTERS``: softmax then top-k, or GPT-OSS's top-k then softmax) and
+    # whether the router and experts have biases (GPT-OSS).
+    moe_router: ClassVar[str] = "softmax_topk"
+    moe_bias: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -53,6 +53,7 @@ from chunkserve.memory import release_free_heap
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
 from chunkserve.model.registry import (
     CausalLM,
+    attention_specs,
     build_model,
     check_attention,
     check_servable,
@@ -303,6 +304,19 @@ class Worker:
             self.dtype,
             self.block_size,
         )
+        if config.attention_backend == "auto" and any(
+            self.attention.supports(spec) for spec in attention_specs(model_config)
+        ):
+            # "auto" picked a backend without something the model's attention needs (the
+            # C kernel and triton have no attention sinks): the torch backend has it all.
+            logger.info(
+                "attention backend: %s lacks what the model's attention needs; using torch",
+                type(self.attention).__name__,
+            )
+            self.attention = get_attention_backend(
+                "torch", self.device, self.shard.num_heads, self.shard.num_kv_heads,
+                model_config.head_dim, self.dtype, self.block_size,
+            )  # fmt: skip
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
         self.model = build_model(
