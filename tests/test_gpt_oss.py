@@ -413,3 +413,19 @@ def test_gpt_oss_gguf_is_refused_naming_it() -> None:
 
     with pytest.raises(ValueError, match="GGUF architecture 'gpt-oss'.*HF directory"):
         gguf_spec("gpt-oss")
+
+
+def test_sinks_pick_the_torch_backend_or_are_refused_by_name(gpt_oss_dir, caplog) -> None:
+    """``auto`` on a CPU picks the C kernel's backend, which has no sink term: GPT-OSS gets
+    the torch backend instead (a log line); naming the cpu backend is refused."""
+    from chunkserve.attention import cpu_kernels
+    from chunkserve.attention.torch_ref import TorchAttentionBackend
+
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(gpt_oss_dir)
+    assert type(engine.core.worker.attention) is TorchAttentionBackend
+    if cpu_kernels.load() is None:
+        pytest.skip("the C attention kernel does not build here")
+    assert any("using torch" in r.message for r in caplog.records)
+    with pytest.raises(ValueError, match="attention sinks.*choose another --attention-backend"):
+        make_engine(gpt_oss_dir, attention_backend="cpu")
