@@ -429,3 +429,28 @@ def test_sinks_pick_the_torch_backend_or_are_refused_by_name(gpt_oss_dir, caplog
     assert any("using torch" in r.message for r in caplog.records)
     with pytest.raises(ValueError, match="attention sinks.*choose another --attention-backend"):
         make_engine(gpt_oss_dir, attention_backend="cpu")
+
+
+def test_norms_multiply_by_their_weight_in_fp32_as_transformers() -> None:
+    """bf16: transformers' GPT-OSS norm (weight kept fp32) multiplies the fp32 normed values
+    and casts once; ours the same (Llama's casts first, then multiplies: other roundings)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from chunkserve.model.gpt_oss import GptOssModel
+    from chunkserve.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(256, generator=gen)).to(torch.bfloat16)
+    hf = GptOssRMSNorm(256, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(w.float())
+        want = hf(x)
+    ours = RMSNorm(256, 1e-5, torch.bfloat16, torch.device("cpu"), fp32_weight=True)
+    llama = RMSNorm(256, 1e-5, torch.bfloat16, torch.device("cpu"))
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        llama.weight.copy_(w)
+    assert GptOssModel.norm_fp32_weight
+    assert torch.equal(ours(x), want)
+    assert not torch.equal(llama(x), want)

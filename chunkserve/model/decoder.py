@@ -61,6 +61,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         h, eps, offset = config.hidden_size, config.rms_norm_eps, model.norm_offset
+        fp32 = model.norm_fp32_weight
         self.attn = Attention(
             config,
             shard,
@@ -89,12 +90,12 @@ class DecoderLayer(nn.Module):
         self.norm_style = model.norm_style
         # "pre": before attention, before the MLP; "post": after each, before the residual
         # add; "sandwich": norm1 / norm3 before attention / the MLP, norm2 / norm4 after.
-        self.norm1 = RMSNorm(h, eps, dtype, device, offset=offset)
-        self.norm2 = RMSNorm(h, eps, dtype, device, offset=offset)
+        self.norm1 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
+        self.norm2 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
         self.norm3 = self.norm4 = None
         if self.norm_style == "sandwich":
-            self.norm3 = RMSNorm(h, eps, dtype, device, offset=offset)
-            self.norm4 = RMSNorm(h, eps, dtype, device, offset=offset)
+            self.norm3 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
+            self.norm4 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(
@@ -191,6 +192,8 @@ class DecoderLM(nn.Module):
     o_bias: ClassVar[bool] = False  # the output projection's bias too, by attention_bias
     norm_style: ClassVar[str] = "pre"
     norm_offset: ClassVar[bool] = False  # RMSNorms are x * (1 + w) (Gemma)
+    # The block and final RMSNorms multiply by the weight in fp32, then cast (GPT-OSS).
+    norm_fp32_weight: ClassVar[bool] = False
     scale_embeddings: ClassVar[bool] = False  # embeddings times sqrt(hidden) (Gemma)
     # Checkpoint names of the block norms (after "model.layers.N.").
     norm_names: ClassVar[dict[str, str]] = {
@@ -230,8 +233,9 @@ class DecoderLM(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype, device, offset=self.norm_offset
-        )
+            config.hidden_size, config.rms_norm_eps, dtype, device, offset=self.norm_offset,
+            fp32_weight=self.norm_fp32_weight,
+        )  # fmt: skip
         self.lm_head = ParallelLMHead(config, self.embed_tokens, dtype, device, group)
         self.rotary = RotaryEmbedding(config, max_positions, device)
         # Gemma 3's sliding-window layers: their own base, unscaled.

@@ -1,6 +1,7 @@
 """GPT-OSS (openai/gpt-oss-20b, -120b): Llama's pre-norm block with biases on Q/K/V and on the
 output projection, a learned attention sink per query head (``AttentionSpec.sinks``), a
 sliding window on alternate layers (``layer_types``; the first of each pair), YaRN rope, and
+RMSNorms whose weight multiplies in fp32 (transformers keeps them fp32), and
 a mixture of experts for every MLP (``moe.SparseMoE`` with GPT-OSS's router, top-k of the
 biased router logits then a softmax over those k, and its experts: biases, the clamped
 SwiGLU, pre-fused stacked tensors ``mlp.experts.gate_up_proj`` / ``down_proj``).
@@ -28,6 +29,7 @@ GGUF_REFUSED["gpt-oss"] = (
 @register("gpt_oss", hf=("GptOssForCausalLM",))
 class GptOssModel(DecoderLM):
     o_bias = True
+    norm_fp32_weight = True
     moe_router = "topk_softmax"
     moe_bias = True
     moe_names: ClassVar[dict[str, str]] = GPT_OSS_NAMES

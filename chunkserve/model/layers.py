@@ -61,6 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension. ``offset``: Gemma's variant, ``x * (1 + w)`` in fp32.
+    ``fp32_weight``: the weight multiplies the fp32 normed values before the cast (GPT-OSS's,
+    whose norms transformers keeps in fp32), not the values cast back first (Llama's).
     ``group`` with ``full_width``: the normed dimension is split over tensor-parallel ranks
     (a norm over all heads' q or k, OLMo 2): the sum of squares is summed over them."""
 
@@ -72,6 +74,7 @@ class RMSNorm(nn.Module):
         device: torch.device,
         *,
         offset: bool = False,
+        fp32_weight: bool = False,
         full_width: int | None = None,
         group: TPGroup | None = None,
         weight_slice: slice | None = None,
@@ -80,6 +83,7 @@ class RMSNorm(nn.Module):
         self.weight = _param(width, dtype=dtype, device=device)
         self.eps = eps
         self.offset = offset
+        self.fp32_weight = fp32_weight
         self.full_width = full_width or width
         self.group = group
         self.weight_slice = weight_slice or slice(None)
@@ -89,13 +93,15 @@ class RMSNorm(nn.Module):
             xf = x.float()
             ss = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True))
             xf = xf * torch.rsqrt(ss / self.full_width + self.eps)
-        elif self.offset:
+        elif self.offset or self.fp32_weight:
             xf = x.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         else:
             return rms_norm(x, self.weight, self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if self.fp32_weight:
+            return (xf * self.weight.float()).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
     def targets(self, name: str) -> dict[str, Target]:
