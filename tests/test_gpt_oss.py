@@ -454,3 +454,77 @@ def test_norms_multiply_by_their_weight_in_fp32_as_transformers() -> None:
     assert GptOssModel.norm_fp32_weight
     assert torch.equal(ours(x), want)
     assert not torch.equal(llama(x), want)
+
+
+# openai/gpt-oss-20b's config.json as published (transformers 4.55: rope_scaling beside
+# rope_theta, no rope_parameters; MXFP4 experts).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]
+        + ["model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+
+def test_the_published_config_reads_as_transformers_reads_it(tmp_path) -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from chunkserve.model.layers import rope_inv_freq
+    from chunkserve.model.loader import hf_model_config
+    from chunkserve.model.registry import layer_spec
+
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    config = hf_model_config(tmp_path)
+    assert config.architecture == "gpt_oss"
+    assert (config.num_experts, config.num_experts_per_tok) == (32, 4)
+    assert config.expert_intermediate_size == 2880
+    assert config.window_layers == tuple(range(0, 24, 2)) and config.sliding_window == 128
+    assert config.attention_sinks and config.attention_bias
+    assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)
+    spec0, spec1 = layer_spec(config, 0), layer_spec(config, 1)
+    assert spec0.sliding_window == 128 and spec0.sinks
+    assert spec1.sliding_window is None and spec1.sinks
+    hf = transformers.GptOssConfig(**GPT_OSS_20B)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    got, factor = rope_inv_freq(config, config.max_position_embeddings)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(want_factor)
