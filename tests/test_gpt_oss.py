@@ -528,3 +528,21 @@ def test_the_published_config_reads_as_transformers_reads_it(tmp_path) -> None:
     got, factor = rope_inv_freq(config, config.max_position_embeddings)
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(want_factor)
+
+
+def test_fp8_tensors_without_their_pair_or_of_another_kind_are_refused() -> None:
+    from chunkserve.model.hf_quant import dequantize_stream
+
+    cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 2]}}
+    w = torch.ones(4, 4).to(torch.float8_e4m3fn)
+
+    def run(items):
+        return dict(dequantize_stream(iter(items), "fp8", torch.float32, cfg))
+
+    # Either order; unquantized tensors pass through.
+    got = run([("a.weight_scale_inv", torch.full((2, 2), 0.5)), ("a.weight", w), ("n", w.float())])
+    assert torch.equal(got["a.weight"], torch.full((4, 4), 0.5)) and "n" in got
+    with pytest.raises(ValueError, match="'a.weight' has only its weight"):
+        run([("a.weight", w)])
+    with pytest.raises(ValueError, match="float8_e5m2"):
+        run([("b.weight", torch.ones(4, 4).to(torch.float8_e5m2))])

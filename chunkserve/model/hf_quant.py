@@ -171,6 +171,8 @@ def _pair(name: str, t: torch.Tensor, method: str) -> tuple[str, str] | None:
         return name[: -len("_scale_inv")], "scale"
     if name.endswith(".weight") and t.dtype in FP8_DTYPES:
         return name, "weight"
-    if t.dtype in FP8_DTYPES:
-        raise ValueError(f"model: fp8 checkpoint: {name!r} is float8 and not a weight with scales")
+    if t.dtype.is_floating_point and t.element_size() == 1:  # float8 of any kind
+        raise ValueError(
+            f"model: fp8 checkpoint: {name!r} is {t.dtype} and not an e4m3 weight with scales"
+        )
     return None
