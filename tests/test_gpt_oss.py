@@ -546,3 +546,22 @@ def test_fp8_tensors_without_their_pair_or_of_another_kind_are_refused() -> None
         run([("a.weight", w)])
     with pytest.raises(ValueError, match="float8_e5m2"):
         run([("b.weight", torch.ones(4, 4).to(torch.float8_e5m2))])
+
+
+def test_expert_biases_only_load_from_the_stacked_tensors() -> None:
+    """Biased experts with per-expert names would leave the biases unloaded: refused."""
+    from chunkserve.distributed.shard import plan_shards
+    from chunkserve.model.moe import GPT_OSS_NAMES, MOE_NAMES, SparseMoE
+    from tests.test_moe import moe_config
+
+    config = moe_config()
+    cpu = torch.device("cpu")
+    biased = SparseMoE(config, plan_shards(config, 1, 0), torch.float32, cpu, None, bias=True)
+    assert "mlp.experts.gate_up_proj_bias" in biased.targets("", GPT_OSS_NAMES)
+    with pytest.raises(ValueError, match="expert biases"):
+        biased.targets("", MOE_NAMES)
+    shared = moe_config(shared_expert_intermediate_size=8)
+    with pytest.raises(ValueError, match="no shared expert"):
+        SparseMoE(shared, plan_shards(shared, 1, 0), torch.float32, cpu, None, bias=True).targets(
+            "", GPT_OSS_NAMES
+        )

@@ -320,6 +320,13 @@ class SparseMoE(nn.Module):
             )
         c0, c1 = self.cols
         width = c1 - c0
+        if ("gate_up" in names) != (self.b13 is not None) or (
+            "gate_up" in names and self.shared_w13 is not None
+        ):
+            raise ValueError(
+                "moe: expert biases load from the stacked, pre-fused expert tensors only "
+                "(GPT_OSS_NAMES), which have no shared expert"
+            )
         if "gate_up" in names:
             out.update(self._fused_targets(block + "experts.", names))
             return out
