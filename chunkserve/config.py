@@ -157,6 +157,13 @@ class ModelConfig:
     q_lora_rank: int | None = None
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # GPT-OSS: attention sinks (a learned logit per query head in every layer's softmax
+    # denominator), and its experts' clamped SwiGLU: ``(up + 1) * g * sigmoid(alpha * g)``
+    # with g = gate clamped above at ``swiglu_limit`` and up clamped to +-``swiglu_limit``
+    # (None: the config's ``hidden_act`` gate, ``act(gate) * up``).
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -266,13 +273,23 @@ class ModelConfig:
             "window_layers",
             f"must be layer indices below num_layers ({self.num_layers})",
         )
-        for name in ("attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+        for name in (
+            "attn_logit_softcap",
+            "final_logit_softcap",
+            "rope_local_theta",
+            "swiglu_limit",
+        ):
             value = getattr(self, name)
             _require(
                 value is None or (math.isfinite(value) and value > 0),
                 name,
                 f"must be a finite number > 0 or None, got {value!r}",
             )
+        _require(
+            math.isfinite(self.swiglu_alpha) and self.swiglu_alpha > 0,
+            "swiglu_alpha",
+            f"must be a finite number > 0, got {self.swiglu_alpha!r}",
+        )
         _require(self.num_experts >= 0, "num_experts", "must not be negative")
         if self.num_experts:
             _require(

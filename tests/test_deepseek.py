@@ -170,7 +170,7 @@ def test_experts_each_token_picks_match_transformers(dirs, refs, name) -> None:
         hook.remove()
     ((x, (_, want_w, want_ids)),) = inputs
     x = x.reshape(-1, x.shape[-1])
-    got_w, got_ids = ours.route(x)
+    got_w, got_ids = ours.select(x)
     assert [sorted(r) for r in got_ids.tolist()] == [sorted(r) for r in want_ids.tolist()]
     # Each pick's weight (transformers' order is not sorted).
     order_got, order_want = got_ids.argsort(-1), want_ids.argsort(-1)

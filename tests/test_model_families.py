@@ -325,8 +325,9 @@ def test_every_family_is_tested() -> None:
     from tests.test_deepseek import DEEPSEEK  # latent attention: tested there
     from tests.test_moe import MOE_FAMILIES  # mixtures of experts: tested there
 
-    tested = {FAMILY_OF.get(name, name) for name in FAMILIES} | set(MOE_FAMILIES) | {DEEPSEEK}
-    assert set(supported_families()) == tested
+    # DeepSeek-V2: tests/test_deepseek.py; GPT-OSS: tests/test_gpt_oss.py
+    tested = {FAMILY_OF.get(name, name) for name in FAMILIES} | set(MOE_FAMILIES)
+    assert set(supported_families()) == tested | {DEEPSEEK, "gpt_oss"}
 
 
 # Variants of the families' models (config.json edited). Sliding windows (shorter than the
@@ -619,17 +620,26 @@ def test_published_phi3_rope_config_reads_as_transformers_does(model_dirs, tmp_p
     assert configs["su"].rope_scaling == ours.rope_scaling
 
 
+@pytest.fixture
+def triton_without_specs(monkeypatch) -> None:
+    """Triton's backend as one without windows, caps or sinks (every backend now has them
+    all): the base class's ``supports``, which takes a scale only."""
+    from chunkserve.attention.base import AttentionBackend
+    from chunkserve.attention.triton_paged import TritonAttentionBackend
+
+    monkeypatch.setattr(TritonAttentionBackend, "supports", AttentionBackend.supports)
+
+
 def test_a_backend_without_windows_is_refused_naming_the_window(
-    windowed_dirs, no_weight_loading
+    windowed_dirs, no_weight_loading, triton_without_specs
 ) -> None:
-    # Triton's kernel has no window (it runs here under its interpreter): refused before
-    # the weights load, never served with every key attended.
+    # Refused before the weights load, never served with every key attended.
     with pytest.raises(ValueError, match=r"sliding window.*triton.*sliding_window"):
         make_engine(windowed_dirs["mistral-window"], attention_backend="triton")
 
 
 def test_a_backend_without_soft_capping_is_refused_naming_it(
-    model_dirs, tmp_path, no_weight_loading
+    model_dirs, tmp_path, no_weight_loading, triton_without_specs
 ) -> None:
     with pytest.raises(ValueError, match=r"window.*attn_logit_softcapping=50.*triton") as err:
         make_engine(model_dirs["gemma2"], attention_backend="triton")

@@ -7,8 +7,9 @@ norms of the attention and MLP outputs before the residual adds; "sandwich": Gem
 both), ``norm_offset`` (every RMSNorm Gemma's ``1 + w``), ``scale_embeddings`` (embeddings
 times sqrt(hidden) rounded to the model's dtype, as Gemma), and the checkpoint's names
 (``norm_names``; ``fused_names``: Phi-3's pre-fused qkv_proj and gate_up_proj; ``moe_names``:
-an MoE block's, Mixtral's ``block_sparse_moe``). A layer the config makes a mixture of experts
-(``ModelConfig.is_moe_layer``) has ``moe.SparseMoE`` for its MLP.
+an MoE block's, Mixtral's ``block_sparse_moe``; ``moe_router`` / ``moe_bias``: GPT-OSS's
+router and expert biases; ``o_bias``: the output projection's bias). A layer the config
+makes a mixture of experts (``ModelConfig.is_moe_layer``) has ``moe.SparseMoE`` for its MLP.
 Config-driven numerics (Granite's multipliers, SmolLM3's layers without rope, partial rotary,
 the activation, the softmax scale, soft-capping, Gemma 3's local rope) come from
 ``ModelConfig``.
@@ -60,6 +61,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         h, eps, offset = config.hidden_size, config.rms_norm_eps, model.norm_offset
+        fp32 = model.norm_fp32_weight
         self.attn: Attention | nn.Module
         if model.attention_cls is not None:  # the family's own (DeepSeek's latent attention)
             self.attn = model.attention_cls(config, shard, dtype, device, group)
@@ -75,14 +77,16 @@ class DecoderLayer(nn.Module):
                 use_rope=index not in config.no_rope_layers,
                 spec=layer_spec(config, index),
                 norm_offset=offset,
+                o_bias=model.o_bias and config.attention_bias,
             )
         # A mixture of experts where the config puts one (``model.moe``), else a dense MLP.
         self.mlp: GatedMLP | SparseMoE
         self.moe = config.is_moe_layer(index)
         if self.moe:
             self.mlp = SparseMoE(
-                config, shard, dtype, device, group, renormalize=model.moe_renormalize
-            )
+                config, shard, dtype, device, group, renormalize=model.moe_renormalize,
+                router=model.moe_router, bias=model.moe_bias,
+            )  # fmt: skip
         else:
             self.mlp = GatedMLP(config, shard, dtype, device, group)
         # Gemma 3: the sliding-window layers rotate with the local rope table.
@@ -90,12 +94,12 @@ class DecoderLayer(nn.Module):
         self.norm_style = model.norm_style
         # "pre": before attention, before the MLP; "post": after each, before the residual
         # add; "sandwich": norm1 / norm3 before attention / the MLP, norm2 / norm4 after.
-        self.norm1 = RMSNorm(h, eps, dtype, device, offset=offset)
-        self.norm2 = RMSNorm(h, eps, dtype, device, offset=offset)
+        self.norm1 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
+        self.norm2 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
         self.norm3 = self.norm4 = None
         if self.norm_style == "sandwich":
-            self.norm3 = RMSNorm(h, eps, dtype, device, offset=offset)
-            self.norm4 = RMSNorm(h, eps, dtype, device, offset=offset)
+            self.norm3 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
+            self.norm4 = RMSNorm(h, eps, dtype, device, offset=offset, fp32_weight=fp32)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(
@@ -189,8 +193,11 @@ class DecoderLM(nn.Module):
     # What a family sets.
     qkv_bias: ClassVar[bool] = False  # Q/K/V biases whatever the config says
     qk_norm: ClassVar[str | None] = None
+    o_bias: ClassVar[bool] = False  # the output projection's bias too, by attention_bias
     norm_style: ClassVar[str] = "pre"
     norm_offset: ClassVar[bool] = False  # RMSNorms are x * (1 + w) (Gemma)
+    # The block and final RMSNorms multiply by the weight in fp32, then cast (GPT-OSS).
+    norm_fp32_weight: ClassVar[bool] = False
     scale_embeddings: ClassVar[bool] = False  # embeddings times sqrt(hidden) (Gemma)
     # Checkpoint names of the block norms (after "model.layers.N.").
     norm_names: ClassVar[dict[str, str]] = {
@@ -209,6 +216,10 @@ class DecoderLM(nn.Module):
     # ``attention_cls(config, shard, dtype, device, group)``, with Attention's ``forward``
     # and ``targets`` (DeepSeek's latent attention).
     attention_cls: ClassVar[type[nn.Module] | None] = None
+    # The router (``moe.ROUTERS``: softmax then top-k, or GPT-OSS's top-k then softmax) and
+    # whether the router and experts have biases (GPT-OSS).
+    moe_router: ClassVar[str] = "softmax_topk"
+    moe_bias: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -230,8 +241,9 @@ class DecoderLM(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype, device, offset=self.norm_offset
-        )
+            config.hidden_size, config.rms_norm_eps, dtype, device, offset=self.norm_offset,
+            fp32_weight=self.norm_fp32_weight,
+        )  # fmt: skip
         self.lm_head = ParallelLMHead(config, self.embed_tokens, dtype, device, group)
         self.rotary = RotaryEmbedding(config, max_positions, device)
         # Gemma 3's sliding-window layers: their own base, unscaled.

