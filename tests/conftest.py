@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,15 @@ from chunkserve.model.loader import embedded_model_path
 # CPU): set before any kernel module is imported, since @triton.jit reads it then.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Parallel test workers (pytest-xdist, ``make test``) share the cores: each worker's torch,
+# and the servers, engine cores and ranks its tests start (through OMP_NUM_THREADS), take
+# cores / workers threads. More threads than cores make every step wait for the slowest.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _threads = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 def _fix_triton_interpreter_scalars() -> None:
@@ -92,7 +102,8 @@ def hf_dir(request) -> Path:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
-    tmp = out.with_name(out.name + ".tmp")
+    # Per process (parallel test workers may build it at once); the first rename wins.
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(tmp / "model.safetensors"))
@@ -111,7 +122,10 @@ def hf_dir(request) -> Path:
             }
         )
     )
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another worker's copy landed first: the same bytes
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
