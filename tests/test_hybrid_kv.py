@@ -205,3 +205,55 @@ def test_what_a_hybrid_cache_cannot_serve_is_refused(model_dirs, tmp_path, no_we
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="speculative_config.model.*window.*--no-hybrid"):
         make_engine(model_dirs["mistral"], speculative_config=spec)
+
+
+def test_blocks_per_group_in_the_startup_line_and_metrics(model_dirs, work, caplog) -> None:
+    """The start-up line counts blocks per KV group and the requests the pool holds; the
+    pool's per-group counts equal the live blocks of each group's tables after every step
+    (prefix caching off: no block shared), and /metrics exports them by group and window."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from chunkserve.entrypoints.openai.metrics import Metrics
+
+    with caplog.at_level("INFO", logger="chunkserve"):
+        engine = make_engine(
+            model_dirs["gemma3"], max_num_batched_tokens=32, enable_prefix_caching=False,
+            max_model_len=512,
+        )  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if "engine core:" in r.getMessage())
+    kv = engine.core.kv
+    # 512 tokens: 32 blocks in the full group, (20 + 16) / 16 -> 3 in each sliding group.
+    assert "6 KV group(s): 1 full, 5 x window 20" in line, line
+    assert "for a 512-token request: full: 32, window 20: 3 (47 in all)" in line, line
+    assert f"{kv.num_blocks // 47} such requests at once" in line, line
+    assert f"{kv.num_blocks // 6 // 32} with full attention on every layer" in line, line
+    metrics = Metrics(engine, "m")
+
+    def scrape() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["group"], s.labels["window"]): s.value
+            for f in text_string_to_metric_families(metrics.render().decode())
+            for s in f.samples
+            if s.name == "chunkserve:kv_cache_group_blocks_used"
+        }
+
+    labels = [("0", "full")] + [(str(g), "20") for g in range(1, 6)]
+    assert scrape() == dict.fromkeys(labels, 0.0)
+    seen = []
+
+    def check(e: Engine) -> None:
+        live = [0] * kv.num_groups
+        for r in e.core.scheduler.running:
+            for g, table in enumerate(r.block_tables):
+                live[g] += sum(b != NULL_BLOCK for b in table)
+        assert kv.group_blocks_used == live
+        assert sum(live) == kv.num_blocks - kv.num_free_blocks
+        kv.pool.check_invariants()
+        got = scrape()
+        assert [got[k] for k in labels] == live
+        seen.append(live)
+
+    run(engine, work, check)
+    # The full group kept every block; the sliding ones only their windows.
+    assert max(s[0] for s in seen) > 2 * max(max(s[1:]) for s in seen)
+    assert scrape() == dict.fromkeys(labels, 0.0)
