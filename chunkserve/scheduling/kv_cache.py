@@ -296,7 +296,9 @@ class KVCacheManager:
                 out.append((table, first, stop))
         return out
 
-    def _give_back_out_of_window(self, request: Request) -> None:
+    def give_back_out_of_window(self, request: Request) -> None:
+        """Give back the sliding groups' blocks no query from ``num_computed_tokens`` on
+        can see (``allocate_slots`` does it first of all)."""
         for table, first, stop in self._out_of_window(request):
             freed = table[first:stop]
             table[first:stop] = [NULL_BLOCK] * (stop - first)
@@ -320,7 +322,7 @@ class KVCacheManager:
         is short (nothing is allocated then)."""
         tables = self._tables(request)
         if self._sliding:
-            self._give_back_out_of_window(request)
+            self.give_back_out_of_window(request)
         total = request.num_computed_tokens + num_new_tokens
         grow = max(0, self.num_blocks_for(total) - len(tables[0]))
         if grow * self.num_groups > self.pool.num_free_blocks:
