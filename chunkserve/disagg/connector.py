@@ -72,7 +72,7 @@ class KVHandle:
     first_token: int  # block-aligned
     num_tokens: int  # the prompt's tokens the prefill side computes (the decode side's n - 1)
     num_blocks: int
-    layout: tuple[int, int, int, int, int]  # num_layers, 2, block_size, num_kv_heads, head_dim
+    layout: tuple[int, int, int, int, int]  # layers (of one KV group), 2, block_size, Hkv, hd
     dtype: str
     seq: int = 0  # torch: the transfer's number on its pair of instances
     pair: str = ""  # torch: the pair's key in the store (a new one after a failure)
