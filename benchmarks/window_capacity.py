@@ -260,7 +260,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-context", type=int, default=2048)
-    ap.add_argument("--decode-steps", type=int, default=12)
+    ap.add_argument("--decode-steps", type=int, default=40)  # ~30 of them at full batch
     ap.add_argument(
         "--decode-backends", default="cpu,torch", help="attention backends the decode runs use"
     )
