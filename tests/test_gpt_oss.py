@@ -416,17 +416,24 @@ def test_gpt_oss_gguf_is_refused_naming_it() -> None:
         gguf_spec("gpt-oss")
 
 
-def test_sinks_pick_the_torch_backend_or_are_refused_by_name(gpt_oss_dir, caplog) -> None:
-    """``auto`` on a CPU picks the C kernel's backend, which has no sink term: GPT-OSS gets
-    the torch backend instead (a log line); naming the cpu backend is refused."""
+def test_sinks_pick_a_backend_with_them_or_are_refused_by_name(
+    gpt_oss_dir, caplog, monkeypatch
+) -> None:
+    """``auto`` on a CPU picks the C kernel's backend, which has the sink term; a backend
+    without sinks (the C kernel's, given the base class's ``supports``) makes ``auto`` take
+    the torch backend instead (a log line), and naming it is refused."""
     from chunkserve.attention import cpu_kernels
+    from chunkserve.attention.base import AttentionBackend
+    from chunkserve.attention.cpu_paged import CpuAttentionBackend
     from chunkserve.attention.torch_ref import TorchAttentionBackend
 
+    if cpu_kernels.load() is None:
+        pytest.skip("the C attention kernel does not build here")
+    assert type(make_engine(gpt_oss_dir).core.worker.attention) is CpuAttentionBackend
+    monkeypatch.setattr(CpuAttentionBackend, "supports", AttentionBackend.supports)
     with caplog.at_level(logging.INFO):
         engine = make_engine(gpt_oss_dir)
     assert type(engine.core.worker.attention) is TorchAttentionBackend
-    if cpu_kernels.load() is None:
-        pytest.skip("the C attention kernel does not build here")
     assert any("using torch" in r.message for r in caplog.records)
     with pytest.raises(ValueError, match="attention sinks.*choose another --attention-backend"):
         make_engine(gpt_oss_dir, attention_backend="cpu")

@@ -196,8 +196,6 @@ def test_speculative_decoding_with_windows_matches(model_dirs, work, expected) -
 
 
 def test_what_a_hybrid_cache_cannot_serve_is_refused(model_dirs, tmp_path, no_weight_loading):
-    with pytest.raises(ValueError, match="disaggregation_mode.*6 KV groups.*--no-hybrid"):
-        make_engine(model_dirs["gemma3"], disaggregation_mode="prefill")
     # A draft model that sees further back than the only (sliding) group keeps.
     from tests.test_model_families import variant
 
@@ -205,3 +203,107 @@ def test_what_a_hybrid_cache_cannot_serve_is_refused(model_dirs, tmp_path, no_we
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="speculative_config.model.*window.*--no-hybrid"):
         make_engine(model_dirs["mistral"], speculative_config=spec)
+
+
+def test_blocks_per_group_in_the_startup_line_and_metrics(model_dirs, work, caplog) -> None:
+    """The start-up line counts blocks per KV group and the requests the pool holds; the
+    pool's per-group counts equal the live blocks of each group's tables after every step
+    (prefix caching off: no block shared), and /metrics exports them by group and window."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from chunkserve.entrypoints.openai.metrics import Metrics
+
+    with caplog.at_level("INFO", logger="chunkserve"):
+        engine = make_engine(
+            model_dirs["gemma3"], max_num_batched_tokens=32, enable_prefix_caching=False,
+            max_model_len=512,
+        )  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if "engine core:" in r.getMessage())
+    kv = engine.core.kv
+    # 512 tokens: 32 blocks in the full group, (20 + 16) / 16 -> 3 in each sliding group.
+    assert "6 KV group(s): 1 full, 5 x window 20" in line, line
+    assert "for a 512-token request: full: 32, window 20: 3 (47 in all)" in line, line
+    assert f"{kv.num_blocks // 47} such requests at once" in line, line
+    assert f"{kv.num_blocks // 6 // 32} with full attention on every layer" in line, line
+    metrics = Metrics(engine, "m")
+
+    def scrape() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["group"], s.labels["window"]): s.value
+            for f in text_string_to_metric_families(metrics.render().decode())
+            for s in f.samples
+            if s.name == "chunkserve:kv_cache_group_blocks_used"
+        }
+
+    labels = [("0", "full")] + [(str(g), "20") for g in range(1, 6)]
+    assert scrape() == dict.fromkeys(labels, 0.0)
+    seen = []
+
+    def check(e: Engine) -> None:
+        live = [0] * kv.num_groups
+        for r in e.core.scheduler.running:
+            for g, table in enumerate(r.block_tables):
+                live[g] += sum(b != NULL_BLOCK for b in table)
+        assert kv.group_blocks_used == live
+        assert sum(live) == kv.num_blocks - kv.num_free_blocks
+        kv.pool.check_invariants()
+        got = scrape()
+        assert [got[k] for k in labels] == live
+        seen.append(live)
+
+    run(engine, work, check)
+    # The full group kept every block; the sliding ones only their windows.
+    assert max(s[0] for s in seen) > 2 * max(max(s[1:]) for s in seen)
+    assert scrape() == dict.fromkeys(labels, 0.0)
+
+
+def test_disaggregated_prefill_sends_only_the_windows_blocks(model_dirs, work) -> None:
+    """A prefill and a decode instance of the Gemma 3 model (6 KV groups) behind the router:
+    the outputs are the colocated ones, and the bytes that travelled are the full group's
+    every block plus each sliding group's blocks in the window of the decode side's first
+    token (``transfer_plan``), not every group's every block."""
+    import json
+
+    import httpx
+
+    from chunkserve.disagg.connector import transfer_plan
+    from tests.test_disaggregation import Router
+    from tests.test_server import Server
+
+    path = model_dirs["gemma3"]
+    cfg = json.loads((path / "config.json").read_text())
+    # A block: one group's 2 layers x K, V x 16 tokens x KV heads x head dim x fp32.
+    block_bytes = 2 * 2 * BLOCK * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    common = ("--model", str(path), "--served-model-name", "m", "--num-threads", "1")
+    common += ("--no-enable-prefix-caching",)  # a colocated run's blocks would hit
+    prefill = Server("--disaggregation-mode", "prefill", *common)
+    try:
+        decode = Server("--disaggregation-mode", "decode", *common)
+        try:
+            router = Router("--prefill", prefill.base, "--decode", decode.base)
+            try:
+                for prompt in work[:2]:
+                    body = {
+                        "model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                        "min_tokens": MAX_TOKENS, "temperature": 0.0,
+                    }  # fmt: skip
+                    before = prefill.metrics().get("chunkserve:kv_transfer_bytes_sum", 0)
+                    texts = []
+                    for base in (decode.base, router.base):
+                        resp = httpx.post(base + "/v1/completions", json=body, timeout=300)
+                        assert resp.status_code == 200, resp.text
+                        texts.append(resp.json()["choices"][0]["text"])
+                    assert texts[0] == texts[1]
+                    sent = prefill.metrics()["chunkserve:kv_transfer_bytes_sum"] - before
+                    n = len(prompt) - 1  # the decode side computes the last prompt token
+                    plan = transfer_plan(0, n, GROUPS["gemma3"], BLOCK)
+                    assert sent == len(plan) * block_bytes
+                    assert len(plan) < 0.5 * 6 * cdiv(n, BLOCK)
+                for side in (prefill, decode):
+                    assert side.wait_idle()["chunkserve:kv_cache_blocks_used"] == 0
+            finally:
+                router.stop()
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()

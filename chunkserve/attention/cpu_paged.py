@@ -13,10 +13,12 @@ after 256 186 -> 374 ms (hence the bf16 limit); fp32 16 rows after 3,000 159 -> 
 rows there 366 -> 211 ms, 512 rows 1,053 -> 1,012 ms. The row loop alone (before the tile
 path) had lost to the matmuls past 4 rows in bf16 and 17 in fp32.
 
-A layer's ``AttentionSpec`` reaches the kernel as its scale, window and soft-cap, on every
-path (rows, tiles, scalar loops); under a window W it reads only the blocks from the one
-holding the first row's window start (a decode at 8k keys with W = 512 reads ~33 blocks of
-16, not 512). The torch path it keeps for first chunks takes them as the torch backend does.
+A layer's ``AttentionSpec`` reaches the kernel as its scale, window, soft-cap and attention
+sinks (a per-head logit in every row's denominator, added where the kernel merges a row's
+key ranges), on every path (rows, tiles, scalar loops); under a window W it reads only the
+blocks from the one holding the first row's window start (a decode at 8k keys with W = 512
+reads ~33 blocks of 16, not 512). The torch path it keeps for first chunks takes them as
+the torch backend does.
 """
 
 from __future__ import annotations
@@ -70,13 +72,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self.kernel_max_rows = BF16_TILES_MAX_ROWS
 
     def supports(self, spec: AttentionSpec | None) -> str | None:
-        """Every scale, window and soft-cap (the kernel takes them on all its paths); not
-        attention sinks (the kernel has no sink term)."""
-        if spec is not None and spec.sinks:
-            return (
-                "the cpu attention backend's kernel does not implement attention sinks "
-                "(the torch backend does)"
-            )
+        """Every scale, window, soft-cap and attention sinks (the kernel takes them on all
+        its paths)."""
         return None
 
     def _new_metadata(self) -> _CpuMetadata:
@@ -107,16 +104,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         opts: _Opts,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        if sinks is not None:
-            raise ValueError(self.supports(AttentionSpec(sinks=True)))
         batch = metadata.kernel_batch
         if batch is None:
             return
         if torch.autograd._profiler_enabled():  # named in profiler tables (6 us a call)
             with torch.profiler.record_function("chunkserve::paged_attention"):
-                self._call_kernel(q, k_cache, v_cache, out, batch, opts)
+                self._call_kernel(q, k_cache, v_cache, out, batch, opts, sinks)
         else:
-            self._call_kernel(q, k_cache, v_cache, out, batch, opts)
+            self._call_kernel(q, k_cache, v_cache, out, batch, opts, sinks)
 
     def _call_kernel(
         self,
@@ -126,6 +121,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
         batch: _KernelBatch,
         opts: _Opts,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         self.kernel(
             q.contiguous(),
@@ -139,4 +135,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             opts.scale,
             opts.window,
             opts.softcap,
+            None if sinks is None else sinks.contiguous(),
         )

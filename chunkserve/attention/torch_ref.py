@@ -18,9 +18,9 @@ A layer's ``AttentionSpec`` (scale, sliding window, soft-cap) reaches every path
 Without a window or a cap the paths above run as they are (only the scale changes). With
 them: prefill chunks go through ``_prefill_spec`` (query blocks, each against the keys its
 rows' windows hold, gathered from the first block a window reaches); decodes gather only the
-blocks their windows reach (a gather and mask per window, built once per step); short chunks
-keep their padded gathers with the window's lower edge added to their masks; the cap applies
-to every path's scores. Attention sinks (``AttentionSpec.sinks``: a learned logit per head
+blocks their windows reach (a gather and mask per window, built once per step), and so do
+short chunks (from the block holding their first row's first key); the cap applies to every
+path's scores. Attention sinks (``AttentionSpec.sinks``: a learned logit per head
 in each row's softmax denominator) take the by-hand softmax on every path (``_softmax``).
 """
 
@@ -101,8 +101,8 @@ class _ShortGroup:
     mask: torch.Tensor  # [m, r, 1, S] bool, True = a key the row must not see
     num_blocks: int
     limits: torch.Tensor  # [m, r, 1, 1] keys each row sees (its position + 1)
-    # mask with each window's lower edge added, by W (built on first use in a step)
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The group under each window W: only the blocks its windows reach (first use in a step)
+    windowed: dict[int, _WindowedDecodes] = field(default_factory=dict)
 
 
 @dataclass
@@ -521,24 +521,24 @@ class TorchAttentionBackend(AttentionBackend):
         m, r = group.m, group.r
         h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         width = hkv * hd
-        seq = group.num_blocks * k_cache.shape[1]
-        total_blocks = group.block_ids.numel()
+        block_ids, mask, num_blocks = group.block_ids, group.mask, group.num_blocks
+        if opts.window is not None:  # only the blocks the rows' windows reach
+            windowed = _windowed_short(group, opts.window, k_cache.shape[1])
+            block_ids, mask, num_blocks = windowed.block_ids, windowed.mask, windowed.num_blocks
+        seq = num_blocks * k_cache.shape[1]
+        total_blocks = block_ids.numel()
         kd = torch.index_select(
-            k_cache, 0, group.block_ids, out=self._buffer(0, k_cache, total_blocks)
+            k_cache, 0, block_ids, out=self._buffer(0, k_cache, total_blocks)
         ).view(m, seq, width)
         vd = torch.index_select(
-            v_cache, 0, group.block_ids, out=self._buffer(1, v_cache, total_blocks)
+            v_cache, 0, block_ids, out=self._buffer(1, v_cache, total_blocks)
         ).view(m, seq, width)
         # Queries block-diagonal over KV heads, as in ``_decode``.
         qb = q.new_zeros(m * r, h, hkv, hd)
         qb[:, self._head_idx, self._kv_head_idx] = q * opts.scale
         scores = torch.bmm(qb.view(m, r * h, width), kd.transpose(1, 2)).view(m, r, h, seq)
-        if opts.plain:
-            scores.masked_fill_(group.mask, float("-inf"))
-        else:
-            self._cap(scores, opts)
-            mask = _window_mask(group.mask, group.limits, opts, group.window_masks)
-            scores.masked_fill_(mask, float("-inf"))
+        self._cap(scores, opts)
+        scores.masked_fill_(mask, float("-inf"))
         sink = None if sinks is None else sinks.view(1, 1, h, 1)
         probs = _softmax(scores, sink).view(m, r * h, seq)
         o = torch.bmm(probs, vd).view(m * r, h, hkv, hd)
@@ -605,20 +605,26 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     return e.div_(e.sum(dim=-1, keepdim=True) + (sinks - top).exp()).to(scores.dtype)
 
 
-def _window_mask(
-    mask: torch.Tensor, limits: torch.Tensor, opts: _Opts, cache: dict[int, torch.Tensor]
-) -> torch.Tensor:
-    """``mask`` (True = hidden; keys in its last dimension at positions 0..S-1) with the keys
-    before each row's window hidden too: key j is out of the window of a row that sees
-    ``limit`` keys (positions 0..limit-1) when j < limit - W. Built once per step and W."""
-    w = opts.window
-    if w is None:
-        return mask
-    out = cache.get(w)
+def _windowed_short(group: _ShortGroup, window: int, block_size: int) -> _WindowedDecodes:
+    """``group`` under ``window`` (built once per step and W): each sequence's blocks from
+    the one holding its first row's first key (``limit - W``, or 0) to its last row's last;
+    the mask hides, per row, the keys past its own position and before its own window."""
+    out = group.windowed.get(window)
     if out is None:
-        key_pos = torch.arange(mask.shape[-1], device=mask.device)
-        out = mask | (key_pos < limits - w)
-        cache[w] = out
+        m, bs = group.m, block_size
+        limits = group.limits.view(m, group.r)  # [m, r] keys each row sees
+        first = (limits[:, 0] - window).clamp(min=0) // bs  # [m] first block each reads
+        end = (limits[:, -1] + bs - 1) // bs  # [m] one past its last (padding repeats it)
+        count = int((end - first).max())
+        cols = first[:, None] + torch.arange(count, device=limits.device)  # [m, count]
+        table = group.block_ids.view(m, group.num_blocks)
+        ids = table.gather(1, cols.clamp(max=group.num_blocks - 1))
+        ids = ids.masked_fill(cols >= end[:, None], 0)  # past a sequence's end: the null block
+        key_pos = first[:, None] * bs + torch.arange(count * bs, device=limits.device)
+        key_pos = key_pos.view(m, 1, 1, -1)  # [m, 1, 1, S]
+        hidden = (key_pos >= group.limits) | (key_pos < group.limits - window)  # [m, r, 1, S]
+        out = _WindowedDecodes(ids.reshape(-1), hidden, count)
+        group.windowed[window] = out
     return out
 
 

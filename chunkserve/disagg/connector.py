@@ -8,9 +8,16 @@ blocks ``0 .. num_blocks - 1`` of the transfer (block ``i`` holds tokens
 side opens an ``Outbox`` from the handle and sends blocks in order as its chunks complete
 them, so the transfer overlaps the rest of the prefill.
 
-One block of a transfer, as it travels: ``[num_layers, 2 (K, V), block_size, num_kv_heads,
+One block of a transfer, as it travels: ``[layers, 2 (K, V), block_size, num_kv_heads,
 head_dim]`` in the model's dtype (``KVHandle.layout``, checked on both sides: a pair of
 instances with different models, dtypes or block sizes fails the request, not the engine).
+
+KV groups (a hybrid cache: ``KVHandle.windows``, one entry per group, None for full
+attention): a block of the transfer is one group's layers for one block of tokens, and the
+transfer is the pairs ``transfer_plan`` lists, token block by token block, group by group: a
+full group's every block, a sliding group's only the blocks in the window of the token the
+decode side computes next (``num_tokens``): the rest it would give back at once. Without a
+window (one full group) the transfer is every block of the prompt's range, all layers.
 
 Which connector a decode instance uses is its ``kv_connector`` setting; a prefill instance
 takes whatever a handle names.
@@ -39,6 +46,22 @@ def new_transfer_id() -> str:
     return secrets.token_hex(16)
 
 
+def transfer_plan(
+    first_token: int, num_tokens: int, windows: tuple[int | None, ...], block_size: int
+) -> list[tuple[int, int]]:
+    """The transfer's blocks as (KV group, token block) pairs, in the order they travel
+    (see the module doc): token blocks ``first_token // block_size ..`` up to the one holding
+    token ``num_tokens - 1``; a sliding group of window W only from the block holding
+    ``num_tokens - W + 1`` (the first key the next token, at position ``num_tokens``, sees)."""
+    start = first_token // block_size
+    stop = -(-num_tokens // block_size)
+    first_live = [
+        start if w is None else max(start, max(0, num_tokens - w + 1) // block_size)
+        for w in windows
+    ]
+    return [(g, i) for i in range(start, stop) for g in range(len(windows)) if i >= first_live[g]]
+
+
 @dataclass(frozen=True)
 class KVHandle:
     """Where one prompt's KV blocks go (made by the decode side; see the module doc)."""
@@ -49,10 +72,15 @@ class KVHandle:
     first_token: int  # block-aligned
     num_tokens: int  # the prompt's tokens the prefill side computes (the decode side's n - 1)
     num_blocks: int
-    layout: tuple[int, int, int, int, int]  # num_layers, 2, block_size, num_kv_heads, head_dim
+    layout: tuple[int, int, int, int, int]  # layers (of one KV group), 2, block_size, Hkv, hd
     dtype: str
     seq: int = 0  # torch: the transfer's number on its pair of instances
     pair: str = ""  # torch: the pair's key in the store (a new one after a failure)
+    windows: tuple[int | None, ...] = (None,)  # the KV groups' windows (None: full)
+
+    def plan(self) -> list[tuple[int, int]]:
+        """The (KV group, token block) pair each block of the transfer holds."""
+        return transfer_plan(self.first_token, self.num_tokens, self.windows, self.block_size)
 
     @property
     def block_size(self) -> int:
@@ -68,6 +96,7 @@ class KVHandle:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layout"] = list(self.layout)
+        d["windows"] = list(self.windows)
         return d
 
     @classmethod
@@ -80,7 +109,7 @@ class KVHandle:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: not a field of a KV handle")
-        missing = sorted(fields - {"seq", "pair"} - set(d))
+        missing = sorted(fields - {"seq", "pair", "windows"} - set(d))
         if missing:
             raise ValueError(f"{name}.{missing[0]}: missing")
 
@@ -108,19 +137,37 @@ class KVHandle:
         bs = layout[2]
         need(is_int(d["first_token"]) and d["first_token"] % bs == 0, "first_token", "aligned")
         need(is_int(d["num_tokens"], d["first_token"] + 1), "num_tokens", "> first_token")
-        blocks = -(-(d["num_tokens"] - d["first_token"]) // bs)
+        windows = d.get("windows", [None])
+        need(
+            isinstance(windows, (list, tuple))
+            and 1 <= len(windows) <= 256
+            and all(w is None or (is_int(w, 1) and w < 1 << 40) for w in windows),
+            "windows",
+            "must be a list of 1-256 KV groups' windows (null: full attention, or an int >= 1)",
+        )
+        windows = tuple(windows)
+        blocks = len(transfer_plan(d["first_token"], d["num_tokens"], windows, bs))
         need(d["num_blocks"] == blocks, "num_blocks", f"must be {blocks}")
         need(is_int(d.get("seq", 0)), "seq", "an integer >= 0")
         need(isinstance(d.get("pair", ""), str) and len(d.get("pair", "")) <= 128, "pair", "str")
-        return cls(**{**d, "layout": tuple(layout)})
+        return cls(**{**d, "layout": tuple(layout), "windows": windows})
 
-    def check_fits(self, layout: tuple[int, ...], dtype: str) -> None:
-        """``TransferError`` unless this instance's KV blocks have the handle's layout."""
+    def check_fits(
+        self, layout: tuple[int, ...], dtype: str, windows: tuple[int | None, ...] = (None,)
+    ) -> None:
+        """``TransferError`` unless this instance's KV blocks have the handle's layout and
+        KV groups."""
         if tuple(self.layout) != tuple(layout) or self.dtype != dtype:
             raise TransferError(
                 f"kv_transfer_params.send: the decode instance's KV blocks are "
                 f"{list(self.layout)} {self.dtype}, this instance's {list(layout)} {dtype} "
                 f"(the same model, dtype and block size on both sides)"
+            )
+        if tuple(self.windows) != tuple(windows):
+            raise TransferError(
+                f"kv_transfer_params.send.windows: the decode instance's KV groups have "
+                f"windows {list(self.windows)}, this instance's {list(windows)} (the same "
+                f"model and --hybrid-kv-cache setting on both sides)"
             )
 
 

@@ -12,6 +12,11 @@ that computes it samples the first token: here, once, with this instance's sampl
 outputs are those of a colocated server. The prefill instance's own sampled token is
 discarded.
 
+With KV groups (a hybrid cache) the request holds every group's blocks for the prompt while
+it waits; the transfer fills a full group's all and a sliding group's those in the window of
+the token computed here (``KVHandle.plan``); the rest, never written, are given back before
+anything is published to the prefix cache (``Scheduler.kv_received``).
+
 The HTTP calls run on one background thread's event loop; ending a request here (finish,
 abort, failure) cancels its call, which closes the connection, so the prefill instance
 aborts its side too.
@@ -24,7 +29,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -130,6 +135,7 @@ class RemotePrefills(TransferEnd):
         self.scheduler = scheduler
         self.block_size = block_size
         self.layout, self.dtype = worker.kv_block_layout()
+        self.windows = worker.kv_group_windows
         self._transfers: dict[str, _Transfer] = {}
         self._http: _HttpLoop | None = None
         self.block_copy_s = 0.0  # mean seconds to copy one block in (0: not measured yet)
@@ -148,11 +154,12 @@ class RemotePrefills(TransferEnd):
             if first >= end:  # all cached here already
                 self.scheduler.kv_received(r, end)
                 continue
-            bs = self.block_size
-            num_blocks = -(-(end - first) // bs)
             handle = KVHandle(
-                "shm", new_transfer_id(), "", first, end, num_blocks, self.layout, self.dtype
-            )
+                "shm", new_transfer_id(), "", first, end, 0, self.layout, self.dtype,
+                windows=self.windows,
+            )  # fmt: skip
+            plan = handle.plan()
+            handle = replace(handle, num_blocks=len(plan))
             url = r.prefill_url
             assert url is not None
             try:
@@ -169,11 +176,11 @@ class RemotePrefills(TransferEnd):
             if self._http is None:
                 self._http = _HttpLoop()
             call = self._http.run(_ask(self._http.client, url, body))
-            first_block = first // bs
+            tables = r.block_tables
             self._transfers[r.request_id] = _Transfer(
                 r,
                 inbox,
-                r.block_ids[first_block : first_block + num_blocks],
+                [tables[g][i] for g, i in plan],
                 end,
                 time.monotonic(),
                 call,

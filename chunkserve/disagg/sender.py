@@ -5,7 +5,10 @@ After each forward pass (before ``Scheduler.update`` may finish the request and 
 blocks), every prefill chunk of such a request sends the blocks of the transfer it
 completed: full blocks, and the last partial one once the prompt is done. Blocks a prefix
 cache hit gave the request go with its first chunk. A preempted request recomputes and
-sends on from where it was: a block goes once.
+sends on from where it was: a block goes once. With KV groups (a hybrid cache) the
+transfer's blocks are ``KVHandle.plan``'s (group, token block) pairs: a sliding group sends
+only the blocks in the window of the decode side's next token, which it still holds when
+their chunk completes (its window moves past none of them before the prompt ends).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from chunkserve.scheduling.request import Request
 class _Sending:
     handle: KVHandle
     outbox: Outbox
+    plan: list[tuple[int, int]]  # (KV group, token block) of each block of the transfer
     sent: int = 0  # blocks of the transfer sent
     num_bytes: int = 0
     copy_s: float = 0.0
@@ -35,6 +39,7 @@ class KVSender(TransferEnd):
         self.worker = worker
         self.block_size = block_size
         self.layout, self.dtype = worker.kv_block_layout()
+        self.windows = worker.kv_group_windows
         self._sending: dict[str, _Sending] = {}
 
     def open(self, request: Request, send: dict) -> None:
@@ -42,7 +47,7 @@ class KVSender(TransferEnd):
         fit this instance or its inbox is not there."""
         handle = KVHandle.from_dict(send)
         try:
-            handle.check_fits(self.layout, self.dtype)
+            handle.check_fits(self.layout, self.dtype, self.windows)
         except TransferError as exc:
             raise ValueError(str(exc)) from None
         if handle.num_tokens != request.num_prompt_tokens:
@@ -56,7 +61,7 @@ class KVSender(TransferEnd):
             outbox = self.connectors.open_outbox(handle)
         except TransferError as exc:
             raise ValueError(str(exc)) from None
-        self._sending[request.request_id] = _Sending(handle, outbox)
+        self._sending[request.request_id] = _Sending(handle, outbox, handle.plan())
 
     def after_execute(self, out) -> list[tuple[Request, str]]:
         """Send what this step's prefill chunks completed; the requests whose transfer
@@ -71,15 +76,18 @@ class KVSender(TransferEnd):
             h = s.handle
             if chunk.end >= h.num_tokens:
                 done = h.num_blocks
-            else:
-                done = max(0, (chunk.end - h.first_token) // bs)
+            else:  # the pairs of the token blocks this chunk completed
+                complete = chunk.end // bs
+                done = s.sent
+                while done < h.num_blocks and s.plan[done][1] < complete:
+                    done += 1
             if done <= s.sent:
                 continue
-            first_block = h.first_token // bs
+            tables = r.block_tables
             t0 = time.perf_counter()
             try:
                 blocks = self.worker.read_kv_blocks(
-                    r.block_ids[first_block + s.sent : first_block + done]
+                    [tables[g][i] for g, i in s.plan[s.sent : done]]
                 )
                 s.outbox.send(s.sent, blocks)
             except TransferError as exc:

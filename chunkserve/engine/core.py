@@ -108,6 +108,8 @@ class CoreInfo:
     kv_cache_memory: int
     budget_policy: str
     tp_pids: list[int] = field(default_factory=list)  # its tensor-parallel rank processes
+    # Its KV groups' windows (None: full attention); one entry without a hybrid cache.
+    kv_group_windows: list[int | None] = field(default_factory=lambda: [None])
 
 
 @dataclass
@@ -118,6 +120,7 @@ class CoreLoad:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     num_waiting_for_kv: int = 0  # disaggregated decode: holding blocks, KV arriving
+    kv_group_blocks_used: list[int] = field(default_factory=list)  # by KV group
 
 
 @dataclass
@@ -224,7 +227,7 @@ class EngineCore:
             w.block_size,
             w.num_blocks * w.block_size,
             w.kv_cache_memory / 2**20,
-            _describe_kv_groups(w.kv_groups.windows, w.num_blocks * w.block_size),
+            _describe_kv_groups(w.kv_groups.windows, w.num_blocks, w.block_size, max_model_len),
             max_model_len,
             sched_config.max_num_seqs,
             sched_config.enable_chunked_prefill,
@@ -310,6 +313,7 @@ class EngineCore:
             kv_cache_memory=w.kv_cache_memory,
             budget_policy=self.budget_policy.describe(),
             tp_pids=w.tp_pids,
+            kv_group_windows=list(self.kv.group_windows),
         )
 
     # ---- requests --------------------------------------------------------------------------
@@ -415,6 +419,7 @@ class EngineCore:
             self.scheduler.num_waiting + len(self.grammars.pending),
             kv.num_blocks - kv.num_free_blocks,
             self.scheduler.num_waiting_for_kv,
+            kv.group_blocks_used,
         )
 
     def get_request(self, request_id: str) -> Request | None:
@@ -627,14 +632,33 @@ class EngineCore:
         )
 
 
-def _describe_kv_groups(windows: tuple[int | None, ...], slots: int) -> str:
-    """The start-up line's KV groups: a block holds one group's layers; the tokens a
-    request of full history can hold when the sliding groups keep only their windows."""
+def _describe_kv_groups(
+    windows: tuple[int | None, ...], num_blocks: int, block_size: int, max_model_len: int
+) -> str:
+    """The start-up line's KV groups: a block holds one group's layers; the blocks per group
+    a request of ``max_model_len`` tokens holds (a sliding group: its window and a block),
+    and how many such requests the pool holds, against full attention's KV on every layer
+    (blocks then hold every group's layers: ``num_groups`` times fewer)."""
     if all(w is None for w in windows):
         return ""
+    slots = num_blocks * block_size
     num_full = sum(w is None for w in windows)
     kinds = ", ".join(f"{windows.count(w)} x window {w}" for w in sorted(set(windows) - {None}))
     text = f", {len(windows)} KV group(s): {num_full} full, {kinds}"
     if num_full:
         text += f" (~{slots // num_full} tokens of full history)"
+    full = -(-max_model_len // block_size)
+    per_group = [
+        full if w is None else min(full, -(-(w + block_size) // block_size)) for w in windows
+    ]
+    held = sum(per_group)
+    shown = ", ".join(
+        f"{'full' if w is None else f'window {w}'}: {n}"
+        for w, n in sorted(set(zip(windows, per_group, strict=True)), key=lambda x: x[0] or 0)
+    )
+    text += (
+        f"; blocks per group for a {max_model_len}-token request: {shown} ({held} in all): "
+        f"{num_blocks // held} such requests at once, "
+        f"{num_blocks // len(windows) // full} with full attention on every layer"
+    )
     return text

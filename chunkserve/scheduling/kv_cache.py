@@ -33,6 +33,8 @@ Invariants:
 - a block is in the free list iff its reference count is 0;
 - ``num_free_blocks + (blocks with ref_cnt > 0) == num_blocks``;
 - ``cached[g][h] == b`` iff ``block_hash[b] == h`` and ``block_group[b] == g``;
+- ``held_by_group[g]`` is the number of blocks with ref_cnt > 0 handed out for group g
+  (their sum: the blocks in use);
 - a request's tables each have ``ceil(tokens_allocated / block_size)`` entries; a full
   group's are all live, a sliding group's are null blocks, then live blocks.
 """
@@ -67,6 +69,10 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * (num_blocks + 1)
         self.block_group = [0] * (num_blocks + 1)  # the group whose cache maps the block
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        # Per KV group: the blocks held (ref_cnt > 0) in its tables. A block belongs to the
+        # group it was last handed out for (a prefix hit revives it in the same group).
+        self.owner = [0] * (num_blocks + 1)
+        self.held_by_group = [0] * num_groups
         # Head = next handed out. Values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict(
             (i, None) for i in range(1, num_blocks + 1)
@@ -84,9 +90,9 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return sum(len(c) for c in self.cached)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the head of the free list (ref count 1 each), evicting
-        their cached content."""
+    def allocate(self, n: int, group: int = 0) -> list[int]:
+        """Take ``n`` blocks for KV group ``group`` from the head of the free list (ref count
+        1 each), evicting their cached content."""
         if n > len(self._free):
             raise RuntimeError(f"KV pool exhausted: asked {n}, free {len(self._free)}")
         out = []
@@ -94,7 +100,9 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             self._evict(block_id)
             self.ref_cnt[block_id] = 1
+            self.owner[block_id] = group
             out.append(block_id)
+        self.held_by_group[group] += n
         return out
 
     def _evict(self, block_id: int) -> None:
@@ -110,6 +118,7 @@ class BlockPool:
         for block_id in block_ids:
             if self.ref_cnt[block_id] == 0:
                 del self._free[block_id]
+                self.held_by_group[self.owner[block_id]] += 1
             self.ref_cnt[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -133,6 +142,7 @@ class BlockPool:
             count = ref_cnt[block_id]
             ref_cnt[block_id] = count - 1
             if count == 1:
+                self.held_by_group[self.owner[block_id]] -= 1
                 self._free[block_id] = None
                 if self.block_hash[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
@@ -169,6 +179,12 @@ class BlockPool:
                 raise AssertionError(
                     f"block {block_id}: ref_cnt {count}, in free list: {block_id in self._free}"
                 )
+        held = [0] * len(self.held_by_group)
+        for block_id, count in enumerate(self.ref_cnt[1:], start=1):
+            if count > 0:
+                held[self.owner[block_id]] += 1
+        if held != self.held_by_group:
+            raise AssertionError(f"blocks held by group {self.held_by_group}, counted {held}")
         for group, cached in enumerate(self.cached):
             for h, block_id in cached.items():
                 if self.block_hash[block_id] != h or self.block_group[block_id] != group:
@@ -217,6 +233,11 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def group_blocks_used(self) -> list[int]:
+        """Blocks held by requests in each KV group (``group_windows``' order)."""
+        return list(self.pool.held_by_group)
 
     @property
     def usage(self) -> float:
@@ -275,7 +296,9 @@ class KVCacheManager:
                 out.append((table, first, stop))
         return out
 
-    def _give_back_out_of_window(self, request: Request) -> None:
+    def give_back_out_of_window(self, request: Request) -> None:
+        """Give back the sliding groups' blocks no query from ``num_computed_tokens`` on
+        can see (``allocate_slots`` does it first of all)."""
         for table, first, stop in self._out_of_window(request):
             freed = table[first:stop]
             table[first:stop] = [NULL_BLOCK] * (stop - first)
@@ -299,15 +322,14 @@ class KVCacheManager:
         is short (nothing is allocated then)."""
         tables = self._tables(request)
         if self._sliding:
-            self._give_back_out_of_window(request)
+            self.give_back_out_of_window(request)
         total = request.num_computed_tokens + num_new_tokens
         grow = max(0, self.num_blocks_for(total) - len(tables[0]))
         if grow * self.num_groups > self.pool.num_free_blocks:
             return False
         if grow:
-            blocks = self.pool.allocate(grow * self.num_groups)
             for g, table in enumerate(tables):
-                table.extend(blocks[g * grow : (g + 1) * grow])
+                table.extend(self.pool.allocate(grow, g))
         return True
 
     def trim(self, request: Request) -> None:

@@ -327,6 +327,9 @@ class Scheduler:
         assert request.status == RequestStatus.WAITING_FOR_KV
         del self.receiving[request.request_id]
         request.num_computed_tokens = num_tokens
+        # A sliding group's blocks before the window of the next token were not sent (nor
+        # written): given back before the prefix cache could publish them.
+        self.kv.give_back_out_of_window(request)
         self.kv.cache_full_blocks(request)
         request.status = RequestStatus.RUNNING
         self._insert(self.running, request)

@@ -174,12 +174,6 @@ class Worker:
                 "disaggregation_mode: this model caches a latent per token (multi-head latent "
                 "attention), and disaggregated KV transfer moves K and V blocks"
             )
-        if self.kv_groups.num_groups > 1 and config.disaggregation_mode is not None:
-            raise ValueError(
-                "disaggregation_mode: this model's layers form "
-                f"{self.kv_groups.num_groups} KV groups (sliding-window and full attention), "
-                "and disaggregated KV transfer supports one; pass --no-hybrid-kv-cache"
-            )
         per_token = layout.bytes_per_token(dtype_size, config.hybrid_kv_cache)
         self._bytes_per_block = per_token * self.block_size
         # A draft model (speculative decoding) is found and checked now; its KV pool shares
@@ -332,8 +326,8 @@ class Worker:
         if config.attention_backend == "auto" and any(
             self.attention.supports(spec) for spec in attention_specs(model_config)
         ):
-            # "auto" picked a backend without something the model's attention needs (the
-            # C kernel has no attention sinks): the torch backend has it all.
+            # "auto" picked a backend without something the model's attention needs (today
+            # every backend has windows, caps and sinks): the torch backend has it all.
             logger.info(
                 "attention backend: %s lacks what the model's attention needs; using torch",
                 type(self.attention).__name__,
@@ -523,19 +517,33 @@ class Worker:
 
     # ---- KV blocks in and out (prefill/decode disaggregation) ----------------------------
     def kv_block_layout(self) -> tuple[tuple[int, int, int, int, int], str]:
-        """One KV block as ``read_kv_blocks`` gives it: ``(num_layers, 2, block_size,
-        num_kv_heads, head_dim)``, and the dtype's name."""
+        """One KV block as ``read_kv_blocks`` gives it: ``(layers, 2, block_size,
+        num_kv_heads, head_dim)`` (layers: one KV group's, all of them without a hybrid
+        cache), and the dtype's name."""
         mc = self.model_config
-        layout = (mc.num_layers, 2, self.block_size, self.shard.num_kv_heads, mc.head_dim)
+        layers = self.kv_groups.num_slots
+        layout = (layers, 2, self.block_size, self.shard.num_kv_heads, mc.head_dim)
         return layout, str(self.dtype).removeprefix("torch.")
 
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """The KV groups' windows (None: full attention), in block-table order."""
+        return tuple(self.kv_groups.windows)
+
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks: ``[len(block_ids), num_layers, 2, block_size,
-        num_kv_heads, head_dim]``."""
+        """A copy of these blocks: ``[len(block_ids), layers, 2, block_size, num_kv_heads,
+        head_dim]`` (a block id holds one KV group's layers)."""
         assert self.runner is not None, "Worker.load first"
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        layers = [torch.stack((k[idx], v[idx]), 1) for k, v in self.runner.kv_caches]
+        layers = [torch.stack((k[idx], v[idx]), 1) for k, v in self._slot_caches()]
         return torch.stack(layers, 1)
+
+    def _slot_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The K and V pools of each layer slot, in slot order (the runner's list is per
+        layer: a hybrid cache's layers of one slot share their slot's pools)."""
+        assert self.runner is not None
+        slots = self.kv_groups.layer_slot
+        return [self.runner.kv_caches[slots.index(j)] for j in range(self.kv_groups.num_slots)]
 
     def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Put ``blocks`` (as ``read_kv_blocks`` gives them, on any device) into these
@@ -543,7 +551,7 @@ class Worker:
         assert self.runner is not None, "Worker.load first"
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         blocks = blocks.to(self.device)
-        for i, (k, v) in enumerate(self.runner.kv_caches):
+        for i, (k, v) in enumerate(self._slot_caches()):
             k.index_copy_(0, idx, blocks[:, i, 0])
             v.index_copy_(0, idx, blocks[:, i, 1])
 

@@ -21,7 +21,9 @@
  * ctx - r + 1 + j) (the row's position p = ctx - r + j sees p - W + 1 .. p). Blocks wholly
  * before the first row's window are never read: a sequence's work covers only the blocks
  * its windows reach. softcap c > 0: each scaled score s becomes c * tanh(s / c) before the
- * softmax (0: none).
+ * softmax (0: none). sinks (NULL: none): one logit per query head (GPT-OSS's attention
+ * sinks) joins every row's softmax denominator, exp(sinks[h]), with no value: applied once,
+ * where a row's key ranges are merged.
  * Layouts: q, out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int64
  * [num_seqs, table_stride]; q_start int64 [num_seqs + 1]; ctx_lens int64 [num_seqs].
  * dtype 0: float32 q/caches/out; 1: bfloat16.  Returns 0, or a code for arguments the
@@ -648,7 +650,7 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
                     const int64_t *tables, int64_t table_stride, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *ctx_lens, int64_t num_seqs,
                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                    int64_t window, float softcap, int64_t num_threads) {
+                    int64_t window, float softcap, const float *sinks, int64_t num_threads) {
     if (bs > MAX_BLOCK || D > MAX_DIM || Hkv <= 0 || H % Hkv || (dtype != 0 && dtype != 1) ||
         window < 0 || !(softcap >= 0.f))
         return 1;
@@ -747,7 +749,12 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
                     const float *a = acc + at * D;
                     for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
                 }
-                const float inv = 1.f / l;
+                float inv = 1.f / l;
+                if (sinks) { /* the sink's share: l += exp(sink - m), taken at max(m, sink) */
+                    const float sk = sinks[i % H], top = m > sk ? m : sk;
+                    const float c = expf(m - top); /* 0 when no key was seen (m = -inf) */
+                    inv = c / (l * c + expf(sk - top));
+                }
                 const int64_t dst_row = q_start[s] * H + i; /* a sequence's rows: contiguous */
                 if (dtype == 0) {
                     float *dst = (float *)out + dst_row * D;

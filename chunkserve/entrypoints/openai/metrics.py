@@ -133,6 +133,14 @@ class Metrics:
         self.kv_blocks_total = Gauge(
             "chunkserve:kv_cache_blocks_total", "KV blocks in the pool.", labels, registry=reg
         )
+        self.kv_group_blocks_used = Gauge(
+            "chunkserve:kv_cache_group_blocks_used",
+            "KV blocks held by requests, by KV group (a hybrid cache: one group per run of "
+            "layers of one attention kind; window: 'full' or the sliding window), summed "
+            "over engine cores.",
+            [*labels, "group", "window"],
+            registry=reg,
+        )
         self.token_budget = Gauge(
             "chunkserve:token_budget", "Token budget of the last step.", labels, registry=reg
         )
@@ -367,6 +375,11 @@ class Metrics:
         self.waiting_for_kv.labels(**lab).set_function(
             lambda: sum(load.num_waiting_for_kv for load in engine.core_loads())
         )
+        windows = engine.core_infos[0].kv_group_windows
+        for g, w in enumerate(windows):
+            self.kv_group_blocks_used.labels(
+                **lab, group=str(g), window="full" if w is None else str(w)
+            ).set_function(lambda g=g: _group_blocks(engine, g))
         for i in range(len(engine.core_infos)):
             core = {**lab, "engine": str(i)}
             self.core_steps.labels(**core)
@@ -455,3 +468,13 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _group_blocks(engine: FrontEnd, group: int) -> int:
+    """Blocks KV group ``group`` holds over the engine's cores (a core that has not yet
+    reported its groups: 0)."""
+    return sum(
+        load.kv_group_blocks_used[group]
+        for load in engine.core_loads()
+        if group < len(load.kv_group_blocks_used)
+    )
