@@ -26,6 +26,7 @@ from tests.test_model_families import (
     CHUNK_WORK,
     SMALL,
     assert_matches_transformers,
+    assert_preempted_matches,
     make_engine,
     prompts,
     reference,
@@ -247,18 +248,7 @@ def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget) -> N
 
 def test_preempted_matches_unchunked(dirs, unchunked) -> None:
     work, expected = unchunked
-    per_token = make_engine(dirs["v2"]).core.worker.model_config.kv_bytes_per_token(4)
-    tight = make_engine(
-        dirs["v2"],
-        schedule_conservativeness=0.0,
-        max_num_batched_tokens=64,
-        kv_cache_memory=11 * per_token * BLOCK,
-        max_model_len=10 * BLOCK,
-    )
-    assert tight.core.worker.num_blocks == 10
-    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
-    assert tight.core.scheduler.num_preemptions > 0
-    assert_no_blocks_in_use(tight)
+    assert_preempted_matches(dirs["v2"], make_engine(dirs["v2"]), work, expected)
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tensor-parallel", "expert-parallel"])

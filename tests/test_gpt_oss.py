@@ -24,11 +24,11 @@ from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import assert_no_blocks_in_use, random_prompt
 from tests.test_invariance import run_staggered
 from tests.test_model_families import (
-    BLOCK,
     CHUNK_TOKENS,
     CHUNK_WORK,
     SMALL,
     VOCAB,
+    assert_preempted_matches,
     make_engine,
     prompts,
     reference,
@@ -156,20 +156,8 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(gpt_oss_dir) -> Non
     assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
     assert chunked.core.kv.num_hit_tokens > hits
     assert_no_blocks_in_use(chunked)
-    per_block = chunked.core.worker._bytes_per_block
-    groups = chunked.core.kv.num_groups
-    assert groups == 2  # a full-attention and a sliding-window group
-    tight = make_engine(
-        gpt_oss_dir,
-        schedule_conservativeness=0.0,
-        max_num_batched_tokens=64,
-        kv_cache_memory=(10 * groups + 1) * per_block,
-        max_model_len=10 * BLOCK,
-    )
-    assert tight.core.worker.num_blocks == 10 * groups
-    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
-    assert tight.core.scheduler.num_preemptions > 0
-    assert_no_blocks_in_use(tight)
+    assert chunked.core.kv.num_groups == 2  # a full-attention and a sliding-window group
+    assert_preempted_matches(gpt_oss_dir, chunked, work, expected)
 
 
 # ---- tensor and expert parallel ------------------------------------------------------------

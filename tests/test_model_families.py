@@ -452,9 +452,16 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
     assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
     assert chunked.core.kv.num_hit_tokens - hits >= sum(len(p) // BLOCK - 1 for p in work) * BLOCK
     assert_no_blocks_in_use(chunked)
-    # 10 blocks per KV group for requests that grow past them: preempted and recomputed.
-    per_block = chunked.core.worker._bytes_per_block
-    groups = chunked.core.kv.num_groups
+    assert_preempted_matches(path, chunked, work, expected)
+
+
+def assert_preempted_matches(
+    path: Path, like: Engine, work: list[list[int]], expected: list[list[int]]
+) -> None:
+    """10 blocks per KV group (the bytes of ``like``'s blocks) and a context that long, for
+    requests that grow past them: preempted and recomputed, the tokens of ``expected``."""
+    per_block = like.core.worker._bytes_per_block
+    groups = like.core.kv.num_groups
     tight = make_engine(
         path,
         schedule_conservativeness=0.0,

@@ -29,6 +29,7 @@ from tests.test_model_families import (
     SMALL,
     VOCAB,
     assert_matches_transformers,
+    assert_preempted_matches,
     make_engine,
     prompts,
     reference,
@@ -336,18 +337,8 @@ def test_chunked_and_prefix_cached_match_unchunked(moe_dirs, unchunked, family, 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_preempted_matches_unchunked(moe_dirs, unchunked, family) -> None:
     work, expected = unchunked[family]
-    per_block = make_engine(moe_dirs[family]).core.worker.model_config.kv_bytes_per_token(4)
-    tight = make_engine(
-        moe_dirs[family],
-        schedule_conservativeness=0.0,
-        max_num_batched_tokens=64,
-        kv_cache_memory=11 * per_block * BLOCK,
-        max_model_len=10 * BLOCK,
-    )
-    assert tight.core.worker.num_blocks == 10
-    assert run_staggered(tight, work, CHUNK_TOKENS) == expected
-    assert tight.core.scheduler.num_preemptions > 0
-    assert_no_blocks_in_use(tight)
+    path = moe_dirs[family]
+    assert_preempted_matches(path, make_engine(path), work, expected)
 
 
 # Tensor parallel: each rank holds its columns of every expert (and of Qwen2-MoE's shared
