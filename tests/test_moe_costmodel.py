@@ -153,8 +153,10 @@ TINY_GRID = {
 
 
 @pytest.mark.parametrize("skew", [0.0, 1.5])
-def test_the_profiler_measures_the_experts_each_step_touches(moe_engine, skew: float) -> None:
-    from chunkserve.tuning.profiler import profile_summary, run_profile
+def test_the_profiler_measures_the_experts_each_step_touches(
+    moe_engine, skew: float, tmp_path: Path
+) -> None:
+    from chunkserve.tuning.profiler import profile_summary, run_profile, save_profile
 
     doc = run_profile(moe_engine, TINY_GRID, repeats=1, route_skew=skew)
     moe = doc["moe"]
@@ -170,6 +172,9 @@ def test_the_profiler_measures_the_experts_each_step_touches(moe_engine, skew: f
     assert "without the experts feature" in profile_summary(doc)
     share = moe["expert_share"]
     assert sum(share) == pytest.approx(1.0)
+    save_profile(doc, tmp_path / "p.json")
+    saved = CostModel.load(tmp_path / "p.json")
+    assert saved.routing == routing and saved.weights == doc["weights"]
     if skew:
         assert share[0] > 2 * share[-1]  # the Zipf bias shows in what the routers picked
         assert routing.touched(8) < ExpertRouting.uniform(8, 2, 2).touched(8)
