@@ -121,7 +121,8 @@ def test_profiles_carry_their_routing_and_old_dense_profiles_still_load(tmp_path
 
 
 @pytest.fixture(scope="module")
-def moe_engine(tmp_path_factory):
+def moe_dir(tmp_path_factory) -> Path:
+    """A tiny random Mixtral directory (config.json and tokenizer, no weights)."""
     import argparse
     import importlib.util
 
@@ -130,11 +131,15 @@ def moe_engine(tmp_path_factory):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     args = argparse.Namespace(hidden=64, layers=2, experts=8, top_k=2, expert_inter=64)
-    out = module.write_model_dir(tmp_path_factory.mktemp("moe") / "tiny", args, dense=False)
+    return module.write_model_dir(tmp_path_factory.mktemp("moe") / "tiny", args, dense=False)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(moe_dir: Path):
     from chunkserve.engine.engine import Engine
 
     engine = Engine(
-        model=str(out),
+        model=str(moe_dir),
         load_format="dummy",
         dtype="float32",
         max_model_len=256,
@@ -185,3 +190,15 @@ def test_a_route_skew_on_a_dense_model_is_refused(shared_engine) -> None:
 
     with pytest.raises(ValueError, match="route_skew"):
         run_profile(shared_engine, TINY_GRID, repeats=1, route_skew=1.0)
+
+
+def test_the_profile_command_profiles_a_weightless_moe_directory(moe_dir, tmp_path) -> None:
+    from chunkserve.entrypoints.cli import main
+
+    out = tmp_path / "p.json"
+    argv = ["profile", "--quick", "--model", str(moe_dir), "--load-format", "dummy"]
+    argv += ["--dtype", "float32", "--repeats", "1", "--max-model-len", "1024"]
+    assert main([*argv, "--output", str(out)]) == 0
+    saved = CostModel.load(out)
+    assert saved.routing is not None and saved.routing.num_layers == 2
+    assert saved.routing.touched(1) == pytest.approx(4.0)
