@@ -341,7 +341,9 @@ def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
         == 0
     )
     doc = json.loads(profile.read_text())
-    assert doc["features"][-1] == "decode_padded_k" and len(doc["weights"]) == 9
+    assert doc["features"][-2:] == ["decode_padded_k", "experts_touched"]
+    assert len(doc["weights"]) == 10 and doc["weights"][-1] == 0.0  # a dense model
+    assert "routing" not in doc
     assert doc["fit"]["num_shapes"] >= 10
     # Prefill-only shapes are measured with and without sampling (the LM head), so the fit
     # can tell that cost apart; steps with decodes always sample.

@@ -33,7 +33,7 @@ BLOCK = 16  # the schedulers below use 16-token blocks
 # The "hardware": seconds = 25 ms + 0.9 ms/prefill token + 0.4 ms/decode + attention terms
 # + 3 ms per 1k prefix keys a chunk reads + 4 ms for the LM head when the step samples
 # + 0.3 ms per 1k padded keys the grouped decodes read.
-TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4, 3e-3, 4e-3, 3e-4])
+TRUE = CostModel([0.025, 9e-4, 4e-4, 2e-4, 0.03, 5e-4, 3e-3, 4e-3, 3e-4, 0.0])
 SLO = 0.120
 
 

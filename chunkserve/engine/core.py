@@ -31,6 +31,7 @@ from chunkserve.scheduling.budget import UNPROFILED_WARMUP_STEPS, BudgetControll
 from chunkserve.scheduling.costmodel import (
     DEFAULT_PRIOR,
     CostModel,
+    ExpertRouting,
     OnlineCostModel,
     StepShape,
     find_profile,
@@ -167,6 +168,8 @@ class EngineCore:
         # The cost profile: primes the online controller, and with it every step's
         # predicted time is logged beside the measured one (``StepStats.predicted_time``).
         self.profile, profile_path = self._load_profile(str(source.path))
+        if self.profile is not None and self.profile.routing is None:
+            self.profile.routing = self._uniform_routing()
         self.controller = (
             self._make_controller(profile_path) if self.budget_policy.is_online else None
         )
@@ -262,12 +265,23 @@ class EngineCore:
             )
             return None, None
 
+    def _uniform_routing(self) -> ExpertRouting | None:
+        """A mixture-of-experts model's routing as a random router spreads it (the cost
+        model's experts feature; a profile measured here carries the routing it saw)."""
+        mc = self.model_config
+        layers = sum(mc.is_moe_layer(i) for i in range(mc.num_layers))
+        if not layers:
+            return None
+        return ExpertRouting.uniform(mc.num_experts, mc.num_experts_per_tok, layers)
+
     def _make_controller(self, path: Path | None) -> BudgetController:
         """The online budget controller, primed from the profile if one was loaded."""
         model = self.profile
         policy = self.budget_policy.describe()
         if model is not None:
-            online = OnlineCostModel(model.weights, prior_weight=1.0, meta=model.meta)
+            online = OnlineCostModel(
+                model.weights, prior_weight=1.0, meta=model.meta, routing=model.routing
+            )
             logger.info(
                 "%s: cost model from %s (measured %s on %s)",
                 policy,
@@ -276,7 +290,9 @@ class EngineCore:
                 model.meta.get("hardware", "?"),
             )
         else:
-            online = OnlineCostModel(DEFAULT_PRIOR, prior_weight=1.0)
+            online = OnlineCostModel(
+                DEFAULT_PRIOR, prior_weight=1.0, routing=self._uniform_routing()
+            )
             logger.info(
                 "%s: no profile (`chunkserve profile` makes one); starting from a safe "
                 "small budget and learning from measured steps",

@@ -210,6 +210,52 @@ def grouped_experts(
     return out.index_add_(0, tokens, y)
 
 
+class RoutingTap:
+    """Instrumentation of the routers (the profiler, tests and benchmarks; never a serving
+    path): while ``active`` (``with tap:``), every MoE layer's router
+
+    - adds a Zipf-shaped bias to its logits when ``zipf_s`` > 0: expert ``e`` gets
+      ``-zipf_s * log(e + 1)`` times the row's own logit spread (its standard deviation),
+      so a random router, which spreads tokens uniformly, favours low-numbered experts as
+      trained routers favour some (how skewed the result is is measured, not assumed);
+    - when ``recording``, appends the expert ids it picked ([T, top_k]) to ``ids``, one
+      entry per MoE layer in the order the layers run.
+    """
+
+    def __init__(self, zipf_s: float = 0.0, recording: bool = True) -> None:
+        if zipf_s < 0:
+            raise ValueError(f"zipf_s: must be >= 0, got {zipf_s}")
+        self.zipf_s = zipf_s
+        self.recording = recording
+        self.ids: list[torch.Tensor] = []
+
+    def bias(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.zipf_s <= 0 or logits.shape[0] == 0:
+            return logits
+        e = logits.shape[-1]
+        ranks = torch.arange(1, e + 1, device=logits.device, dtype=torch.float32)
+        spread = logits.float().std(dim=-1, keepdim=True) if e > 1 else 1.0
+        return (logits.float() - self.zipf_s * torch.log(ranks) * spread).to(logits.dtype)
+
+    def observe(self, ids: torch.Tensor) -> None:
+        if self.recording:
+            self.ids.append(ids.detach().clone())
+
+    def __enter__(self) -> RoutingTap:
+        global _tap
+        if _tap is not None:
+            raise RuntimeError("RoutingTap: another tap is already active")
+        _tap = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _tap
+        _tap = None
+
+
+_tap: RoutingTap | None = None  # the active RoutingTap (instrumentation only)
+
+
 def _elsewhere(like: torch.Tensor, shape: tuple[int, ...]) -> Target:
     """The target of a checkpoint tensor another rank keeps (expert parallel): its shape is
     checked, nothing of it is copied."""
@@ -290,15 +336,22 @@ class SparseMoE(nn.Module):
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choice for each row of ``x``: (weights [T, top_k] fp32, expert ids
-        [T, top_k]), the largest first."""
+        [T, top_k]), the largest first (seen and biased by a ``RoutingTap`` when one is on)."""
         logits = F.linear(x, self.router, self.router_bias)
+        tap = _tap
+        if tap is not None:
+            logits = tap.bias(logits)
         if self.router_kind == "topk_softmax":
-            return route_topk_softmax(logits, self.top_k)
-        if self.topk_method is not None:
-            return route_grouped(
+            weights, ids = route_topk_softmax(logits, self.top_k)
+        elif self.topk_method is not None:
+            weights, ids = route_grouped(
                 logits, self.top_k, *self.groups, self.routed_scaling, self.renormalize
             )
-        return route(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
+        if tap is not None:
+            tap.observe(ids)
+        return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select(x)

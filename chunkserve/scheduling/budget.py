@@ -237,7 +237,7 @@ class BudgetController:
         self._track_arrivals(view)
         if not view.decode_lens:
             return self._idle_target_s(view, slowdown)
-        decodes = StepShape(tuple(view.decode_lens)).features()
+        decodes = self.model.features(StepShape(tuple(view.decode_lens)))
         mean = self._mean_alone
         if mean is None:
             self._mean_alone = mean = list(decodes)
@@ -317,7 +317,7 @@ class BudgetController:
         self._num_seen = view.num_added
         arrivals = view.arrivals
         for r in itertools.islice(arrivals, max(0, len(arrivals) - new), None):
-            row = StepShape((), ((0, r.num_prompt_tokens),)).features()
+            row = self.model.features(StepShape((), ((0, r.num_prompt_tokens),)))
             row = (0.0, *row[1:])  # a step's fixed cost is not the prompt's work
             self._arrived.append((r.arrival_time, row))
             self._arrived_sum = [a + b for a, b in zip(self._arrived_sum, row)]

@@ -21,6 +21,11 @@ Features of a step (all known before it runs):
                             long decode among short ones makes it several times larger. A
                             backend that reads only each decode's own keys (Triton) fits a
                             zero weight here.
+    experts_touched         mixture of experts: the expected number of (MoE layer, expert)
+                            pairs the step's rows touch (``ExpertRouting.touched``): each
+                            touched expert's weights are read and its matmuls launched once,
+                            however few its rows. A decode batch touches the experts its
+                            tokens pick, a prefill chunk nearly all. 0 for a dense model.
 
 The weights are seconds per unit. ``OnlineCostModel`` corrects them from measured step times
 by refitting over a window of recent steps (pulled toward the profile), so a stale or
@@ -51,11 +56,77 @@ FEATURES = (
     "prefill_context_k",
     "logits",
     "decode_padded_k",
+    "experts_touched",
 )
+# The features a profile saved before the MoE feature has (its weight for it is 0).
+DENSE_FEATURES = FEATURES[:-1]
 # Block size the padded-key feature rounds to (the engine's default; a different block size
 # changes the feature by under one block per decode).
 PADDING_BLOCK_SIZE = 16
 NUM_FEATURES = len(FEATURES)
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How a mixture-of-experts model's tokens spread over its experts: per MoE layer, the
+    probability that one token picks each expert (``inclusion[l][e]``, a layer's sum is
+    top_k). Uniform for a random router; measured (``from_counts``) for a trained or skewed
+    one.
+
+    The expected number of distinct experts ``T`` independent tokens touch in a layer is
+    ``sum_e 1 - (1 - p_e)^T`` (an expert is missed only if every token misses it), exact
+    however each token's ``top_k`` choices depend on each other. Tokens of one prompt route
+    alike more often than independent ones, so a prefill chunk may touch fewer; the fit
+    absorbs the average."""
+
+    inclusion: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        for layer in self.inclusion:
+            if not layer or not all(0.0 <= p <= 1.0 for p in layer):
+                raise ValueError("expert routing: inclusion probabilities must be in [0, 1]")
+        object.__setattr__(self, "_cache", {})
+
+    @classmethod
+    def uniform(cls, num_experts: int, top_k: int, num_layers: int = 1) -> ExpertRouting:
+        if not 1 <= top_k <= num_experts or num_layers < 1:
+            raise ValueError(
+                f"expert routing: need 1 <= top_k ({top_k}) <= num_experts ({num_experts}) "
+                f"and num_layers ({num_layers}) >= 1"
+            )
+        return cls(((top_k / num_experts,) * num_experts,) * num_layers)
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[Sequence[int]], num_tokens: int) -> ExpertRouting:
+        """From the (token, choice) pairs each layer routed to each expert over
+        ``num_tokens`` tokens."""
+        if num_tokens <= 0:
+            raise ValueError("expert routing: from_counts needs tokens")
+        return cls(tuple(tuple(min(1.0, c / num_tokens) for c in layer) for layer in counts))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inclusion)
+
+    def touched(self, num_tokens: int) -> float:
+        """Expected (layer, expert) pairs ``num_tokens`` rows touch, over all MoE layers."""
+        cache: dict[int, float] = self._cache  # type: ignore[attr-defined]
+        got = cache.get(num_tokens)
+        if got is None:
+            got = sum(1.0 - (1.0 - p) ** num_tokens for layer in self.inclusion for p in layer)
+            if len(cache) < 65_536:
+                cache[num_tokens] = got
+        return got
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inclusion": [list(layer) for layer in self.inclusion]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExpertRouting:
+        try:
+            return cls(tuple(tuple(float(p) for p in layer) for layer in data["inclusion"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"expert routing: malformed {data!r}") from exc
 
 
 @dataclass(frozen=True)
@@ -80,10 +151,18 @@ class StepShape:
     def num_decode_tokens(self) -> int:
         return len(self.decode_context_lens)
 
-    def features(self) -> tuple[float, ...]:
-        """The feature row (computed once: the online model refits from a window of
-        shapes every step)."""
-        return self._features
+    @property
+    def num_tokens(self) -> int:
+        """Rows the step runs through the model (every one passes the MoE layers)."""
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    def features(self, routing: ExpertRouting | None = None) -> tuple[float, ...]:
+        """The feature row (the dense part computed once: the online model refits from a
+        window of shapes every step); ``routing`` prices the experts (None: a dense model).
+        ``CostModel.features`` passes the model's own."""
+        if routing is None:
+            return self._features
+        return (*self._features[:-1], routing.touched(self.num_tokens))
 
     @cached_property
     def _features(self) -> tuple[float, ...]:
@@ -98,6 +177,7 @@ class StepShape:
             sum(s + n for s, n in self.prefill_chunks) / 1e3,
             float(self.samples),
             padded_decode_keys(self.decode_context_lens, PADDING_BLOCK_SIZE) / 1e3,
+            0.0,
         )
 
     @classmethod
@@ -117,16 +197,26 @@ def dot(w: Sequence[float], x: Sequence[float]) -> float:
 
 
 class CostModel:
-    """``predict(shape)`` in seconds. ``weights`` follow ``FEATURES``."""
+    """``predict(shape)`` in seconds. ``weights`` follow ``FEATURES``; ``routing`` prices the
+    experts of a mixture-of-experts model (None: dense, the experts feature is 0)."""
 
-    def __init__(self, weights: Sequence[float], meta: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        weights: Sequence[float],
+        meta: dict[str, Any] | None = None,
+        routing: ExpertRouting | None = None,
+    ) -> None:
         if len(weights) != NUM_FEATURES:
             raise ValueError(f"cost model: expected {NUM_FEATURES} weights, got {len(weights)}")
         self.weights = [float(w) for w in weights]
         self.meta = dict(meta or {})
+        self.routing = routing
+
+    def features(self, shape: StepShape) -> tuple[float, ...]:
+        return shape.features(self.routing)
 
     def predict(self, shape: StepShape) -> float:
-        return dot(self.weights, shape.features())
+        return dot(self.weights, self.features(shape))
 
     def prefill_work_s(self, num_tokens: int, start: int = 0) -> float:
         """Seconds a prefill chunk adds to a step that runs anyway: its tokens, attention
@@ -149,7 +239,8 @@ class CostModel:
         (conservatively: as if all tokens were one chunk at ``prefill_start``, and the step
         samples)."""
         w = self.weights
-        base = dot(w, StepShape(tuple(decode_context_lens), prefill_samples=1).features())
+        decodes = StepShape(tuple(decode_context_lens), prefill_samples=1)
+        base = dot(w, decodes.features())  # without the experts: added below
         # The chunks' fixed costs, and the prefixes they read.
         prefix_k = (prefill_start + other_prefix_tokens) / 1e3
         room = target_s - base - w[5] * max(1, num_chunks) - w[6] * prefix_k
@@ -162,11 +253,32 @@ class CostModel:
             p = room / b if b > 0 else float(limit)
         else:
             p = (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
-        return max(0, min(limit, int(p)))
+        p = max(0, min(limit, int(p)))
+        if self.routing is None or w[-1] <= 0:
+            return p
+        # The experts the decodes and the chunk touch: concave in p, so the most tokens
+        # that fit is found by bisection below the bound the rest of the model gives.
+        n = len(decode_context_lens)
+
+        def fits(q: int) -> bool:
+            return w[-1] * self.routing.touched(n + q) <= room - (
+                a * q * q + b * q if a > 0 else b * q
+            )
+
+        if not fits(0):
+            return 0
+        lo, hi = 0, p
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     # ---- persistence ----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {"features": list(FEATURES), "weights": self.weights, **self.meta}
+        doc = {"features": list(FEATURES), "weights": self.weights, **self.meta}
+        if self.routing is not None:
+            doc["routing"] = self.routing.to_json()
+        return doc
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -177,10 +289,14 @@ class CostModel:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cost_profile: cannot read {str(path)!r}: {exc}") from exc
-        if data.get("features") != list(FEATURES):
+        weights = data.get("weights")
+        if data.get("features") == list(DENSE_FEATURES) and isinstance(weights, list):
+            weights = [*weights, 0.0]  # saved before the experts feature: a dense model's
+        elif data.get("features") != list(FEATURES):
             raise ValueError(f"cost_profile: {str(path)!r} was made with other features")
-        meta = {k: v for k, v in data.items() if k not in ("features", "weights")}
-        return cls(data["weights"], meta)
+        routing = ExpertRouting.from_json(data["routing"]) if data.get("routing") else None
+        meta = {k: v for k, v in data.items() if k not in ("features", "weights", "routing")}
+        return cls(weights, meta, routing)
 
 
 def fit(
@@ -188,14 +304,16 @@ def fit(
     times_s: Sequence[float],
     prior: Sequence[float] | None = None,
     prior_weight: float = 0.0,
+    routing: ExpertRouting | None = None,
 ) -> list[float]:
     """Non-negative least squares of step times on the features (each weight is a cost),
     in relative terms (samples weighted by 1 / time). With ``prior``, a ridge pulls each
     weight toward it, measured at the feature's typical magnitude (``FEATURE_SCALE``):
-    ``prior_weight`` counts like that many samples."""
+    ``prior_weight`` counts like that many samples. ``routing``: the experts' (MoE)."""
     import numpy as np
 
-    x = np.array([s.features() for s in shapes], dtype=np.float64).reshape(-1, NUM_FEATURES)
+    rows = [s.features(routing) for s in shapes]
+    x = np.array(rows, dtype=np.float64).reshape(-1, NUM_FEATURES)
     y = np.array(times_s, dtype=np.float64)
     inv = 1.0 / np.maximum(y, 1e-6)
     xs, ys = x * inv[:, None], y * inv
@@ -224,7 +342,7 @@ def relative_errors(
 
 
 # Typical magnitude of each feature (a mid-sized step), for the ridge prior.
-FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 2.0, 1.0, 32.0)
+FEATURE_SCALE = (1.0, 256.0, 32.0, 32.0, 0.5, 2.0, 2.0, 1.0, 32.0, 64.0)
 
 
 class OnlineCostModel(CostModel):
@@ -241,8 +359,9 @@ class OnlineCostModel(CostModel):
         window: int = 256,
         refit_every: int = 1,
         meta: dict[str, Any] | None = None,
+        routing: ExpertRouting | None = None,
     ) -> None:
-        super().__init__(weights, meta)
+        super().__init__(weights, meta, routing)
         self.prior = list(self.weights)
         self.prior_weight = prior_weight
         self.window = window
@@ -260,12 +379,16 @@ class OnlineCostModel(CostModel):
             del self._shapes[0], self._times[0]
         self.num_updates += 1
         if self.num_updates % self.refit_every == 0:
-            self.weights = fit(self._shapes, self._times, self.prior, self.prior_weight)
+            self.weights = fit(
+                self._shapes, self._times, self.prior, self.prior_weight, self.routing
+            )
 
 
 # A deliberately pessimistic guess for when no profile exists: prefill tokens look
 # expensive, so the first budgets are small; measurements then raise them.
-DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3, 1e-3)
+# (The experts' weight starts at 0: how much an expert's weights cost to read depends on the
+# model; the online fit learns it.)
+DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3, 1e-3, 0.0)
 
 
 def default_profile_path(model_path: str, device: str, dtype: str, num_threads: int) -> Path:

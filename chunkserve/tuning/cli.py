@@ -44,7 +44,12 @@ def _profile(args: argparse.Namespace) -> int:
         from chunkserve.model.loader import load_model_config, resolve_model
 
         mc, _ = load_model_config(
-            resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+            resolve_model(
+                config.model,
+                weights=config.load_format != "dummy",
+                revision=config.revision,
+                download_dir=config.download_dir,
+            )
         )
         per_block = mc.kv_bytes_per_token(4) * config.block_size
         config = config.replace(
@@ -193,7 +198,12 @@ def _simulate(args: argparse.Namespace) -> int:
     model = _load_model_for(args)
     config = engine_config_from_args(args)
     mc, _ = load_model_config(
-        resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+        resolve_model(
+            config.model,
+            weights=config.load_format != "dummy",
+            revision=config.revision,
+            download_dir=config.download_dir,
+        )
     )
     max_model_len = config.max_model_len or mc.max_position_embeddings
     sched_config = config.scheduler_config(max_model_len)

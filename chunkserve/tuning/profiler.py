@@ -24,8 +24,15 @@ import torch
 
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.engine import Engine
+from chunkserve.model.moe import RoutingTap
 from chunkserve.provenance import cpu_description, git_commit
-from chunkserve.scheduling.costmodel import CostModel, StepShape, fit, relative_errors
+from chunkserve.scheduling.costmodel import (
+    CostModel,
+    ExpertRouting,
+    StepShape,
+    fit,
+    relative_errors,
+)
 from chunkserve.scheduling.kv_cache import cdiv
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.sampling_params import SamplingParams
@@ -50,6 +57,10 @@ QUICK_GRID = {
     "prefill_start": (0, 512),
     "long_decode": (1024,),
 }
+# Decode batches a mixture-of-experts model's grid adds: a batch of a few tokens touches a
+# few experts, a larger one nearly all, so the experts' fixed costs need small batches to
+# be told apart from the tokens' costs.
+MOE_DECODES = (1, 2, 8)
 
 
 def grid_shapes(
@@ -88,12 +99,19 @@ def hardware_description(device: torch.device) -> str:
 
 
 class ShapeRunner:
-    """Runs one fabricated step of a given shape through the engine's model runner."""
+    """Runs one fabricated step of a given shape through the engine's model runner.
 
-    def __init__(self, core: EngineCore) -> None:
+    With a ``tap`` (a mixture-of-experts model's ``RoutingTap``), the routers run through
+    it in every run (its bias, if any, shapes the timed steps), and the experts the warm-up
+    run picked are kept: ``routes[i]`` the (layer's expert ids [T, top_k]) of the i-th shape
+    timed."""
+
+    def __init__(self, core: EngineCore, tap: RoutingTap | None = None) -> None:
         self.core = core
         self.worker = core.worker
         self.rng = random.Random(0)
+        self.tap = tap
+        self.routes: list[list[torch.Tensor]] = []
 
     def _request(self, rid: str, num_tokens: int, computed: int, decode: bool) -> Request:
         """A request of ``num_tokens`` tokens, ``computed`` of them in the cache; for a
@@ -151,14 +169,26 @@ class ShapeRunner:
 
     def time_shape_runs(self, shape: StepShape, repeats: int) -> list[float]:
         out, reqs = self.build(shape)
+        tap = self.tap
         try:
-            self.worker.runner.execute(out)  # warm-up (primitive creation, buffers)
+            if tap is None:
+                self.worker.runner.execute(out)  # warm-up (primitive creation, buffers)
+            else:
+                tap.ids, tap.recording = [], True
+                with tap:
+                    self.worker.runner.execute(out)
+                self.routes.append(tap.ids)
+                tap.ids, tap.recording = [], False
             times = []
             for _ in range(repeats):
                 if self.worker.device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                self.worker.runner.execute(out)
+                if tap is None:
+                    self.worker.runner.execute(out)
+                else:
+                    with tap:
+                        self.worker.runner.execute(out)
                 if self.worker.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
@@ -188,26 +218,58 @@ def run_profile(
     heldout_fraction: float = 0.2,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    route_skew: float = 0.0,
 ) -> dict[str, Any]:
     """Measure every shape of ``grid``; fit on most, check on the held-out rest; return the
-    profile document (the saved model is fit on all shapes)."""
+    profile document (the saved model is fit on all shapes).
+
+    A mixture-of-experts model's routing is measured as its shapes run (``moe_routing``):
+    the experts' feature is priced by how the profiled tokens spread over the experts.
+    ``route_skew``: a Zipf bias of the routers (``RoutingTap``; benchmarks and tests)."""
+    num_experts = engine.core.model_config.num_experts
+    if num_experts:
+        grid = {**grid, "decodes": tuple(sorted({*grid["decodes"], *MOE_DECODES}))}
+    elif route_skew:
+        raise ValueError("route_skew: the model has no experts")
     shapes = grid_shapes(grid, engine.max_model_len)
-    runner = ShapeRunner(engine.core)
+    runner = ShapeRunner(engine.core, RoutingTap(route_skew) if num_experts else None)
     times = []
     for i, shape in enumerate(shapes):
         times.append(runner.time_shape(shape, repeats))
         if progress:
             progress(i + 1, len(shapes))
     overhead = measure_overhead(engine)
+    routing, moe_doc = (None, None)
+    if num_experts:
+        routing, moe_doc = moe_routing(shapes, runner.routes, num_experts, route_skew)
     order = list(range(len(shapes)))
     random.Random(seed).shuffle(order)
     n_test = max(1, int(len(shapes) * heldout_fraction))
     test, train = order[:n_test], order[n_test:]
-    train_model = CostModel(fit([shapes[i] for i in train], [times[i] for i in train]))
-    test_err = relative_errors(train_model, [shapes[i] for i in test], [times[i] for i in test])
-    weights = fit(shapes, times)
+
+    def heldout(routing: ExpertRouting | None) -> list[float]:
+        train_w = fit([shapes[i] for i in train], [times[i] for i in train], routing=routing)
+        model = CostModel(train_w, routing=routing)
+        return relative_errors(model, [shapes[i] for i in test], [times[i] for i in test])
+
+    test_err = heldout(routing)
+    weights = fit(shapes, times, routing=routing)
     weights[0] += overhead  # the engine's own per-step work
-    all_err = relative_errors(CostModel(weights), shapes, [t + overhead for t in times])
+    all_err = relative_errors(
+        CostModel(weights, routing=routing), shapes, [t + overhead for t in times]
+    )
+    fit_doc: dict[str, Any] = {
+        "num_shapes": len(shapes),
+        "heldout_shapes": n_test,
+        "heldout_mean_rel_error": statistics.fmean(test_err),
+        "heldout_max_rel_error": max(test_err),
+        "all_mean_rel_error": statistics.fmean(all_err),
+    }
+    if routing is not None:
+        # The same split fit without the experts feature: what the feature buys.
+        dense_err = heldout(None)
+        fit_doc["without_experts_heldout_mean_rel_error"] = statistics.fmean(dense_err)
+        fit_doc["without_experts_heldout_max_rel_error"] = max(dense_err)
     return {
         "weights": weights,
         "model": engine.model_name,
@@ -220,13 +282,8 @@ def run_profile(
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
         "overhead_s": overhead,
-        "fit": {
-            "num_shapes": len(shapes),
-            "heldout_shapes": n_test,
-            "heldout_mean_rel_error": statistics.fmean(test_err),
-            "heldout_max_rel_error": max(test_err),
-            "all_mean_rel_error": statistics.fmean(all_err),
-        },
+        "fit": fit_doc,
+        **({"routing": routing.to_json(), "moe": moe_doc} if routing is not None else {}),
         "samples": [
             {
                 "decode_context_lens": list(s.decode_context_lens),
@@ -239,8 +296,44 @@ def run_profile(
     }
 
 
+def moe_routing(
+    shapes: list[StepShape], routes: list[list[torch.Tensor]], num_experts: int, skew: float
+) -> tuple[ExpertRouting, dict[str, Any]]:
+    """The routing the profiled steps saw (each layer's share of tokens per expert, over
+    all of them), and how well it predicts each step's distinct experts: the expected
+    count (``ExpertRouting.touched``) against the count the step's routers picked."""
+    layers = {len(r) for r in routes}
+    if len(layers) != 1 or not routes or not routes[0]:
+        raise ValueError(f"profile: saw {sorted(layers)} MoE router calls per step")
+    counts = [[0] * num_experts for _ in range(layers.pop())]
+    tokens = 0
+    for layer_ids in routes:
+        tokens += layer_ids[0].shape[0]
+        for layer, ids in enumerate(layer_ids):
+            for e, c in enumerate(torch.bincount(ids.reshape(-1), minlength=num_experts)):
+                counts[layer][e] += int(c)
+    routing = ExpertRouting.from_counts(counts, tokens)
+    steps = []
+    for shape, layer_ids in zip(shapes, routes):
+        seen = sum(int(ids.unique().numel()) for ids in layer_ids)
+        steps.append((shape.num_tokens, seen, routing.touched(shape.num_tokens)))
+    err = [abs(p - s) / s for _, s, p in steps]
+    share = [sum(layer[e] for layer in counts) / sum(map(sum, counts)) for e in range(num_experts)]
+    return routing, {
+        "route_skew": skew,
+        "num_moe_layers": len(counts),
+        "num_experts": num_experts,
+        "expert_share": share,  # of all (token, choice) pairs, over the layers
+        "touched_mean_rel_error": statistics.fmean(err),
+        "touched_max_rel_error": max(err),
+        "touched": [{"tokens": t, "seen": s, "expected": round(p, 3)} for t, s, p in steps],
+    }
+
+
 def save_profile(doc: dict[str, Any], path: Path) -> None:
-    model = CostModel(doc["weights"], {k: v for k, v in doc.items() if k != "weights"})
+    routing = ExpertRouting.from_json(doc["routing"]) if doc.get("routing") else None
+    meta = {k: v for k, v in doc.items() if k not in ("weights", "routing")}
+    model = CostModel(doc["weights"], meta, routing)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)
 
@@ -285,9 +378,16 @@ def tune_table(
 
 def profile_summary(doc: dict[str, Any]) -> str:
     f = doc["fit"]
+    moe = ""
+    if "without_experts_heldout_mean_rel_error" in f:
+        moe = (
+            f" (without the experts feature: mean "
+            f"{100 * f['without_experts_heldout_mean_rel_error']:.1f}%, max "
+            f"{100 * f['without_experts_heldout_max_rel_error']:.1f}%)"
+        )
     return (
         f"{f['num_shapes']} shapes on {doc['hardware']} ({doc['device']}, {doc['dtype']}, "
         f"{doc['threads']} threads); held-out {f['heldout_shapes']} shapes: mean error "
         f"{100 * f['heldout_mean_rel_error']:.1f}%, max {100 * f['heldout_max_rel_error']:.1f}%"
-        f"; weights {json.dumps([round(w, 7) for w in doc['weights']])}"
+        f"{moe}; weights {json.dumps([round(w, 7) for w in doc['weights']])}"
     )

@@ -79,7 +79,7 @@ def simulate(
         # steps run as the profile predicts, the profile is the truth and is held; scaled,
         # it is off by the scale and the controller learns from the steps, as a server's does.
         prior_weight = 1e4 if set(scales.values()) == {1.0} else 1.0
-        online = OnlineCostModel(model.weights, prior_weight=prior_weight)
+        online = OnlineCostModel(model.weights, prior_weight=prior_weight, routing=model.routing)
         controller = BudgetController(online, policy, min_prefill_tokens=config.block_size)
     loop = StepLoop(sched, controller, lambda: clock[0])
     rng = random.Random(seed)
