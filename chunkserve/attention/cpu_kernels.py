@@ -60,7 +60,7 @@ class PagedAttentionKernel:
         fn = lib.paged_attention
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64]
-        fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, i64]
+        fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, i64, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
         lib.paged_attention_bf16_tiles.restype = ctypes.c_int
@@ -81,13 +81,16 @@ class PagedAttentionKernel:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        fixed_range: int = 0,
     ) -> None:
         """Rows ``q_start[s] .. q_start[s] + q_len[s] - 1`` of ``q`` [T, H, D] attend to the
         first ``ctx_lens[s]`` keys of sequence ``s`` (row j sees ``ctx - q_len + 1 + j``, or
         with a ``window`` W only the last W of those), whose blocks are ``tables[s]``; the
         result goes to the same rows of ``out``. Scores are ``scale * q . k``, soft-capped to
         ``softcap * tanh(s / softcap)`` when one is given. Every tensor contiguous, on the
-        CPU; the index tensors int64."""
+        CPU; the index tensors int64. ``fixed_range`` F > 0: batch-invariant (the
+        deterministic mode): every run of rows on the tile path, a sequence's blocks reduced
+        in ranges of F aligned on multiples of F, whatever the batch or the thread count."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         rc = self._fn(
             q.data_ptr(),
@@ -109,6 +112,7 @@ class PagedAttentionKernel:
             window or 0,
             softcap or 0.0,
             torch.get_num_threads(),
+            fixed_range,
         )
         if rc:  # the backend only sends what the kernel takes: a bug, not a fallback
             raise RuntimeError(f"paged_attention kernel refused its arguments (code {rc})")

@@ -36,12 +36,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import ShardPlan
-from chunkserve.model.layers import ACTIVATIONS, Target, _param
+from chunkserve.model.layers import ACTIVATIONS, RowTiling, Target, _param, linear
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
@@ -101,11 +100,13 @@ def grouped_experts(
     ids: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     first_expert: int = 0,
+    tiling: RowTiling | None = None,
 ) -> torch.Tensor:
     """sum over each token's choices c of ``weights[t, c] * expert_{ids[t, c]}(x[t])`` for
     the experts held here (``w13`` [E_local, 2 * I, H], ``w2`` [E_local, H, I]: experts
     ``first_expert`` .. ``first_expert + E_local - 1``); choices of other experts add
-    nothing (another rank's). [T, H] in ``x``'s dtype."""
+    nothing (another rank's). [T, H] in ``x``'s dtype. ``tiling``: the deterministic
+    mode's batch-invariant matmuls (``layers.RowTiling``)."""
     t, k = ids.shape
     num_local = w13.shape[0]
     out = torch.zeros_like(x)
@@ -128,8 +129,8 @@ def grouped_experts(
     for e, n in enumerate(local):
         if n == 0:
             continue
-        gate, up = F.linear(rows[r : r + n], w13[e]).chunk(2, dim=-1)
-        y[r : r + n] = F.linear(act(gate) * up, w2[e])
+        gate, up = linear(rows[r : r + n], w13[e], tiling=tiling).chunk(2, dim=-1)
+        y[r : r + n] = linear(act(gate) * up, w2[e], tiling=tiling)
         r += n
     y.mul_(weights.reshape(-1).index_select(0, slots).to(y.dtype)[:, None])
     return out.index_add_(0, tokens, y)
@@ -187,14 +188,16 @@ class SparseMoE(nn.Module):
             self.shared_w2 = _param(h, sw, dtype=dtype, device=device)
             self.shared_gate = _param(1, h, dtype=dtype, device=device)
         self.group = group
+        self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
-        out = grouped_experts(x, self.w13, self.w2, weights, ids, self.act, self.experts[0])
+        tiling = self.tiling
+        weights, ids = route(linear(x, self.router, tiling=tiling), self.top_k, self.renormalize)
+        out = grouped_experts(x, self.w13, self.w2, weights, ids, self.act, self.experts[0], tiling)
         if self.shared_w13 is not None:
-            gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)
-            shared = F.linear(self.act(gate) * up, self.shared_w2)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            gate, up = linear(x, self.shared_w13, tiling=tiling).chunk(2, dim=-1)
+            shared = linear(self.act(gate) * up, self.shared_w2, tiling=tiling)
+            out = out + torch.sigmoid(linear(x, self.shared_gate, tiling=tiling)) * shared
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out

@@ -50,6 +50,7 @@ from chunkserve.distributed.launch import (
 )
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
+from chunkserve.model.layers import DETERMINISTIC_TILING
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
 from chunkserve.model.registry import (
     CausalLM,
@@ -302,6 +303,7 @@ class Worker:
             model_config.head_dim,
             self.dtype,
             self.block_size,
+            deterministic=config.deterministic,
         )
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
@@ -318,6 +320,8 @@ class Worker:
         else:
             self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
         self.load_time = time.perf_counter() - t0
+        if config.deterministic:
+            self.model.set_row_tiling(DETERMINISTIC_TILING)
         if self.device.type == "cpu":
             released = release_free_heap()  # the loader's freed buffers
             logger.debug("released %.0f MiB of free heap after loading", released / 2**20)
