@@ -1,0 +1,290 @@
+"""The deterministic mode (``deterministic=True``, issue 42): a request's token ids and
+logprobs are bitwise the same alone or beside 1, 5 or 37 others, under every budget (16, 64,
+512, adaptive, chunking off), after a prefix-cache hit, when preempted and recomputed, with
+n-gram speculation and at another thread count, in bf16 and fp32; seeded sampling too. And
+the mode is needed: without it, bf16 results change with the batch on this CPU.
+
+Engines are shared per setting (``engines``, module-scoped); prompts and outputs are short.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chunkserve.attention import cpu_kernels
+from chunkserve.engine.engine import Engine
+from chunkserve.model.layers import DETERMINISTIC_TILING, linear
+from chunkserve.scheduling.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_in_use, random_prompt
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason=f"the C attention kernel: {cpu_kernels.load_error()}"
+)
+
+MAX_TOKENS = 4
+TARGET_TEXT = "def fibonacci(n):\n    # return the n-th Fibonacci number, iteratively"
+BUDGETS = {
+    "16": {"max_num_batched_tokens": 16},
+    "64": {"max_num_batched_tokens": 64},
+    "512": {"max_num_batched_tokens": 512},
+    "adaptive": {},
+    "off": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
+}
+Result = tuple[list[int], list]
+
+
+def others(n: int) -> list[list[int]]:
+    """``n`` prompts of mixed lengths (2 to 70 tokens)."""
+    rng = random.Random(42)
+    return [random_prompt(rng, rng.choice([2, 5, 9, 17, 23, 40, 55, 70])) for _ in range(n)]
+
+
+def run(
+    engine: Engine,
+    prompts: list[list[int]],
+    at: int = 0,
+    params: SamplingParams | None = None,
+    max_tokens: int = MAX_TOKENS,
+    cached: list[int] | None = None,
+) -> Result:
+    """The result (token ids, logprobs with their top-2) of ``prompts[at]``, the prompts
+    added two at a time every other step (so chunks, decodes and arrivals mix); its
+    prompt tokens taken from the prefix cache appended to ``cached``."""
+    params = params or SamplingParams(
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=2
+    )
+    pending, ids, results, step = list(prompts), [], {}, 0
+    while engine.has_unfinished() or pending:
+        if pending and step % 2 == 0:
+            for _ in range(min(2, len(pending))):
+                ids.append(engine.add_request(pending.pop(0), params))
+        for out in engine.step():
+            if out.finished:
+                lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+                results[out.request_id] = (out.token_ids, lps)
+                if cached is not None and out.request_id == ids[at]:
+                    cached.append(out.num_cached_tokens)
+        step += 1
+    assert_no_blocks_in_use(engine)
+    return results[ids[at]]
+
+
+def make(dtype: str, deterministic: bool = True, **kwargs) -> Engine:
+    base = dict(
+        dtype=dtype,
+        max_model_len=512,
+        kv_cache_memory=48 << 20,
+        num_threads=1,
+        deterministic=deterministic,
+    )
+    return Engine(**(base | kwargs))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Engines by (dtype, budget name), built on first use and kept for the module."""
+    made: dict[tuple[str, str], Engine] = {}
+
+    def get(dtype: str, budget: str) -> Engine:
+        if (dtype, budget) not in made:
+            made[dtype, budget] = make(dtype, **BUDGETS[budget])
+        return made[dtype, budget]
+
+    yield get
+    made.clear()
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target(engines) -> list[int]:
+    return engines("float32", "off").tokenizer.encode(TARGET_TEXT)
+
+
+@pytest.fixture(scope="module")
+def alone(engines, target):
+    """The target alone, chunking off, by dtype: the reference of every case."""
+    memo: dict[str, Result] = {}
+
+    def get(dtype: str) -> Result:
+        if dtype not in memo:
+            memo[dtype] = run(engines(dtype, "off"), [target])
+        return memo[dtype]
+
+    return get
+
+
+DTYPES = ["bfloat16", "float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_beside_37_others_under_every_budget(engines, alone, target, dtype, budget) -> None:
+    engine = engines(dtype, budget)
+    steps = []
+    engine.step_listeners.append(steps.append)
+    try:
+        got = run(engine, [*others(20), target, *others(37)[20:]], at=20)
+    finally:
+        engine.step_listeners.remove(steps.append)
+    assert got == alone(dtype)
+    if budget in ("16", "64"):  # the target's prompt was chunked beside other work
+        assert any(s.kind == "mixed" for s in steps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 5])
+def test_beside_a_few_others(engines, alone, target, dtype, n) -> None:
+    engine = engines(dtype, "16")
+    assert run(engine, [*others(n), target], at=n) == alone(dtype)
+    assert run(engine, [target, *others(n)], at=0) == alone(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_cache_hit(engines, alone, target, dtype) -> None:
+    """A request sharing the target's first two blocks runs first: the target starts from
+    cached blocks (a different chunk boundary and a cached prefix) and gets the same."""
+    engine = engines(dtype, "64")
+    assert len(target) > 32
+    run(engine, [target[:32] + random_prompt(random.Random(3), 7)])
+    cached: list[int] = []
+    got = run(engine, [target, *others(3)], cached=cached)
+    assert cached == [32]
+    assert got == alone(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_preemption(alone, target, dtype) -> None:
+    """A pool too small for everyone: requests are preempted and recomputed (as one longer
+    prompt: the prompt and the outputs so far), and the target's tokens stay the same."""
+    size = 2 if dtype == "bfloat16" else 4
+    block = 2 * 30 * 3 * 64 * size * 16  # K+V of 16 tokens over 30 layers
+    engine = make(
+        dtype,
+        kv_cache_memory=13 * block,
+        max_model_len=192,
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=64,
+    )
+    rng = random.Random(7)
+    prompts = [random_prompt(rng, n) for n in (30, 45, 20, 38)]
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0, logprobs=2)
+    got = run(engine, [*prompts[:2], target, *prompts[2:]], at=2, params=params)
+    assert engine.core.scheduler.num_preemptions > 0
+    reference = run(make(dtype, enable_chunked_prefill=False), [target], params=params)
+    assert got == reference
+    assert got[0][:MAX_TOKENS] == alone(dtype)[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ngram_speculation(engines, dtype) -> None:
+    """A repetitive prompt whose n-gram drafts are accepted (and rejected): the verified
+    tokens and their logprobs are plain decoding's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    engine = make(dtype, speculative_config=spec, max_num_batched_tokens=64)
+    plain = engines(dtype, "64")
+    prompt = plain.tokenizer.encode("one two three four five one two three four five one two")
+    expected = run(plain, [prompt, *others(3)], max_tokens=16)
+    got = run(engine, [prompt, *others(3)], max_tokens=16)
+    assert engine.core.speculator.num_accepted_tokens > 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seeded_sampling(engines, target, dtype) -> None:
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, logprobs=1)
+    alone_run = run(engines(dtype, "off"), [target], params=params)
+    batched = run(engines(dtype, "16"), [*others(5), target], at=5, params=params)
+    assert batched == alone_run
+
+
+def test_another_thread_count(alone, target) -> None:
+    """An instance at 2 threads (a data-parallel replica or a decode instance may run another
+    ``--num-threads``) gives the 1-thread instance's bf16 results."""
+    try:
+        engine = make("bfloat16", num_threads=2, max_num_batched_tokens=16)
+        assert torch.get_num_threads() == 2
+        assert run(engine, [*others(5), target], at=5) == alone("bfloat16")
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_mode_is_needed(target) -> None:
+    """Without the mode, bf16 results depend on the batch on this CPU (the reason for the
+    mode): the target alone vs beside 37 others at budget 16 and 512, chunking off."""
+    plain = make("bfloat16", False, enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    reference = run(plain, [target])
+    cases = [run(plain, [*others(20), target, *others(37)[20:]], at=20)]
+    for budget in (16, 512):
+        engine = make("bfloat16", False, max_num_batched_tokens=budget)
+        cases.append(run(engine, [*others(20), target, *others(37)[20:]], at=20))
+    if all(c == reference for c in cases):
+        pytest.skip("no case differs without the deterministic mode on this machine")
+    assert any(c != reference for c in cases)
+
+
+# ---- the parts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
+    """A row of ``linear`` with the deterministic tiling is the same in batches of 1 to
+    2,048 rows, at any position, for the embedded model's weight shapes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2100, 576, generator=gen).to(dtype)
+    for n in (960, 3072, 49152):
+        w = torch.randn(n, 576, generator=gen).to(dtype)
+        alone = torch.cat([linear(x[i : i + 1], w, tiling=DETERMINISTIC_TILING) for i in range(8)])
+        for m, at in ((2, 0), (37, 3), (300, 5), (2048, 1)):
+            if n == 49152 and m > 300:
+                continue
+            y = linear(x[at : at + m], w, tiling=DETERMINISTIC_TILING)
+            k = min(8 - at, m)
+            assert torch.equal(y[:k], alone[at : at + k]), (n, m, at)
+
+
+def _attend(kernel, q, kc, vc, table, rows, ctx, fixed, threads):
+    """Rows ``rows`` (the last ones of a sequence of ``ctx`` keys) attended by the kernel
+    at ``threads`` threads; returns their outputs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty_like(q[:rows])
+        kernel(
+            q[ctx - rows : ctx].contiguous(), kc, vc, out, table,
+            torch.tensor([0]), torch.tensor([rows]), torch.tensor([ctx]),
+            0.125, None, None, fixed,
+        )  # fmt: skip
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype) -> None:
+    """The C kernel with a fixed range: the last query row of a 1,100-key sequence is the
+    same computed as a decode, as the last of a 7-row chunk, of a 300-row chunk and of the
+    whole prompt, at 1 and 2 threads."""
+    kernel = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(1)
+    ctx, bs, hkv, h, d = 1100, 16, 3, 9, 64
+    nb = -(-ctx // bs)
+    kc = torch.randn(nb + 1, bs, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(nb + 1, bs, hkv, d, generator=gen).to(dtype)
+    table = torch.randperm(nb, generator=gen)[None, :] + 1
+    q = torch.randn(ctx, h, d, generator=gen).to(dtype)
+    decode = _attend(kernel, q, kc, vc, table, 1, ctx, 32, 1)
+    for rows, threads in ((1, 2), (7, 1), (300, 2), (ctx, 1)):
+        got = _attend(kernel, q, kc, vc, table, rows, ctx, 32, threads)
+        assert torch.equal(got[-1:], decode), (rows, threads)
+
+
+def test_deterministic_needs_the_cpu_kernel() -> None:
+    with pytest.raises(ValueError, match="deterministic"):
+        Engine(
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory=16 << 20,
+            deterministic=True,
+            attention_backend="torch",
+        )
