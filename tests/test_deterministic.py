@@ -301,3 +301,22 @@ def test_deterministic_needs_the_cpu_kernel() -> None:
             deterministic=True,
             attention_backend="torch",
         )
+
+
+def test_a_prefill_decode_pair_must_agree_on_the_mode() -> None:
+    """The decode side's KV handle says whether it runs the mode; a prefill instance that
+    does not (or does when the decode side does not) fails the request, naming the field."""
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
+    layout = (30, 2, 16, 3, 64)
+    h = KVHandle("shm", new_transfer_id(), "", 0, 20, 2, layout, "bfloat16", deterministic=True)
+    assert KVHandle.from_dict(h.as_dict()) == h
+    h.check_fits(layout, "bfloat16", deterministic=True)
+    with pytest.raises(TransferError, match=r"send\.deterministic"):
+        h.check_fits(layout, "bfloat16", deterministic=False)
+    plain = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != "deterministic"})
+    assert not plain.deterministic  # an older decode side's handle
+    with pytest.raises(TransferError, match=r"send\.deterministic"):
+        plain.check_fits(layout, "bfloat16", deterministic=True)
+    with pytest.raises(ValueError, match=r"send\.deterministic"):
+        KVHandle.from_dict({**h.as_dict(), "deterministic": "yes"})

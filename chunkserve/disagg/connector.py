@@ -53,6 +53,7 @@ class KVHandle:
     dtype: str
     seq: int = 0  # torch: the transfer's number on its pair of instances
     pair: str = ""  # torch: the pair's key in the store (a new one after a failure)
+    deterministic: bool = False  # the decode side runs the deterministic mode
 
     @property
     def block_size(self) -> int:
@@ -80,7 +81,7 @@ class KVHandle:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: not a field of a KV handle")
-        missing = sorted(fields - {"seq", "pair"} - set(d))
+        missing = sorted(fields - {"seq", "pair", "deterministic"} - set(d))
         if missing:
             raise ValueError(f"{name}.{missing[0]}: missing")
 
@@ -111,16 +112,25 @@ class KVHandle:
         blocks = -(-(d["num_tokens"] - d["first_token"]) // bs)
         need(d["num_blocks"] == blocks, "num_blocks", f"must be {blocks}")
         need(is_int(d.get("seq", 0)), "seq", "an integer >= 0")
+        need(isinstance(d.get("deterministic", False), bool), "deterministic", "a boolean")
         need(isinstance(d.get("pair", ""), str) and len(d.get("pair", "")) <= 128, "pair", "str")
         return cls(**{**d, "layout": tuple(layout)})
 
-    def check_fits(self, layout: tuple[int, ...], dtype: str) -> None:
-        """``TransferError`` unless this instance's KV blocks have the handle's layout."""
+    def check_fits(self, layout: tuple[int, ...], dtype: str, deterministic: bool = False) -> None:
+        """``TransferError`` unless this instance's KV blocks have the handle's layout, and
+        it runs the deterministic mode exactly when the decode side does (else the KV it
+        computes, and so the decode side's tokens, would depend on this side's batches)."""
         if tuple(self.layout) != tuple(layout) or self.dtype != dtype:
             raise TransferError(
                 f"kv_transfer_params.send: the decode instance's KV blocks are "
                 f"{list(self.layout)} {self.dtype}, this instance's {list(layout)} {dtype} "
                 f"(the same model, dtype and block size on both sides)"
+            )
+        if self.deterministic != deterministic:
+            raise TransferError(
+                f"kv_transfer_params.send.deterministic: the decode instance runs with "
+                f"deterministic={self.deterministic}, this prefill instance with "
+                f"deterministic={deterministic} (run both with --deterministic, or neither)"
             )
 
 

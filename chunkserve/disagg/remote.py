@@ -123,9 +123,17 @@ async def _ask(client: httpx.AsyncClient, url: str, body: dict) -> None:
 class RemotePrefills(TransferEnd):
     """The transfers of the requests waiting for their KV (see the module doc)."""
 
-    def __init__(self, connectors: Connectors, worker, scheduler, block_size: int) -> None:
+    def __init__(
+        self,
+        connectors: Connectors,
+        worker,
+        scheduler,
+        block_size: int,
+        deterministic: bool = False,
+    ) -> None:
         super().__init__()
         self.connectors = connectors
+        self.deterministic = deterministic  # the prefill side must run the mode too
         self.worker = worker
         self.scheduler = scheduler
         self.block_size = block_size
@@ -151,8 +159,9 @@ class RemotePrefills(TransferEnd):
             bs = self.block_size
             num_blocks = -(-(end - first) // bs)
             handle = KVHandle(
-                "shm", new_transfer_id(), "", first, end, num_blocks, self.layout, self.dtype
-            )
+                "shm", new_transfer_id(), "", first, end, num_blocks, self.layout, self.dtype,
+                deterministic=self.deterministic,
+            )  # fmt: skip
             url = r.prefill_url
             assert url is not None
             try:

@@ -192,10 +192,13 @@ class EngineCore:
             )
             if mode == "decode":
                 self.remote = RemotePrefills(
-                    self.connectors, self.worker, self.scheduler, config.block_size
-                )
+                    self.connectors, self.worker, self.scheduler, config.block_size,
+                    config.deterministic,
+                )  # fmt: skip
             else:
-                self.sender = KVSender(self.connectors, self.worker, config.block_size)
+                self.sender = KVSender(
+                    self.connectors, self.worker, config.block_size, config.deterministic
+                )
         spec = config.speculative_config
         self.speculator = Speculator(spec, max_model_len) if spec else None
         # Structured outputs: grammars compiled off the step loop; the tokenizer is read
