@@ -65,8 +65,8 @@ def get_attention_backend(
                 f"{cpu_kernels.MAX_BLOCK_SIZE} and head_dim <= {cpu_kernels.MAX_HEAD_DIM} on "
                 f"a CPU; got {dtype}, {block_size}, {head_dim} on {device}"
             )
-            field = "deterministic" if deterministic else "attention_backend"
-            raise ValueError(f"{field}: the 'cpu' attention backend is not usable here: {why}")
+            field = "deterministic: needs" if deterministic else "attention_backend:"
+            raise ValueError(f"{field} 'cpu' is not usable here: {why}")
         from chunkserve.attention.cpu_paged import CpuAttentionBackend
 
         return CpuAttentionBackend(
