@@ -256,7 +256,7 @@ def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
             assert torch.equal(y[:k], alone[at : at + k]), (n, m, at)
 
 
-def _attend(kernel, q, kc, vc, table, rows, ctx, fixed, threads):
+def _attend(kernel, q, kc, vc, table, rows, ctx, fixed, threads, window=None):
     """Rows ``rows`` (the last ones of a sequence of ``ctx`` keys) attended by the kernel
     at ``threads`` threads; returns their outputs."""
     before = torch.get_num_threads()
@@ -266,18 +266,19 @@ def _attend(kernel, q, kc, vc, table, rows, ctx, fixed, threads):
         kernel(
             q[ctx - rows : ctx].contiguous(), kc, vc, out, table,
             torch.tensor([0]), torch.tensor([rows]), torch.tensor([ctx]),
-            0.125, None, None, fixed,
+            0.125, window, None, fixed,
         )  # fmt: skip
         return out
     finally:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("window", [None, 700])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype) -> None:
+def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype, window) -> None:
     """The C kernel with a fixed range: the last query row of a 1,100-key sequence is the
     same computed as a decode, as the last of a 7-row chunk, of a 300-row chunk and of the
-    whole prompt, at 1 and 2 threads."""
+    whole prompt, at 1 and 2 threads (and under a sliding window)."""
     kernel = cpu_kernels.load()
     gen = torch.Generator().manual_seed(1)
     ctx, bs, hkv, h, d = 1100, 16, 3, 9, 64
@@ -286,9 +287,9 @@ def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype) -> None:
     vc = torch.randn(nb + 1, bs, hkv, d, generator=gen).to(dtype)
     table = torch.randperm(nb, generator=gen)[None, :] + 1
     q = torch.randn(ctx, h, d, generator=gen).to(dtype)
-    decode = _attend(kernel, q, kc, vc, table, 1, ctx, 32, 1)
+    decode = _attend(kernel, q, kc, vc, table, 1, ctx, 32, 1, window)
     for rows, threads in ((1, 2), (7, 1), (300, 2), (ctx, 1)):
-        got = _attend(kernel, q, kc, vc, table, rows, ctx, 32, threads)
+        got = _attend(kernel, q, kc, vc, table, rows, ctx, 32, threads, window)
         assert torch.equal(got[-1:], decode), (rows, threads)
 
 
