@@ -242,18 +242,31 @@ def test_mode_is_needed(target) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
     """A row of ``linear`` with the deterministic tiling is the same in batches of 1 to
-    2,048 rows, at any position, for the embedded model's weight shapes."""
+    2,048 rows, at any position, for the embedded model's weight shapes, at 1 and 2
+    threads; in bf16 also the same at 1 as at 2 threads."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2100, 576, generator=gen).to(dtype)
-    for n in (960, 3072, 49152):
-        w = torch.randn(n, 576, generator=gen).to(dtype)
-        alone = torch.cat([linear(x[i : i + 1], w, tiling=DETERMINISTIC_TILING) for i in range(8)])
-        for m, at in ((2, 0), (37, 3), (300, 5), (2048, 1)):
-            if n == 49152 and m > 300:
-                continue
-            y = linear(x[at : at + m], w, tiling=DETERMINISTIC_TILING)
-            k = min(8 - at, m)
-            assert torch.equal(y[:k], alone[at : at + k]), (n, m, at)
+    x = torch.randn(2100, 1536, generator=gen).to(dtype)
+    tiling = DETERMINISTIC_TILING
+    for n, k in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        xs = x[:, :k]
+        alone = torch.cat([linear(xs[i : i + 1], w, tiling=tiling) for i in range(8)])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                for m, at in ((2, 0), (37, 3), (300, 5), (2048, 1)):
+                    if n == 49152 and m > 300:
+                        continue
+                    y = linear(xs[at : at + m], w, tiling=tiling)
+                    rows = min(8 - at, m)
+                    ref = alone[at : at + rows]
+                    if dtype == torch.float32 and threads == 2:  # its own thread count's
+                        ref = torch.cat(
+                            [linear(xs[i : i + 1], w, tiling=tiling) for i in range(at, at + rows)]
+                        )
+                    assert torch.equal(y[:rows], ref), (n, k, m, at, threads)
+            finally:
+                torch.set_num_threads(1)
 
 
 def _attend(kernel, q, kc, vc, table, rows, ctx, fixed, threads, window=None):
@@ -321,3 +334,22 @@ def test_a_prefill_decode_pair_must_agree_on_the_mode() -> None:
         plain.check_fits(layout, "bfloat16", deterministic=True)
     with pytest.raises(ValueError, match=r"send\.deterministic"):
         KVHandle.from_dict({**h.as_dict(), "deterministic": "yes"})
+
+
+def test_a_fp32_pair_must_agree_on_threads() -> None:
+    """fp32 matmuls depend on the thread count even on fixed row tiles (bf16's do not):
+    a deterministic fp32 pair at different thread counts fails the request, naming it."""
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
+    layout = (30, 2, 16, 3, 64)
+    for dtype in ("float32", "bfloat16"):
+        h = KVHandle(
+            "shm", new_transfer_id(), "", 0, 20, 2, layout, dtype, deterministic=True, threads=2
+        )
+        assert KVHandle.from_dict(h.as_dict()) == h
+        h.check_fits(layout, dtype, True, 2)
+        if dtype == "float32":
+            with pytest.raises(TransferError, match=r"send\.threads"):
+                h.check_fits(layout, dtype, True, 1)
+        else:
+            h.check_fits(layout, dtype, True, 1)

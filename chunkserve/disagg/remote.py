@@ -130,10 +130,12 @@ class RemotePrefills(TransferEnd):
         scheduler,
         block_size: int,
         deterministic: bool = False,
+        threads: int = 0,
     ) -> None:
         super().__init__()
         self.connectors = connectors
         self.deterministic = deterministic  # the prefill side must run the mode too
+        self.threads = threads  # and, in fp32, at these threads
         self.worker = worker
         self.scheduler = scheduler
         self.block_size = block_size
@@ -160,7 +162,7 @@ class RemotePrefills(TransferEnd):
             num_blocks = -(-(end - first) // bs)
             handle = KVHandle(
                 "shm", new_transfer_id(), "", first, end, num_blocks, self.layout, self.dtype,
-                deterministic=self.deterministic,
+                deterministic=self.deterministic, threads=self.threads,
             )  # fmt: skip
             url = r.prefill_url
             assert url is not None

@@ -262,19 +262,21 @@ class RowTiling(NamedTuple):
     batch it is in: the rows padded with zeros to a multiple of ``multiple`` and multiplied
     in slices of at most ``most`` rows (a multiple of ``multiple``).
 
-    Why: oneDNN picks its kernel and blocking by the number of rows M; on this CPU
-    (measured: ``benchmarks/deterministic.py``'s notes) a row's bf16 result differs between
-    M = 1, 33, 100 and 2,048 even though row 0's does not, and an fp32 row differs between M =
-    1, 2-15 and 16 and more (at 2 threads also 57-129 for the down projection). Slices whose
-    row counts are multiples of 64 up to 256 computed every row the same as a 64-row call,
-    in both dtypes, at 1 and 2 threads, for every weight shape of the embedded model
-    (including its 49,152-row LM head)."""
+    Why: oneDNN picks its kernel and blocking by the number of rows M (and the threads); on
+    this CPU a row's bf16 result differs between M = 1, 33, 100 and 2,048 even though row 0's
+    does not, and an fp32 row between M = 1, 2-15 and 16 or more. Calls of exactly 64 rows
+    computed every row the same, at any position, for every weight shape of the embedded
+    model (its 49,152-row LM head too), at 1 and at 2 threads, and bf16's the same at 1 and
+    2 threads. Larger slices are not safe: at 2 threads, 256-row slices of the down
+    projection (K = 1,536) differ from 64-row calls. fp32's down projection also differs
+    between 1 and 2 threads (even in 64-row calls): fp32 results depend on the thread
+    count."""
 
     multiple: int
     most: int
 
 
-DETERMINISTIC_TILING = RowTiling(multiple=64, most=256)
+DETERMINISTIC_TILING = RowTiling(multiple=64, most=64)
 
 
 def linear(
