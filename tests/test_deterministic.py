@@ -238,6 +238,38 @@ def test_mode_is_needed(target) -> None:
     assert any(c != reference for c in cases)
 
 
+def test_data_parallel_2(alone, target) -> None:
+    """Two engine-core processes (``--data-parallel-size 2``) in the mode, the target sent
+    alone and then among 9 others spread over both cores: the in-process engine's result."""
+    from chunkserve.config import EngineConfig
+    from chunkserve.engine.multiprocess_engine import MultiprocessEngine
+
+    config = EngineConfig.from_kwargs(
+        dtype="bfloat16", max_model_len=512, kv_cache_memory=48 << 20, num_threads=1,
+        deterministic=True, max_num_batched_tokens=16,
+    )  # fmt: skip
+    engine = MultiprocessEngine(config, data_parallel_size=2)
+    try:
+        got = []
+        for batch in ([target], [*others(4), target, *others(9)[4:]]):
+            params = SamplingParams(
+                max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=2
+            )
+            ids = [engine.add_request(p, params) for p in batch]
+            cores = {engine.core_of(i) for i in ids}
+            results = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+                        results[out.request_id] = (out.token_ids, lps)
+            got.append(results[ids[batch.index(target)]])
+        assert cores == {0, 1}  # the second batch was spread over both cores
+        assert got == [alone("bfloat16")] * 2
+    finally:
+        engine.shutdown()
+
+
 # ---- the parts ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
