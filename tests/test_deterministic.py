@@ -270,6 +270,40 @@ def test_data_parallel_2(alone, target) -> None:
         engine.shutdown()
 
 
+def test_prefill_decode_pair_behind_the_router_equals_colocated() -> None:
+    """A prefill and a decode instance behind the router, both in the mode, bf16 (prefill
+    budget 64, decode budget 16): the same text and logprobs as the decode instance gives
+    the same request colocated (no prefix caching: the colocated run recomputes it)."""
+    import httpx
+
+    from tests.test_disaggregation import Router
+    from tests.test_server import MODEL, Server
+
+    common = ("--deterministic", "--dtype", "bfloat16", "--num-threads", "1")
+    prefill = Server("--disaggregation-mode", "prefill", *common)
+    decode = Server(
+        "--disaggregation-mode", "decode", "--max-num-batched-tokens", "16", *common
+    )  # fmt: skip
+    router = None
+    try:
+        router = Router("--prefill", prefill.base, "--decode", decode.base)
+        for prompt in (TARGET_TEXT, "Write a haiku about rain. " * 6):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+            body["logprobs"] = 2
+            routed = httpx.post(router.base + "/v1/completions", json=body, timeout=300)
+            local = httpx.post(decode.base + "/v1/completions", json=body, timeout=300)
+            assert routed.status_code == local.status_code == 200, (routed.text, local.text)
+            a, b = routed.json()["choices"][0], local.json()["choices"][0]
+            assert (a["text"], a["logprobs"]) == (b["text"], b["logprobs"])
+        sent = prefill.metrics().get("chunkserve:kv_transfer_bytes_count", 0)
+        assert sent == 2  # both prompts were computed on the prefill instance
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+        prefill.stop()
+
+
 # ---- the parts ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
