@@ -211,6 +211,18 @@ def test_seeded_sampling(engines, target, dtype) -> None:
     assert batched == alone_run
 
 
+def test_structured_outputs(engines, target) -> None:
+    """A regex-constrained request (its mask applied to its own row) alone and beside 5
+    others: the same tokens and logprobs."""
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, logprobs=2, structured_outputs={"regex": "[a-z ]{3,30}"}
+    )
+    alone_run = run(engines("bfloat16", "off"), [target], params=params)
+    batched = run(engines("bfloat16", "16"), [*others(5), target], at=5, params=params)
+    assert batched == alone_run
+    assert alone_run[0]
+
+
 def test_another_thread_count(alone, target) -> None:
     """An instance at 2 threads (a data-parallel replica or a decode instance may run another
     ``--num-threads``) gives the 1-thread instance's bf16 results."""
