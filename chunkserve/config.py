@@ -878,6 +878,21 @@ class EngineConfig:
     """torch intra-op threads on CPU; default: torch's choice."""
     attention_backend: str = _flag("auto", choices=ATTENTION_BACKENDS)
     """auto: triton on CUDA when Triton is installed, else torch (the reference)."""
+    deterministic: bool = _flag(
+        False,
+        "batch-invariant kernels: a request's tokens and logprobs do not depend on its batch, "
+        "chunking, cached prefix, preemption or speculation (CPU, the C attention kernel)",
+    )
+    """Deterministic inference: every op computes a row the same way whatever the batch, so
+    a request gets bitwise-identical token ids and logprobs (in bf16 as in fp32) however it
+    is batched, chunked, cached, preempted or speculated (in bf16 at any ``num_threads``;
+    fp32 matmuls depend on the thread count, so a prefill/decode pair must run the same):
+    the matmuls run on fixed 64-row tiles (``model.layers.RowTiling``) and every attention
+    row in the C kernel's tile path over key ranges aligned on fixed blocks
+    (``cpu_kernels``).
+    CPU only, with the ``cpu`` attention backend (a clear error otherwise). Tensor parallel
+    is not covered: a row's sum over ranks is a different reduction from the unsharded one
+    (the same tensor-parallel size gives the same results)."""
     load_format: str = _flag(
         "auto",
         "dummy: random weights of the model's shapes (benchmarks; no weight files needed)",

@@ -27,12 +27,20 @@ def get_attention_backend(
     head_dim: int,
     dtype: torch.dtype = torch.float32,
     block_size: int = 16,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """Return the backend called ``name``; optional kernels are imported lazily here.
     ``auto``: triton on CUDA when Triton is installed; on a CPU the C kernel's backend when
     it builds here and takes the dtype, block size and head size, else the torch reference."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if deterministic:  # only the C kernel reduces every row the same way whatever the batch
+        if device.type != "cpu" or name not in ("auto", "cpu"):
+            raise ValueError(
+                f"deterministic: needs the 'cpu' attention backend on a CPU (batch-invariant "
+                f"attention is the C kernel's); got attention_backend {name!r} on {device}"
+            )
+        name = "cpu"
     if name == "auto":
         if device.type == "cuda":
             name = "triton" if triton_usable(device) else "torch"
@@ -57,10 +65,13 @@ def get_attention_backend(
                 f"{cpu_kernels.MAX_BLOCK_SIZE} and head_dim <= {cpu_kernels.MAX_HEAD_DIM} on "
                 f"a CPU; got {dtype}, {block_size}, {head_dim} on {device}"
             )
-            raise ValueError(f"attention_backend: 'cpu' is not usable here: {why}")
+            field = "deterministic: needs" if deterministic else "attention_backend:"
+            raise ValueError(f"{field} 'cpu' is not usable here: {why}")
         from chunkserve.attention.cpu_paged import CpuAttentionBackend
 
-        return CpuAttentionBackend(num_heads, num_kv_heads, head_dim, kernel, dtype)
+        return CpuAttentionBackend(
+            num_heads, num_kv_heads, head_dim, kernel, dtype, deterministic=deterministic
+        )
     from chunkserve.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)

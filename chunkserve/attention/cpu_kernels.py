@@ -60,7 +60,7 @@ class PagedAttentionKernel:
         fn = lib.paged_attention
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64]
-        fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, i64]
+        fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, i64, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
         lib.paged_attention_bf16_tiles.restype = ctypes.c_int
@@ -82,6 +82,7 @@ class PagedAttentionKernel:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        fixed_range: int = 0,
     ) -> None:
         """Rows ``q_start[s] .. q_start[s] + q_len[s] - 1`` of ``q`` [T, H, D] attend to the
         first ``ctx_lens[s]`` keys of sequence ``s`` (row j sees ``ctx - q_len + 1 + j``, or
@@ -89,7 +90,10 @@ class PagedAttentionKernel:
         result goes to the same rows of ``out``. Scores are ``scale * q . k``, soft-capped to
         ``softcap * tanh(s / softcap)`` when one is given. ``sinks`` (fp32 [H]): attention
         sinks, one logit per query head added to every row's softmax denominator. Every
-        tensor contiguous, on the CPU; the index tensors int64."""
+        tensor contiguous, on the CPU; the index tensors int64. ``fixed_range`` F > 0:
+        batch-invariant (the deterministic mode): every run of rows on the tile path, a
+        sequence's blocks reduced in ranges of F aligned on multiples of F, whatever the
+        batch or the thread count."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if sinks is not None and (
             sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1
@@ -119,6 +123,7 @@ class PagedAttentionKernel:
             softcap or 0.0,
             None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
+            fixed_range,
         )
         if rc:  # the backend only sends what the kernel takes: a bug, not a fallback
             raise RuntimeError(f"paged_attention kernel refused its arguments (code {rc})")

@@ -37,6 +37,9 @@ from chunkserve.attention.torch_ref import TorchAttentionBackend, _Opts, _TorchM
 # widened, on other CPUs) up to 32.
 KERNEL_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
 BF16_TILES_MAX_ROWS = 128
+# The deterministic mode: every row of every step (first chunks too) goes to the kernel, its
+# keys reduced in ranges of this many blocks aligned on multiples of it (``cpu_kernels``).
+DETERMINISTIC_RANGE_BLOCKS = 32
 
 
 @dataclass
@@ -64,12 +67,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
         head_dim: int,
         kernel: PagedAttentionKernel,
         dtype: torch.dtype,
+        *,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
         self.kernel_max_rows = KERNEL_MAX_ROWS[dtype]
         if dtype == torch.bfloat16 and kernel.bf16_tiles:
             self.kernel_max_rows = BF16_TILES_MAX_ROWS
+        # Deterministic: a row is attended the same way as a decode, a draft, a chunk's row
+        # or a whole prompt's, whatever the chunk boundaries, cached prefix or thread count.
+        self.fixed_range = DETERMINISTIC_RANGE_BLOCKS if deterministic else 0
+        if deterministic:
+            self.kernel_max_rows = None
+
+    def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
+        """Deterministic: every prefill chunk to the kernel (first chunks' keys are in the
+        cache too: ``write_kv`` runs first)."""
+        if not self.fixed_range:
+            return super()._prepare_prefills(layout, meta)
+        return list(range(layout.num_prefill_seqs))
 
     def supports(self, spec: AttentionSpec | None) -> str | None:
         """Every scale, window, soft-cap and attention sinks (the kernel takes them on all
@@ -136,4 +153,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             opts.window,
             opts.softcap,
             None if sinks is None else sinks.contiguous(),
+            self.fixed_range,
         )

@@ -76,6 +76,8 @@ class KVHandle:
     dtype: str
     seq: int = 0  # torch: the transfer's number on its pair of instances
     pair: str = ""  # torch: the pair's key in the store (a new one after a failure)
+    deterministic: bool = False  # the decode side runs the deterministic mode
+    threads: int = 0  # its torch threads (0: not said)
     windows: tuple[int | None, ...] = (None,)  # the KV groups' windows (None: full)
 
     def plan(self) -> list[tuple[int, int]]:
@@ -109,7 +111,7 @@ class KVHandle:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: not a field of a KV handle")
-        missing = sorted(fields - {"seq", "pair", "windows"} - set(d))
+        missing = sorted(fields - {"seq", "pair", "windows", "deterministic", "threads"} - set(d))
         if missing:
             raise ValueError(f"{name}.{missing[0]}: missing")
 
@@ -149,14 +151,24 @@ class KVHandle:
         blocks = len(transfer_plan(d["first_token"], d["num_tokens"], windows, bs))
         need(d["num_blocks"] == blocks, "num_blocks", f"must be {blocks}")
         need(is_int(d.get("seq", 0)), "seq", "an integer >= 0")
+        need(isinstance(d.get("deterministic", False), bool), "deterministic", "a boolean")
+        need(is_int(d.get("threads", 0)) and d.get("threads", 0) < 1 << 16, "threads", ">= 0")
         need(isinstance(d.get("pair", ""), str) and len(d.get("pair", "")) <= 128, "pair", "str")
         return cls(**{**d, "layout": tuple(layout), "windows": windows})
 
     def check_fits(
-        self, layout: tuple[int, ...], dtype: str, windows: tuple[int | None, ...] = (None,)
+        self,
+        layout: tuple[int, ...],
+        dtype: str,
+        windows: tuple[int | None, ...] = (None,),
+        deterministic: bool = False,
+        threads: int = 0,
     ) -> None:
         """``TransferError`` unless this instance's KV blocks have the handle's layout and
-        KV groups."""
+        KV groups, and it runs the deterministic mode exactly when the decode side does
+        (else the KV it computes, and so the decode side's tokens, would depend on this
+        side's batches), at the decode side's thread count in fp32 (fp32 matmuls there
+        depend on it; bf16's do not: ``model.layers.RowTiling``)."""
         if tuple(self.layout) != tuple(layout) or self.dtype != dtype:
             raise TransferError(
                 f"kv_transfer_params.send: the decode instance's KV blocks are "
@@ -168,6 +180,18 @@ class KVHandle:
                 f"kv_transfer_params.send.windows: the decode instance's KV groups have "
                 f"windows {list(self.windows)}, this instance's {list(windows)} (the same "
                 f"model and --hybrid-kv-cache setting on both sides)"
+            )
+        if self.deterministic != deterministic:
+            raise TransferError(
+                f"kv_transfer_params.send.deterministic: the decode instance runs with "
+                f"deterministic={self.deterministic}, this prefill instance with "
+                f"deterministic={deterministic} (run both with --deterministic, or neither)"
+            )
+        if deterministic and dtype == "float32" and self.threads and threads != self.threads:
+            raise TransferError(
+                f"kv_transfer_params.send.threads: the decode instance runs {self.threads} "
+                f"threads, this prefill instance {threads}; deterministic fp32 results depend "
+                f"on the thread count (run both with the same --num-threads, or bf16)"
             )
 
 

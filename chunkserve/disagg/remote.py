@@ -128,9 +128,19 @@ async def _ask(client: httpx.AsyncClient, url: str, body: dict) -> None:
 class RemotePrefills(TransferEnd):
     """The transfers of the requests waiting for their KV (see the module doc)."""
 
-    def __init__(self, connectors: Connectors, worker, scheduler, block_size: int) -> None:
+    def __init__(
+        self,
+        connectors: Connectors,
+        worker,
+        scheduler,
+        block_size: int,
+        deterministic: bool = False,
+        threads: int = 0,
+    ) -> None:
         super().__init__()
         self.connectors = connectors
+        self.deterministic = deterministic  # the prefill side must run the mode too
+        self.threads = threads  # and, in fp32, at these threads
         self.worker = worker
         self.scheduler = scheduler
         self.block_size = block_size
@@ -156,7 +166,7 @@ class RemotePrefills(TransferEnd):
                 continue
             handle = KVHandle(
                 "shm", new_transfer_id(), "", first, end, 0, self.layout, self.dtype,
-                windows=self.windows,
+                windows=self.windows, deterministic=self.deterministic, threads=self.threads,
             )  # fmt: skip
             plan = handle.plan()
             handle = replace(handle, num_blocks=len(plan))

@@ -33,9 +33,18 @@ class _Sending:
 
 
 class KVSender(TransferEnd):
-    def __init__(self, connectors: Connectors, worker, block_size: int) -> None:
+    def __init__(
+        self,
+        connectors: Connectors,
+        worker,
+        block_size: int,
+        deterministic: bool = False,
+        threads: int = 0,
+    ) -> None:
         super().__init__()
         self.connectors = connectors
+        self.deterministic = deterministic  # the decode side must run the mode too
+        self.threads = threads  # and, in fp32, at these threads
         self.worker = worker
         self.block_size = block_size
         self.layout, self.dtype = worker.kv_block_layout()
@@ -47,7 +56,9 @@ class KVSender(TransferEnd):
         fit this instance or its inbox is not there."""
         handle = KVHandle.from_dict(send)
         try:
-            handle.check_fits(self.layout, self.dtype, self.windows)
+            handle.check_fits(
+                self.layout, self.dtype, self.windows, self.deterministic, self.threads
+            )
         except TransferError as exc:
             raise ValueError(str(exc)) from None
         if handle.num_tokens != request.num_prompt_tokens:

@@ -196,12 +196,18 @@ class EngineCore:
             self.connectors = Connectors(
                 config.kv_connector, config.kv_transfer_host, self.worker.device
             )
+            # The deterministic mode's fp32 results depend on the thread count: both sides
+            # of a pair must run the same (``KVHandle.check_fits``).
+            threads = self.worker.num_threads if config.deterministic else 0
             if mode == "decode":
                 self.remote = RemotePrefills(
-                    self.connectors, self.worker, self.scheduler, config.block_size
-                )
+                    self.connectors, self.worker, self.scheduler, config.block_size,
+                    config.deterministic, threads,
+                )  # fmt: skip
             else:
-                self.sender = KVSender(self.connectors, self.worker, config.block_size)
+                self.sender = KVSender(
+                    self.connectors, self.worker, config.block_size, config.deterministic, threads
+                )
         spec = config.speculative_config
         self.speculator = Speculator(spec, max_model_len) if spec else None
         # Structured outputs: grammars compiled off the step loop; the tokenizer is read

@@ -38,6 +38,7 @@ from chunkserve.model.layers import (
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowTiling,
     Target,
     VocabParallelEmbedding,
 )
@@ -279,6 +280,13 @@ class DecoderLM(nn.Module):
         # A step of an MoE model asks the host how many tokens each expert got (its loop
         # over experts), which a CUDA graph cannot capture.
         self.supports_cuda_graphs = config.num_experts == 0
+
+    def set_row_tiling(self, tiling: RowTiling | None) -> None:
+        """Every matmul of the model (projections, MLPs, experts, the LM head) batch-invariant
+        with ``tiling`` (the deterministic mode; ``layers.RowTiling``), or plain (None)."""
+        for module in self.modules():
+            if hasattr(module, "tiling"):
+                module.tiling = tiling
 
     @classmethod
     def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout:

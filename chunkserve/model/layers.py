@@ -262,6 +262,51 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 assert set(ACTIVATIONS) == set(HIDDEN_ACTS)
 
 
+# ---- batch-invariant matmuls (the deterministic mode) --------------------------------------
+class RowTiling(NamedTuple):
+    """How the deterministic mode runs a matmul so that a row's result does not depend on the
+    batch it is in: the rows padded with zeros to a multiple of ``multiple`` and multiplied
+    in slices of at most ``most`` rows (a multiple of ``multiple``).
+
+    Why: oneDNN picks its kernel and blocking by the number of rows M (and the threads); on
+    this CPU a row's bf16 result differs between M = 1, 33, 100 and 2,048 even though row 0's
+    does not, and an fp32 row between M = 1, 2-15 and 16 or more. Calls of exactly 64 rows
+    computed every row the same, at any position, for every weight shape of the embedded
+    model (its 49,152-row LM head too), at 1 and at 2 threads, and bf16's the same at 1 and
+    2 threads. Larger slices are not safe: at 2 threads, 256-row slices of the down
+    projection (K = 1,536) differ from 64-row calls. fp32's down projection also differs
+    between 1 and 2 threads (even in 64-row calls): fp32 results depend on the thread
+    count."""
+
+    multiple: int
+    most: int
+
+
+DETERMINISTIC_TILING = RowTiling(multiple=64, most=64)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiling: RowTiling | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over x's rows [T, in]; with ``tiling`` batch-invariant
+    (see ``RowTiling``)."""
+    if tiling is None:
+        return F.linear(x, weight, bias)
+    t = x.shape[0]
+    padded = -(-t // tiling.multiple) * tiling.multiple
+    if padded != t:
+        x = torch.cat((x, x.new_zeros(padded - t, x.shape[1])))
+    if padded <= tiling.most:
+        return F.linear(x, weight, bias)[:t]
+    out = x.new_empty(padded, weight.shape[0])
+    for r0 in range(0, padded, tiling.most):
+        out[r0 : r0 + tiling.most] = F.linear(x[r0 : r0 + tiling.most], weight, bias)
+    return out[:t]
+
+
 # ---- parallel linear layers ----------------------------------------------------------------
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's output rows made of parts (fused Q/K/V, gate/up), each a
@@ -283,9 +328,10 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.sizes)
         self.weight = _param(out, in_features, dtype=dtype, device=device)
         self.bias = _param(out, dtype=dtype, device=device) if bias else None
+        self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.tiling)
 
     def targets(self, names: list[str]) -> dict[str, Target]:
         """``names``: each part's checkpoint name without ``.weight`` / ``.bias``."""
@@ -343,9 +389,10 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, cols[1] - cols[0], dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.group = group
+        self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, tiling=self.tiling)
         if self.group is not None:
             y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -418,9 +465,12 @@ class ParallelLMHead(nn.Module):
             if self.tied
             else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
         )
+        self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight).float()  # [S, V], or [S, V / N] on a rank
+        logits = linear(
+            x, self.weight, tiling=self.tiling
+        ).float()  # [S, V], or [S, V / N] on a rank
         if self.group is None:
             return logits
         return self.group.gather_vocab(logits, self.vocab_size)
@@ -473,7 +523,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP over ``x``'s rows; on a CPU in slices of ``MLP_SLICE_ROWS``."""
         t = x.shape[0]
-        if t <= MLP_SLICE_ROWS or x.device.type != "cpu":
+        if t <= MLP_SLICE_ROWS or x.device.type != "cpu" or self.gate_up.tiling is not None:
             return self.down.forward(self._inner(x))
         out = torch.empty_like(x)
         for r0 in range(0, t, MLP_SLICE_ROWS):
@@ -485,7 +535,7 @@ class GatedMLP(nn.Module):
         return out if self.down.bias is None else out + self.down.bias
 
     def _inner(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
+        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
         return self.act(gate) * up
 
     def targets(self, prefix: str, fused: str | None = None) -> dict[str, Target | list[Target]]:
@@ -580,7 +630,7 @@ class Attention(nn.Module):
         attn_meta: object,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        qkv = self.qkv.forward(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)

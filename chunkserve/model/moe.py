@@ -48,12 +48,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import ShardPlan
-from chunkserve.model.layers import ACTIVATIONS, Target, _param
+from chunkserve.model.layers import ACTIVATIONS, RowTiling, Target, _param, linear
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
@@ -171,13 +170,15 @@ def grouped_experts(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    tiling: RowTiling | None = None,
 ) -> torch.Tensor:
     """sum over each token's choices c of ``weights[t, c] * expert_{ids[t, c]}(x[t])`` for
     the experts held here (``w13`` [E_local, 2 * I, H], ``w2`` [E_local, H, I]: experts
     ``first_expert`` .. ``first_expert + E_local - 1``); choices of other experts add
     nothing (another rank's). ``b13`` [E_local, 2 * I] / ``b2`` [E_local, H]: the experts'
     biases (GPT-OSS), or None; ``glu(gate, up)``: the gate (default ``act(gate) * up``).
-    [T, H] in ``x``'s dtype."""
+    [T, H] in ``x``'s dtype. ``tiling``: the deterministic mode's batch-invariant matmuls
+    (``layers.RowTiling``)."""
     t, k = ids.shape
     num_local = w13.shape[0]
     out = torch.zeros_like(x)
@@ -200,11 +201,10 @@ def grouped_experts(
     for e, n in enumerate(local):
         if n == 0:
             continue
-        gate, up = F.linear(rows[r : r + n], w13[e], None if b13 is None else b13[e]).chunk(
-            2, dim=-1
-        )
+        b13_e = None if b13 is None else b13[e]
+        gate, up = linear(rows[r : r + n], w13[e], b13_e, tiling=tiling).chunk(2, dim=-1)
         h = act(gate) * up if glu is None else glu(gate, up)
-        y[r : r + n] = F.linear(h, w2[e], None if b2 is None else b2[e])
+        y[r : r + n] = linear(h, w2[e], None if b2 is None else b2[e], tiling=tiling)
         r += n
     y.mul_(weights.reshape(-1).index_select(0, slots).to(y.dtype)[:, None])
     return out.index_add_(0, tokens, y)
@@ -333,11 +333,12 @@ class SparseMoE(nn.Module):
             self.groups = (1, 1)
         self.routed_scaling = config.routed_scaling_factor
         self.group = group
+        self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choice for each row of ``x``: (weights [T, top_k] fp32, expert ids
         [T, top_k]), the largest first (seen and biased by a ``RoutingTap`` when one is on)."""
-        logits = F.linear(x, self.router, self.router_bias)
+        logits = linear(x, self.router, self.router_bias, tiling=self.tiling)
         tap = _tap
         if tap is not None:
             logits = tap.bias(logits)
@@ -354,18 +355,19 @@ class SparseMoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tiling = self.tiling
         weights, ids = self.select(x)
         out = grouped_experts(
             x, self.w13, self.w2, weights, ids, self.act, self.experts[0],
-            b13=self.b13, b2=self.b2, glu=self.glu,
+            b13=self.b13, b2=self.b2, glu=self.glu, tiling=tiling,
         )  # fmt: skip
         if self.shared_w13 is not None:
-            gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)
-            shared = F.linear(self.act(gate) * up, self.shared_w2)
+            gate, up = linear(x, self.shared_w13, tiling=tiling).chunk(2, dim=-1)
+            shared = linear(self.act(gate) * up, self.shared_w2, tiling=tiling)
             if self.shared_gate is None:  # DeepSeek's shared experts: ungated
                 out = out + shared
             else:
-                out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+                out = out + torch.sigmoid(linear(x, self.shared_gate, tiling=tiling)) * shared
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out

@@ -50,6 +50,7 @@ from chunkserve.distributed.launch import (
 )
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
+from chunkserve.model.layers import DETERMINISTIC_TILING
 from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
 from chunkserve.model.registry import (
     CausalLM,
@@ -314,6 +315,7 @@ class Worker:
                 head_dim,
                 self.dtype,
                 self.block_size,
+                deterministic=config.deterministic,
             )
         except ValueError as exc:
             if not latent:
@@ -334,7 +336,7 @@ class Worker:
             )
             self.attention = get_attention_backend(
                 "torch", self.device, self.shard.num_heads, kv_heads, head_dim,
-                self.dtype, self.block_size,
+                self.dtype, self.block_size, deterministic=config.deterministic,
             )  # fmt: skip
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
@@ -351,6 +353,8 @@ class Worker:
         else:
             self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
         self.load_time = time.perf_counter() - t0
+        if config.deterministic:
+            self.model.set_row_tiling(DETERMINISTIC_TILING)
         if self.device.type == "cpu":
             released = release_free_heap()  # the loader's freed buffers
             logger.debug("released %.0f MiB of free heap after loading", released / 2**20)

@@ -551,8 +551,8 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
 static int run_item(const void *q, const void *kc, const void *vc, int dtype,
                      const int64_t *table, int64_t r, int64_t q0, int64_t ctx, int64_t H,
                      int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
-                     float scale, int64_t window, float cap, float *restrict qf, stat_t *st,
-                     float *restrict acc) {
+                     float scale, int64_t window, float cap, int tiles_always,
+                     float *restrict qf, stat_t *st, float *restrict acc) {
     const int64_t G = H / Hkv, rows = r * H, esize = dtype ? 2 : 4;
     /* else the scalar loops */
     const int vector = (D == 64 || D == 128 || D == 256) && bs <= 16;
@@ -565,7 +565,7 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
         st[i].l = 0.f;
     }
     memset(acc, 0, sizeof(float) * rows * D);
-    if (vector && r * G >= TILE_MIN_ROWS)
+    if (vector && (tiles_always || r * G >= TILE_MIN_ROWS))
         return run_item_tiled((const char *)q + q0 * H * D * esize, kc, vc, dtype, table, r,
                               ctx, H, Hkv, D, bs, blk0, blk1, scale, window, cap, qf, st, acc);
     const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
@@ -650,11 +650,19 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
                     const int64_t *tables, int64_t table_stride, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *ctx_lens, int64_t num_seqs,
                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                    int64_t window, float softcap, const float *sinks, int64_t num_threads) {
+                    int64_t window, float softcap, const float *sinks, int64_t num_threads,
+                    int64_t fixed_range) {
     if (bs > MAX_BLOCK || D > MAX_DIM || Hkv <= 0 || H % Hkv || (dtype != 0 && dtype != 1) ||
         window < 0 || !(softcap >= 0.f))
         return 1;
     if (num_seqs == 0) return 0;
+    /* fixed_range F > 0 (deterministic mode): every query row is computed the same way
+     * whatever the batch, the chunk it is in, the cached prefix or the thread count: the
+     * tile path for every run of rows (a lane's arithmetic depends only on its own row; a
+     * block wholly outside a lane's keys leaves it exactly as it was: scores -inf, factor
+     * exp16(0) = 1), and a sequence's blocks split into ranges aligned on multiples of F
+     * (absolute block indices), merged in order; a range where a row sees no key adds
+     * nothing to its merge. Else: */
     /* Work items: a sequence's blocks (from the first its windows reach) split into ranges
      * (of 8 blocks at least) by its share of the work (rows x blocks), about 4 items per
      * thread in all, so a long prompt's chunk beside a few decodes, or a lone long decode,
@@ -681,6 +689,8 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
         const int64_t nb = (ctx_lens[s] + bs - 1) / bs - blk_lo[s], most = (nb + 7) / 8;
         const int64_t n = (q_len[s] * nb + share - 1) / share;
         split[s] = n < 1 ? 1 : (n > most ? most : n);
+        if (fixed_range > 0) /* the aligned ranges its blocks touch */
+            split[s] = (blk_lo[s] + nb - 1) / fixed_range - blk_lo[s] / fixed_range + 1;
         first[s + 1] = first[s] + split[s];
         rows0[s + 1] = rows0[s] + q_len[s] * H;
     }
@@ -708,7 +718,12 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
             const int64_t s = item_seq[it], part = it - first[s], splits = split[s];
             const int64_t nb = (ctx_lens[s] + bs - 1) / bs, from = blk_lo[s];
             const int64_t per = (nb - from + splits - 1) / splits;
-            const int64_t b0 = from + part * per, b1 = b0 + per < nb ? b0 + per : nb;
+            int64_t b0 = from + part * per, b1 = b0 + per < nb ? b0 + per : nb;
+            if (fixed_range > 0) { /* aligned range from / F + part, cut to [from, nb) */
+                const int64_t a = (from / fixed_range + part) * fixed_range;
+                b0 = a > from ? a : from;
+                b1 = a + fixed_range < nb ? a + fixed_range : nb;
+            }
             stat_t *ist = st + base[it];
             if (b0 >= b1) {
                 for (int64_t i = 0; i < q_len[s] * H; i++) {
@@ -719,6 +734,7 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
             }
             if (run_item(q, kc, vc, dtype, tables + s * table_stride, q_len[s], q_start[s],
                          ctx_lens[s], H, Hkv, D, bs, b0, b1, scale, window, softcap,
+                         fixed_range > 0,
                          qf + base[it] * D, ist, acc + base[it] * D)) {
 #pragma omp atomic write
                 failed = 1;

@@ -1,0 +1,433 @@
+"""The deterministic mode (``deterministic=True``, issue 42): a request's token ids and
+logprobs are bitwise the same alone or beside 1, 5 or 37 others, under every budget (16, 64,
+512, adaptive, chunking off), after a prefix-cache hit, when preempted and recomputed, with
+n-gram speculation and at another thread count, in bf16 and fp32; seeded sampling too. And
+the mode is needed: without it, bf16 results change with the batch on this CPU.
+
+Engines are shared per setting (``engines``, module-scoped); prompts and outputs are short.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chunkserve.attention import cpu_kernels
+from chunkserve.engine.engine import Engine
+from chunkserve.model.layers import DETERMINISTIC_TILING, linear
+from chunkserve.scheduling.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_in_use, random_prompt
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason=f"the C attention kernel: {cpu_kernels.load_error()}"
+)
+
+MAX_TOKENS = 3
+TARGET_TEXT = (
+    "def fibonacci(n):\n    # return the n-th Fibonacci number, iteratively, with two running"
+    " values a and b that start at zero and one and move one step along the sequence"
+)
+BUDGETS = {
+    "16": {"max_num_batched_tokens": 16},
+    "64": {"max_num_batched_tokens": 64},
+    "512": {"max_num_batched_tokens": 512},
+    "adaptive": {},
+    "off": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
+}
+Result = tuple[list[int], list]
+
+
+def others(n: int) -> list[list[int]]:
+    """``n`` prompts of mixed lengths (2 to 40 tokens)."""
+    rng = random.Random(42)
+    return [random_prompt(rng, rng.choice([2, 3, 5, 9, 14, 20, 40])) for _ in range(n)]
+
+
+def run(
+    engine: Engine,
+    prompts: list[list[int]],
+    at: int = 0,
+    params: SamplingParams | None = None,
+    max_tokens: int = MAX_TOKENS,
+    cached: list[int] | None = None,
+) -> Result:
+    """The result (token ids, logprobs with their top-2) of ``prompts[at]``, the prompts
+    added two at a time every other step (so chunks, decodes and arrivals mix); its
+    prompt tokens taken from the prefix cache appended to ``cached``."""
+    params = params or SamplingParams(
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=2
+    )
+    pending, ids, results, step = list(prompts), [], {}, 0
+    while engine.has_unfinished() or pending:
+        if pending and step % 2 == 0:
+            for _ in range(min(2, len(pending))):
+                ids.append(engine.add_request(pending.pop(0), params))
+        for out in engine.step():
+            if out.finished:
+                lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+                results[out.request_id] = (out.token_ids, lps)
+                if cached is not None and out.request_id == ids[at]:
+                    cached.append(out.num_cached_tokens)
+        step += 1
+    assert_no_blocks_in_use(engine)
+    return results[ids[at]]
+
+
+def make(dtype: str, deterministic: bool = True, **kwargs) -> Engine:
+    base = dict(
+        dtype=dtype,
+        max_model_len=512,
+        kv_cache_memory=48 << 20,
+        num_threads=1,
+        deterministic=deterministic,
+    )
+    return Engine(**(base | kwargs))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Engines by (dtype, budget name), built on first use; the last few kept (memory)."""
+    made: dict[tuple[str, str], Engine] = {}
+
+    def get(dtype: str, budget: str) -> Engine:
+        key = (dtype, budget)
+        if key not in made:
+            while len(made) >= 3:
+                made.pop(next(iter(made)))
+            made[key] = make(dtype, **BUDGETS[budget])
+        made[key] = made.pop(key)  # most recently used last
+        return made[key]
+
+    yield get
+    made.clear()
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target(engines) -> list[int]:
+    return engines("float32", "off").tokenizer.encode(TARGET_TEXT)
+
+
+@pytest.fixture(scope="module")
+def alone(engines, target):
+    """The target alone, chunking off, by dtype: the reference of every case."""
+    memo: dict[str, Result] = {}
+
+    def get(dtype: str) -> Result:
+        if dtype not in memo:
+            memo[dtype] = run(engines(dtype, "off"), [target])
+        return memo[dtype]
+
+    return get
+
+
+DTYPES = ["bfloat16", "float32"]
+
+
+# bf16 under every budget; fp32 (batch-invariant on this CPU without the mode but for
+# the kernels' choices by size) under three.
+CASES = [("bfloat16", b) for b in BUDGETS] + [("float32", b) for b in ("16", "512", "off")]
+
+
+@pytest.mark.parametrize(("dtype", "budget"), CASES)
+def test_beside_37_others_under_every_budget(engines, alone, target, dtype, budget) -> None:
+    engine = engines(dtype, budget)
+    steps = []
+    engine.step_listeners.append(steps.append)
+    try:
+        got = run(engine, [*others(20), target, *others(37)[20:]], at=20)
+    finally:
+        engine.step_listeners.remove(steps.append)
+    assert got == alone(dtype)
+    if budget in ("16", "64"):  # the target's prompt was chunked beside other work
+        assert any(s.kind == "mixed" for s in steps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 5])
+def test_beside_a_few_others(engines, alone, target, dtype, n) -> None:
+    engine = engines(dtype, "16")
+    assert run(engine, [*others(n), target], at=n) == alone(dtype)
+    assert run(engine, [target, *others(n)], at=0) == alone(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_cache_hit(engines, alone, target, dtype) -> None:
+    """A request sharing the target's first two blocks runs first: the target starts from
+    cached blocks (a different chunk boundary and a cached prefix) and gets the same."""
+    engine = engines(dtype, "64")
+    assert len(target) > 32
+    run(engine, [target[:32] + random_prompt(random.Random(3), 7)])
+    cached: list[int] = []
+    got = run(engine, [target, *others(3)], cached=cached)
+    assert cached == [32]
+    assert got == alone(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_preemption(alone, target, dtype) -> None:
+    """A pool too small for everyone: requests are preempted and recomputed (as one longer
+    prompt: the prompt and the outputs so far), and the target's tokens stay the same."""
+    size = 2 if dtype == "bfloat16" else 4
+    block = 2 * 30 * 3 * 64 * size * 16  # K+V of 16 tokens over 30 layers
+    engine = make(
+        dtype,
+        kv_cache_memory=13 * block,
+        max_model_len=192,
+        schedule_conservativeness=0.0,
+        max_num_batched_tokens=64,
+    )
+    rng = random.Random(7)
+    prompts = [random_prompt(rng, n) for n in (30, 45, 20, 38)]
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0, logprobs=2)
+    got = run(engine, [*prompts[:2], target, *prompts[2:]], at=2, params=params)
+    assert engine.core.scheduler.num_preemptions > 0
+    reference = run(make(dtype, enable_chunked_prefill=False), [target], params=params)
+    assert got == reference
+    assert got[0][:MAX_TOKENS] == alone(dtype)[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ngram_speculation(engines, dtype) -> None:
+    """A repetitive prompt whose n-gram drafts are accepted (and rejected): the verified
+    tokens and their logprobs are plain decoding's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    engine = make(dtype, speculative_config=spec, max_num_batched_tokens=64)
+    plain = engines(dtype, "64")
+    prompt = plain.tokenizer.encode("one two three four five one two three four five one two")
+    expected = run(plain, [prompt, *others(3)], max_tokens=16)
+    got = run(engine, [prompt, *others(3)], max_tokens=16)
+    assert engine.core.speculator.num_accepted_tokens > 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seeded_sampling(engines, target, dtype) -> None:
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, logprobs=1)
+    alone_run = run(engines(dtype, "off"), [target], params=params)
+    batched = run(engines(dtype, "16"), [*others(5), target], at=5, params=params)
+    assert batched == alone_run
+
+
+def test_structured_outputs(engines, target) -> None:
+    """A regex-constrained request (its mask applied to its own row) alone and beside 5
+    others: the same tokens and logprobs."""
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, logprobs=2, structured_outputs={"regex": "[a-z ]{3,30}"}
+    )
+    alone_run = run(engines("bfloat16", "off"), [target], params=params)
+    batched = run(engines("bfloat16", "16"), [*others(5), target], at=5, params=params)
+    assert batched == alone_run
+    assert alone_run[0]
+
+
+def test_another_thread_count(alone, target) -> None:
+    """An instance at 2 threads (a data-parallel replica or a decode instance may run another
+    ``--num-threads``) gives the 1-thread instance's bf16 results."""
+    try:
+        engine = make("bfloat16", num_threads=2, max_num_batched_tokens=16)
+        assert torch.get_num_threads() == 2
+        assert run(engine, [*others(5), target], at=5) == alone("bfloat16")
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_mode_is_needed(target) -> None:
+    """Without the mode, bf16 results depend on the batch on this CPU (the reason for the
+    mode): the target alone, chunking off, vs beside 5 and 37 others at budget 16."""
+    plain = make("bfloat16", False, enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    reference = run(plain, [target])
+    del plain
+    engine = make("bfloat16", False, max_num_batched_tokens=16)
+    cases = [
+        run(engine, [*others(5), target], at=5),
+        run(engine, [*others(20), target, *others(37)[20:]], at=20),
+    ]
+    if all(c == reference for c in cases):
+        pytest.skip("no case differs without the deterministic mode on this machine")
+    assert any(c != reference for c in cases)
+
+
+def test_data_parallel_2(alone, target) -> None:
+    """Two engine-core processes (``--data-parallel-size 2``) in the mode, the target sent
+    alone and then among 9 others spread over both cores: the in-process engine's result."""
+    from chunkserve.config import EngineConfig
+    from chunkserve.engine.multiprocess_engine import MultiprocessEngine
+
+    config = EngineConfig.from_kwargs(
+        dtype="bfloat16", max_model_len=512, kv_cache_memory=48 << 20, num_threads=1,
+        deterministic=True, max_num_batched_tokens=16,
+    )  # fmt: skip
+    engine = MultiprocessEngine(config, data_parallel_size=2)
+    try:
+        got = []
+        for batch in ([target], [*others(4), target, *others(9)[4:]]):
+            params = SamplingParams(
+                max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=2
+            )
+            ids = [engine.add_request(p, params) for p in batch]
+            cores = {engine.core_of(i) for i in ids}
+            results = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+                        results[out.request_id] = (out.token_ids, lps)
+            got.append(results[ids[batch.index(target)]])
+        assert cores == {0, 1}  # the second batch was spread over both cores
+        assert got == [alone("bfloat16")] * 2
+    finally:
+        engine.shutdown()
+
+
+def test_prefill_decode_pair_behind_the_router_equals_colocated() -> None:
+    """A prefill and a decode instance behind the router, both in the mode, bf16 (prefill
+    budget 64, decode budget 16): the same text and logprobs as the decode instance gives
+    the same request colocated (no prefix caching: the colocated run recomputes it)."""
+    import httpx
+
+    from tests.test_disaggregation import Router
+    from tests.test_server import MODEL, Server
+
+    common = ("--deterministic", "--dtype", "bfloat16", "--num-threads", "1")
+    prefill = Server("--disaggregation-mode", "prefill", *common)
+    decode = Server(
+        "--disaggregation-mode", "decode", "--max-num-batched-tokens", "16", *common
+    )  # fmt: skip
+    router = None
+    try:
+        router = Router("--prefill", prefill.base, "--decode", decode.base)
+        for prompt in (TARGET_TEXT, "Write a haiku about rain. " * 6):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+            body["logprobs"] = 2
+            routed = httpx.post(router.base + "/v1/completions", json=body, timeout=300)
+            local = httpx.post(decode.base + "/v1/completions", json=body, timeout=300)
+            assert routed.status_code == local.status_code == 200, (routed.text, local.text)
+            a, b = routed.json()["choices"][0], local.json()["choices"][0]
+            assert (a["text"], a["logprobs"]) == (b["text"], b["logprobs"])
+        sent = prefill.metrics().get("chunkserve:kv_transfer_bytes_count", 0)
+        assert sent == 2  # both prompts were computed on the prefill instance
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+        prefill.stop()
+
+
+# ---- the parts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
+    """A row of ``linear`` with the deterministic tiling is the same in batches of 1 to
+    2,048 rows, at any position, for the embedded model's weight shapes, at 1 and 2
+    threads; in bf16 also the same at 1 as at 2 threads."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2100, 1536, generator=gen).to(dtype)
+    tiling = DETERMINISTIC_TILING
+    for n, k in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        xs = x[:, :k]
+        alone = torch.cat([linear(xs[i : i + 1], w, tiling=tiling) for i in range(8)])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                for m, at in ((2, 0), (37, 3), (300, 5), (2048, 1)):
+                    if n == 49152 and m > 300:
+                        continue
+                    y = linear(xs[at : at + m], w, tiling=tiling)
+                    rows = min(8 - at, m)
+                    ref = alone[at : at + rows]
+                    if dtype == torch.float32 and threads == 2:  # its own thread count's
+                        ref = torch.cat(
+                            [linear(xs[i : i + 1], w, tiling=tiling) for i in range(at, at + rows)]
+                        )
+                    assert torch.equal(y[:rows], ref), (n, k, m, at, threads)
+            finally:
+                torch.set_num_threads(1)
+
+
+def _attend(kernel, q, kc, vc, table, rows, ctx, fixed, threads, window=None):
+    """Rows ``rows`` (the last ones of a sequence of ``ctx`` keys) attended by the kernel
+    at ``threads`` threads; returns their outputs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty_like(q[:rows])
+        kernel(
+            q[ctx - rows : ctx].contiguous(), kc, vc, out, table,
+            torch.tensor([0]), torch.tensor([rows]), torch.tensor([ctx]),
+            0.125, window, None, fixed_range=fixed,
+        )  # fmt: skip
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype, window) -> None:
+    """The C kernel with a fixed range: the last query row of a 1,100-key sequence is the
+    same computed as a decode, as the last of a 7-row chunk, of a 300-row chunk and of the
+    whole prompt, at 1 and 2 threads (and under a sliding window)."""
+    kernel = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(1)
+    ctx, bs, hkv, h, d = 1100, 16, 3, 9, 64
+    nb = -(-ctx // bs)
+    kc = torch.randn(nb + 1, bs, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(nb + 1, bs, hkv, d, generator=gen).to(dtype)
+    table = torch.randperm(nb, generator=gen)[None, :] + 1
+    q = torch.randn(ctx, h, d, generator=gen).to(dtype)
+    decode = _attend(kernel, q, kc, vc, table, 1, ctx, 32, 1, window)
+    for rows, threads in ((1, 2), (7, 1), (300, 2), (ctx, 1)):
+        got = _attend(kernel, q, kc, vc, table, rows, ctx, 32, threads, window)
+        assert torch.equal(got[-1:], decode), (rows, threads)
+
+
+def test_deterministic_needs_the_cpu_kernel() -> None:
+    with pytest.raises(ValueError, match="deterministic"):
+        Engine(
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory=16 << 20,
+            deterministic=True,
+            attention_backend="torch",
+        )
+
+
+def test_a_prefill_decode_pair_must_agree_on_the_mode() -> None:
+    """The decode side's KV handle says whether it runs the mode; a prefill instance that
+    does not (or does when the decode side does not) fails the request, naming the field."""
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
+    layout = (30, 2, 16, 3, 64)
+    h = KVHandle("shm", new_transfer_id(), "", 0, 20, 2, layout, "bfloat16", deterministic=True)
+    assert KVHandle.from_dict(h.as_dict()) == h
+    h.check_fits(layout, "bfloat16", deterministic=True)
+    with pytest.raises(TransferError, match=r"send\.deterministic"):
+        h.check_fits(layout, "bfloat16", deterministic=False)
+    plain = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != "deterministic"})
+    assert not plain.deterministic  # an older decode side's handle
+    with pytest.raises(TransferError, match=r"send\.deterministic"):
+        plain.check_fits(layout, "bfloat16", deterministic=True)
+    with pytest.raises(ValueError, match=r"send\.deterministic"):
+        KVHandle.from_dict({**h.as_dict(), "deterministic": "yes"})
+
+
+def test_a_fp32_pair_must_agree_on_threads() -> None:
+    """fp32 matmuls depend on the thread count even on fixed row tiles (bf16's do not):
+    a deterministic fp32 pair at different thread counts fails the request, naming it."""
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
+    layout = (30, 2, 16, 3, 64)
+    for dtype in ("float32", "bfloat16"):
+        h = KVHandle(
+            "shm", new_transfer_id(), "", 0, 20, 2, layout, dtype, deterministic=True, threads=2
+        )
+        assert KVHandle.from_dict(h.as_dict()) == h
+        h.check_fits(layout, dtype, deterministic=True, threads=2)
+        if dtype == "float32":
+            with pytest.raises(TransferError, match=r"send\.threads"):
+                h.check_fits(layout, dtype, deterministic=True, threads=1)
+        else:
+            h.check_fits(layout, dtype, deterministic=True, threads=1)
