@@ -371,10 +371,10 @@ def test_the_kernel_missing_or_misplacing_sinks_is_caught(monkeypatch, wrong: st
     call = cpu_kernels.PagedAttentionKernel.__call__
 
     def broken(self, *args):
-        *args, sinks = args  # the backend passes every argument, sinks last
+        *args, sinks, fixed_range = args  # the backend passes every argument, these last
         if sinks is not None:
             sinks = None if wrong == "dropped" else sinks.roll(1).contiguous()
-        return call(self, *args, sinks)
+        return call(self, *args, sinks, fixed_range)
 
     monkeypatch.setattr(cpu_kernels.PagedAttentionKernel, "__call__", broken)
     rng = random.Random(3)
