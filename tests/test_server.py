@@ -447,6 +447,10 @@ def test_auto_tool_choice_content_and_calls_add_up(server: Server) -> None:
         (c.function.name, c.function.arguments) for c in msg.tool_calls or []
     ]
     assert finish == r.choices[0].finish_reason
+    # /tokenize with tools counts the prompt the chat request got (the tools in it).
+    counted = post(server, "/tokenize", json={"messages": ASK, "tools": [WEATHER_TOOL]}).json()
+    plain = post(server, "/tokenize", json={"messages": ASK}).json()
+    assert counted["count"] == r.usage.prompt_tokens > plain["count"]
 
 
 BAD_TOOL_REQUESTS = [

@@ -59,6 +59,7 @@ from chunkserve.entrypoints.openai.tool_parsers import (
 from chunkserve.entrypoints.openai.tool_parsers.forced import ForcedToolParser
 from chunkserve.entrypoints.openai.tools import (
     ToolSpec,
+    check_tools,
     encode_chat_with_tools,
 )
 from chunkserve.version import __version__
@@ -509,7 +510,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             messages = [m.as_template_dict() for m in body.messages]
-            ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
+            spec = check_tools(body.tools, None, None)  # the prompt a chat request would get
+            tools = spec.tools if spec is not None else None
+            ids = encode_chat_with_tools(h.tokenizer, messages, tools, body.add_generation_prompt)
         else:
             ids = h.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

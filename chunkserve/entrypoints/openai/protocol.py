@@ -296,6 +296,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: counted as a chat request's prompt
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
