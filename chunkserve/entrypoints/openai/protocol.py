@@ -8,7 +8,8 @@ on and this server cannot honour (``UNSUPPORTED_FIELDS``, ``best_of`` other than
 fields are type-checked (a wrong type is a 400 naming the field). Extensions follow vLLM's
 names: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``min_tokens``, ``priority``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``stream_options.continuous_usage_stats``.
+``stream_options.continuous_usage_stats``. Chat requests take ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (``tools.py``); ``/v1/completions`` refuses them.
 """
 
 from __future__ import annotations
