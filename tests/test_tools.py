@@ -84,11 +84,58 @@ def test_choices():
     auto = check_tools([WEATHER], None, None)
     assert auto.choice == "auto" and not auto.forced and auto.constraint() is None
     named = check_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, 0)
-    assert named.forced and named.constraint() == WEATHER["function"]["parameters"]
-    required = check_tools([WEATHER], "required", False).constraint()
-    assert required["maxItems"] == 1 and required["minItems"] == 1
-    item = required["items"]["anyOf"][0]["properties"]
-    assert item["name"]["enum"] == ["get_weather"]
+    assert named.forced
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "good", "bad"),
+    [
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            True,
+            ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'],
+            [
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+                '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                "Sure!",
+            ],
+        ),
+        (
+            "required",
+            True,
+            [
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "A"}}\n</tool_call>',
+            ],
+            ["", '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'],
+        ),
+        (
+            "required",
+            False,
+            ['<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'],
+            [
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+            ],
+        ),
+    ],
+)
+def test_forced_grammar_admits_only_calls_to_the_chosen_tools(choice, parallel, good, bad):
+    """The grammar a forced choice makes, run on whole texts: Hermes blocks of a chosen tool
+    with arguments valid against its schema, and nothing else."""
+    import xgrammar
+
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    spec = check_tools([WEATHER, time_tool], choice, parallel)
+    grammar = xgrammar.Grammar.from_ebnf(spec.constraint())
+    from xgrammar.testing import _is_grammar_accept_string
+
+    for text in good:
+        assert _is_grammar_accept_string(grammar, text), text
+    for text in bad:
+        assert not _is_grammar_accept_string(grammar, text), text
 
 
 def test_forced_choice_and_another_constraint_is_400():
@@ -101,7 +148,7 @@ def test_forced_choice_and_another_constraint_is_400():
     with pytest.raises(ValueError, match="^tool_choice:"):
         body.structured()
     body.response_format = None
-    assert json.loads(body.structured().json)["type"] == "array"
+    assert "<tool_call>" in body.structured().grammar
 
 
 def test_history_checks():

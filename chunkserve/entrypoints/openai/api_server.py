@@ -56,7 +56,6 @@ from chunkserve.entrypoints.openai.tool_parsers import (
     collect,
     get_tool_parser,
 )
-from chunkserve.entrypoints.openai.tool_parsers.forced import ForcedToolParser
 from chunkserve.entrypoints.openai.tools import (
     ToolSpec,
     check_tools,
@@ -371,10 +370,9 @@ class _Handler:
         return encode_chat_with_tools(self.tokenizer, messages, tools, body.add_generation_prompt)
 
     def tool_parser(self, spec: ToolSpec) -> ToolParser:
-        """A fresh parser for one reply: forced calls' JSON, or ``--tool-call-parser``."""
-        if spec.forced:
-            return ForcedToolParser(spec.named)
-        return get_tool_parser(self.state.tool_call_parser)()
+        """A fresh parser for one reply: Hermes for forced calls (their grammar writes that
+        format), else ``--tool-call-parser``."""
+        return get_tool_parser("hermes" if spec.forced else self.state.tool_call_parser)()
 
     def submit(self, choices: list[_Choice], base_id: str) -> list[_Submitted]:
         """Queue every choice now, right after ``prepare`` admitted them (no await in

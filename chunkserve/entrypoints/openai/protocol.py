@@ -269,14 +269,11 @@ class ChatCompletionRequest(_SamplingFields):
         """A forced tool choice's constraint, or the request's own (not both)."""
         own = super().structured()
         spec = self.tool_spec()
-        schema = spec.constraint() if spec is not None else None
-        if schema is None:
+        if spec is None or not spec.forced:
             return own
         if own is not None:
-            raise ValueError(
-                f"tool_choice: a forced tool call cannot be combined with {own.origin}"
-            )
-        return StructuredOutputsParams(json=schema, origin="tools")
+            raise ValueError(f"tool_choice: a forced call cannot be combined with {own.origin}")
+        return StructuredOutputsParams(grammar=spec.constraint(), origin="tools")
 
     def resolved_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

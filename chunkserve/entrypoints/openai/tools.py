@@ -15,11 +15,11 @@ and the tool-call history put into the prompt, and the constraint for forced cal
   the tools as a ``<tools>`` block in the system prompt (one is added if the conversation has
   none), calls in the history written as ``<tool_call>`` blocks in the assistant's text, and
   tool results as user turns holding ``<tool_response>`` blocks.
-- Forced calls are valid by construction (structured outputs, as vLLM does): a named function
-  constrains the reply to a JSON object valid against that tool's ``parameters`` (the reply is
-  the call's arguments); ``required`` constrains it to a JSON array of
-  ``{"name", "parameters"}`` objects, one schema per tool (one item when
-  ``parallel_tool_calls`` is false).
+- Forced calls are valid by construction (structured outputs): the reply is constrained to
+  Hermes ``<tool_call>`` blocks whose JSON is ``{"name", "arguments"}`` of one of the chosen
+  tools, its arguments valid against the tool's ``parameters`` (an xgrammar EBNF grammar made
+  from the JSON schema's; one block for a named function or with ``parallel_tool_calls``
+  false). The Hermes parser reads the reply whatever ``--tool-call-parser`` says.
 """
 
 from __future__ import annotations
@@ -46,27 +46,42 @@ class ToolSpec:
     def forced(self) -> bool:
         return self.choice in ("required", "named")
 
-    def constraint(self) -> dict[str, Any] | None:
-        """The JSON schema a forced choice constrains the reply to, else None."""
-        if self.choice == "named":
-            return self.by_name[self.named or ""].get("parameters") or {"type": "object"}
-        if self.choice != "required":
+    def constraint(self) -> str | None:
+        """The EBNF grammar (xgrammar's) a forced choice constrains the reply to, else None:
+        one or more Hermes ``<tool_call>`` blocks (exactly one for a named function or with
+        ``parallel_tool_calls`` false), each ``{"name": ..., "arguments": ...}`` with the
+        arguments valid against that tool's schema. ``ValueError`` naming ``tools`` when
+        xgrammar cannot turn a schema into a grammar."""
+        if not self.forced:
             return None
-        items = [
+        chosen = [t for t in self.tools if self.choice == "required" or t["name"] == self.named]
+        calls = [
             {
                 "type": "object",
                 "properties": {
-                    "name": {"type": "string", "enum": [t["name"]]},
-                    "parameters": t.get("parameters") or {"type": "object"},
+                    "name": {"const": t["name"]},
+                    "arguments": t.get("parameters") or {"type": "object"},
                 },
-                "required": ["name", "parameters"],
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
             }
-            for t in self.tools
+            for t in chosen
         ]
-        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return schema
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        import xgrammar
+
+        try:
+            grammar = str(
+                xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+            )
+        except Exception as exc:  # xgrammar raises RuntimeError for what it cannot convert
+            raise ValueError(f"tools: a schema xgrammar cannot constrain to: {exc}") from None
+        # The schema's rule ``root`` becomes ``tool_call_json`` (its other rules keep their
+        # names, ``root_...``, which do not clash), under a root of Hermes blocks.
+        text = re.sub(r"^root ::=", "tool_call_json ::=", str(grammar), count=1, flags=re.M)
+        block = '("<tool_call>\\n" tool_call_json "\\n</tool_call>")'
+        repeat = "+" if self.choice == "required" and self.parallel else ""
+        return f"{text}\nroot ::= {block}{repeat}\n"
 
 
 def check_tools(
