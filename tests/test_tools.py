@@ -48,6 +48,10 @@ HISTORY = [
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
 ]
 
+DEEP: dict = {"type": "object"}
+for _ in range(70):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
 BAD = [
     (dict(tools=[{"type": "retrieval"}]), "tools[0].type"),
     (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name"),
@@ -60,6 +64,10 @@ BAD = [
         "tools[0].function.parameters",
     ),
     (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name"),
+    (
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": DEEP}}]),
+        "tools[0].function.parameters",
+    ),
     (
         dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "other"}}),
         "tool_choice.function.name",

@@ -30,6 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Deepest nesting of a tool's schema taken (structured outputs' limit: xgrammar's converter
+# recurses, and the grammar of a forced call is built in the API server's process).
+MAX_SCHEMA_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack.extend((x, d + 1) for x in children)
+    return deepest
 
 
 @dataclass
@@ -113,6 +126,10 @@ def check_tools(
         if params is not None:
             if not isinstance(params, dict):
                 raise ValueError(f"{where}.function.parameters: must be a JSON schema object")
+            if _depth(params) > MAX_SCHEMA_DEPTH:
+                raise ValueError(
+                    f"{where}.function.parameters: nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                )
             try:
                 validators.validator_for(params).check_schema(params)
             except exceptions.SchemaError as exc:
