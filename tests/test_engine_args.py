@@ -269,6 +269,7 @@ def test_serve_flags_beside_the_engine() -> None:
         "shutdown_timeout": 30.0,
         "request_timeout": None,
         "max_waiting_requests": None,
+        "tool_call_parser": "hermes",
         "max_request_body_bytes": 32 << 20,
         "core_process": True,
         "data_parallel_size": 1,

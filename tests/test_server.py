@@ -342,6 +342,140 @@ def test_reset_prefix_cache_endpoint(server: Server) -> None:
     assert hits_of_one_request() >= 48
 
 
+# ---- tool calling ---------------------------------------------------------------------------
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["utc_offset"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed_calls(stream) -> tuple[str, list[tuple[str, str, str]], str | None]:
+    """A chat stream's content, calls (id, name, arguments: fragments added up, the name
+    first) and finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.function.name, "the first delta of a call names it"
+                calls[tc.index] = [tc.id, tc.function.name, ""]
+            else:
+                assert tc.id is None and tc.function.name is None
+            calls[tc.index][2] += tc.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_forced_tool_calls_round_trip(server: Server) -> None:
+    """A named function and ``required``, greedy and sampled: arguments valid against the
+    schema, the streamed call equal to the non-streamed one; then the tool's result sent back
+    (the call's id in a ``tool`` message) gets an answer."""
+    import jsonschema
+
+    client = server.client()
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, sampling in (
+        (named, greedy(max_tokens=48)),
+        ("required", greedy(max_tokens=48)),
+        ("required", dict(temperature=1.0, seed=7, max_tokens=64)),
+    ):
+        kw = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=choice, **sampling)
+        r = client.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", msg
+        assert msg.tool_calls and msg.content is None
+        for call in msg.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice is named:
+            assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
+        content, calls, finish = streamed_calls(client.chat.completions.create(**kw, stream=True))
+        assert finish == "tool_calls" and content == ""
+        assert [(n, a) for _, n, a in calls] == [
+            (c.function.name, c.function.arguments) for c in msg.tool_calls
+        ]
+    call = msg.tool_calls[0]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=tools, tool_choice="none", **greedy()
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content
+
+
+def test_auto_tool_choice_content_and_calls_add_up(server: Server) -> None:
+    """``auto`` on a real reply: whatever the model wrote, the streamed content and calls
+    equal the non-streamed ones (a reply without a complete call is content)."""
+    client = server.client()
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], **greedy(max_tokens=40))
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    content, calls, finish = streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert content == (msg.content or "") or (msg.tool_calls and not (msg.content or "").strip())
+    assert [(n, a) for _, n, a in calls] == [
+        (c.function.name, c.function.arguments) for c in msg.tool_calls or []
+    ]
+    assert finish == r.choices[0].finish_reason
+    # /tokenize with tools counts the prompt the chat request got (the tools in it).
+    counted = post(server, "/tokenize", json={"messages": ASK, "tools": [WEATHER_TOOL]}).json()
+    plain = post(server, "/tokenize", json={"messages": ASK}).json()
+    assert counted["count"] == r.usage.prompt_tokens > plain["count"]
+
+
+BAD_TOOL_REQUESTS = [
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+        "tool_choice.function.name",
+    ),
+    ({"tool_choice": "required"}, "tool_choice"),
+    (
+        {"messages": [*ASK, {"role": "tool", "tool_call_id": "call_0", "content": "hi"}]},
+        "messages[1].tool_call_id",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_TOOL_REQUESTS)
+def test_bad_tool_requests_are_400(server: Server, fields: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2, **fields}
+    assert_error(post(server, "/v1/chat/completions", json=body), 400, param)
+
+
 # ---- disconnects ---------------------------------------------------------------------------
 def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     body = {

@@ -307,10 +307,29 @@ class Tokenizer:
             return self.eos_token_id
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    def template_uses(self, variable: str) -> bool:
+        """Whether the chat template reads ``variable`` (e.g. ``tools``)."""
+        if not self.chat_template:
+            return False
+        cache = self.__dict__.setdefault("_template_vars", {})
+        if variable not in cache:
+            from jinja2 import Environment, meta
+            from jinja2.ext import loopcontrols
+
+            try:
+                ast = Environment(extensions=[loopcontrols]).parse(self.chat_template)
+                cache[variable] = variable in meta.find_undeclared_variables(ast)
+            except Exception:  # an extension tag jinja2 alone does not parse
+                cache[variable] = variable in self.chat_template
+        return cache[variable]
+
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         # The template writes BOS where the model wants it (``{{ bos_token }}``) or not at
         # all: encoded without the tokenizer's add-BOS rule, as transformers'
         # apply_chat_template(tokenize=True) does, so BOS is never doubled.

@@ -10,6 +10,7 @@ import signal
 from types import FrameType
 
 from chunkserve.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from chunkserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("chunkserve.server")
 
@@ -50,6 +51,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="answer 503 with Retry-After when this many requests wait",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_PARSERS),
+        help="the format tool calls are read from in a chat reply with tools (default: "
+        "hermes, <tool_call> blocks, which the fallback prompt asks for)",
     )
     p.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 << 20)
     p.add_argument(
@@ -151,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
         request_timeout=args.request_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
     from chunkserve.platform import freeze_startup_heap
 

@@ -50,6 +50,17 @@ from chunkserve.entrypoints.openai.responses import (
     error_response,
     sse_event,
 )
+from chunkserve.entrypoints.openai.tool_parsers import (
+    Event,
+    ToolParser,
+    collect,
+    get_tool_parser,
+)
+from chunkserve.entrypoints.openai.tools import (
+    ToolSpec,
+    check_tools,
+    encode_chat_with_tools,
+)
 from chunkserve.version import __version__
 
 logger = logging.getLogger("chunkserve.server")
@@ -144,6 +155,7 @@ class ServerState:
     metrics: Metrics
     created: int
     request_timeout: float | None = None
+    tool_call_parser: str = "hermes"
 
 
 def build_app(
@@ -153,14 +165,22 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
+    get_tool_parser(tool_call_parser)  # an unknown name fails here, not at the first call
     engine = async_engine.engine
     metrics = Metrics(engine, served_model_name)
     metrics.track_streams(lambda: async_engine.queued_bytes)
     engine.step_listeners.append(metrics.on_step)
     engine.finish_listeners.append(metrics.on_finish)
     state = ServerState(
-        async_engine, served_model_name, api_key, metrics, int(time.time()), request_timeout
+        async_engine,
+        served_model_name,
+        api_key,
+        metrics,
+        int(time.time()),
+        request_timeout,
+        tool_call_parser,
     )
 
     @asynccontextmanager
@@ -343,6 +363,17 @@ class _Handler:
         self.state.engine.check_capacity(len(choices))
         return choices
 
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], body: ChatCompletionRequest, spec: ToolSpec | None
+    ) -> list[int]:
+        tools = spec.tools if spec is not None else None
+        return encode_chat_with_tools(self.tokenizer, messages, tools, body.add_generation_prompt)
+
+    def tool_parser(self, spec: ToolSpec) -> ToolParser:
+        """A fresh parser for one reply: Hermes for forced calls (their grammar writes that
+        format), else ``--tool-call-parser``."""
+        return get_tool_parser("hermes" if spec.forced else self.state.tool_call_parser)()
+
     def submit(self, choices: list[_Choice], base_id: str) -> list[_Submitted]:
         """Queue every choice now, right after ``prepare`` admitted them (no await in
         between): they count against ``--max-waiting-requests`` from here, streaming or
@@ -477,7 +508,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             messages = [m.as_template_dict() for m in body.messages]
-            ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
+            spec = check_tools(body.tools, None, None)  # the prompt a chat request would get
+            tools = spec.tools if spec is not None else None
+            ids = encode_chat_with_tools(h.tokenizer, messages, tools, body.add_generation_prompt)
         else:
             ids = h.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -546,8 +579,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_text(body)
         h.check_model(body.model)
-        messages = [m.as_template_dict() for m in body.messages]
-        ids = h.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        spec = body.tool_spec()
+        ids = h.chat_prompt([m.as_template_dict() for m in body.messages], body, spec)
         prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
         choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -556,20 +589,42 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream_chat(h, body, prompts, choices, submitted, base_id, created, include_usage),
+                _stream_chat(
+                    h, body, prompts, choices, submitted, base_id, created, include_usage, spec
+                ),
                 media_type="text/event-stream",
             )
         finals = await _until_disconnect(request, h.collect(submitted))
-        out_choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": finals[c.index].text},
-                "logprobs": h.chat_logprobs(finals[c.index].logprobs),
-                "finish_reason": finals[c.index].finish_reason,
-                "stop_reason": finals[c.index].stop_reason,
-            }
-            for c in choices
-        ]
+        out_choices = []
+        for c in choices:
+            final = finals[c.index]
+            message: dict[str, Any] = {"role": "assistant", "content": final.text}
+            finish_reason = final.finish_reason
+            if spec is not None:
+                parser = h.tool_parser(spec)
+                result = collect(parser.feed(final.text) + parser.finish())
+                calls = result.tool_calls if spec.parallel else result.tool_calls[:1]
+                if calls:
+                    message["content"] = result.content if result.content.strip() else None
+                    message["tool_calls"] = [
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                        for call in calls
+                    ]
+                    if finish_reason == "stop":
+                        finish_reason = "tool_calls"
+            out_choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": h.chat_logprobs(final.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": final.stop_reason,
+                }
+            )
         return JSONResponse(
             {
                 "id": base_id,
@@ -589,7 +644,7 @@ async def _sse_stream(
     submitted: list[_Submitted],
     envelope: dict[str, Any],
     include_usage: bool,
-    render: Callable[[int, RequestOutput], dict[str, Any] | None],
+    render: Callable[[int, RequestOutput], list[dict[str, Any]] | dict[str, Any] | None],
     prelude: list[dict[str, Any]] | None = None,
 ) -> AsyncIterator[str]:
     """SSE plumbing shared by both endpoints: the ``prelude`` choices, then one chunk per
@@ -604,8 +659,10 @@ async def _sse_stream(
             yield sse_event({**envelope, "choices": [choice]})
         async for index, out in _merge(submitted):
             counts[index] = len(out.token_ids)
-            choice = render(index, out)
-            if choice is not None:
+            rendered = render(index, out)
+            for choice in rendered if isinstance(rendered, list) else [rendered]:
+                if choice is None:
+                    continue
                 chunk = {**envelope, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = h.usage(prompts, list(counts.values()))
@@ -674,16 +731,34 @@ def _stream_chat(
     base_id: str,
     created: int,
     include_usage: bool,
+    spec: ToolSpec | None = None,
 ) -> AsyncIterator[str]:
-    def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
+    parsers = {c.index: h.tool_parser(spec) for c in choices} if spec is not None else {}
+
+    def render(index: int, out: RequestOutput) -> list[dict[str, Any]] | None:
         if not out.delta_text and not out.finished and not out.delta_logprobs:
             return None  # (a step whose text is held back still sends its logprobs)
-        return {
-            "index": index,
-            "delta": {"content": out.delta_text} if out.delta_text else {},
-            "logprobs": h.chat_logprobs(out.delta_logprobs),
-            "finish_reason": out.finish_reason if out.finished else None,
-        }
+        finish_reason = out.finish_reason if out.finished else None
+        parser = parsers.get(index)
+        if parser is None:
+            delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
+            deltas = [delta]
+        else:
+            events = parser.feed(out.delta_text)
+            if out.finished:
+                events += parser.finish()
+                if parser.count and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            elif not events and not out.delta_logprobs:
+                return None  # the parser holds the text back
+            deltas = _chat_deltas(events, spec is None or spec.parallel)
+        logprobs = h.chat_logprobs(out.delta_logprobs)
+        rendered = [
+            {"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas
+        ]
+        # The step's logprobs and finish reason ride on its last chunk.
+        rendered[-1].update(logprobs=logprobs, finish_reason=finish_reason)
+        return rendered
 
     envelope = {
         "id": base_id,
@@ -701,3 +776,22 @@ def _stream_chat(
         for c in choices
     ]
     return _sse_stream(h, body, prompts, submitted, envelope, include_usage, render, prelude)
+
+
+def _chat_deltas(events: list[Event], parallel: bool) -> list[dict[str, Any]]:
+    """A step's parser events as chat deltas: content joined, then each tool-call delta in its
+    own chunk (the call's id, type and name first, then its arguments), as OpenAI streams
+    them; with ``parallel_tool_calls`` false, calls after the first are left out."""
+    text = "".join(e for e in events if isinstance(e, str))
+    deltas: list[dict[str, Any]] = [{"content": text}] if text else []
+    for e in events:
+        if isinstance(e, str) or (e.index > 0 and not parallel):
+            continue
+        fn: dict[str, Any] = {"arguments": e.arguments}
+        call: dict[str, Any] = {"index": e.index}
+        if e.id is not None:
+            call.update(id=e.id, type="function")
+            fn = {"name": e.name, **fn}
+        call["function"] = fn
+        deltas.append({"tool_calls": [call]})
+    return deltas or [{}]

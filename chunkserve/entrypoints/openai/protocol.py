@@ -8,7 +8,8 @@ on and this server cannot honour (``UNSUPPORTED_FIELDS``, ``best_of`` other than
 fields are type-checked (a wrong type is a 400 naming the field). Extensions follow vLLM's
 names: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``min_tokens``, ``priority``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``stream_options.continuous_usage_stats``.
+``stream_options.continuous_usage_stats``. Chat requests take ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (``tools.py``); ``/v1/completions`` refuses them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chunkserve.engine.input_processor import check_unicode
+from chunkserve.entrypoints.openai.tools import ToolSpec, check_tools
 from chunkserve.scheduling.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
@@ -223,6 +225,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         """Text parts joined; the template sees role, content (and name if given)."""
@@ -237,6 +241,10 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -247,6 +255,25 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tool calling (see ``tools.py``); ``/v1/completions`` still refuses these fields.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The checked tools and choice (None: no tool calling); ``ValueError`` naming the
+        field otherwise."""
+        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A forced tool choice's constraint, or the request's own (not both)."""
+        own = super().structured()
+        spec = self.tool_spec()
+        if spec is None or not spec.forced:
+            return own
+        if own is not None:
+            raise ValueError(f"tool_choice: a forced call cannot be combined with {own.origin}")
+        return StructuredOutputsParams(grammar=spec.constraint(), origin="tools")
 
     def resolved_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -267,6 +294,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: counted as a chat request's prompt
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
