@@ -151,12 +151,15 @@ def test_matmul_against_gguf_py_dequantize(weight, m, path, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 7, 16])
 def test_decode_kernel_is_the_product_with_int8_activations(weight, m, portable):
     """Tight: the decode kernel (its SIMD and its portable C path) equals the float product
     of the dequantized weight with the int8-quantized activations, up to float summation
     order; bf16 input rows are quantized from their exact float values."""
-    qtype, raw, w = weight
+    qtype, _, _ = weight
+    # 5 rows (the kernel's two-row step leaves one) and an even number of 32-value chunks.
+    raw = make_raw(qtype, 5, odd_k(qtype) + formats.get(qtype).block_values, seed=3)
+    w = GGUFWeight.from_gguf(raw, int(qtype), "w")
     ref_w = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), np.float32))
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(10 + m))
     for xin in (x, x.bfloat16()):
@@ -168,12 +171,14 @@ def test_decode_kernel_is_the_product_with_int8_activations(weight, m, portable)
 
 
 @needs_kernels
-def test_kernel_dequantize_is_gguf_py_bit_for_bit(weight):
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+def test_kernel_dequantize_is_gguf_py_bit_for_bit(weight, portable):
     qtype, raw, w = weight
     ref = np.asarray(gguf_dequantize(raw, qtype), np.float32)
-    ours = kernels.load().dequantize(int(qtype), w.data, w.in_features, torch.float32)
+    k = kernels.load()
+    ours = k.dequantize(int(qtype), w.data, w.in_features, torch.float32, portable)
     assert same_bits(ours.numpy(), ref)
-    ours = kernels.load().dequantize(int(qtype), w.data, w.in_features, torch.bfloat16)
+    ours = k.dequantize(int(qtype), w.data, w.in_features, torch.bfloat16, portable)
     assert torch.equal(ours, torch.from_numpy(ref).bfloat16())
 
 

@@ -48,11 +48,11 @@ class QuantKernels:
         gemm_args = [i32, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
         for fn in (lib.quant_gemm, lib.quant_gemm_portable):
             fn.argtypes, fn.restype = gemm_args, i32
-        lib.quant_dequant.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i32]
-        lib.quant_dequant.restype = i32
+        for fn in (lib.quant_dequant, lib.quant_dequant_portable):
+            fn.argtypes, fn.restype = [i32, ptr, i64, i64, i64, ptr, i32, i32], i32
         lib.quant_gemm_simd.restype = i32
         self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
-        self._dequant = lib.quant_dequant
+        self._dequant, self._dequant_portable = lib.quant_dequant, lib.quant_dequant_portable
         # Built with the AVX512-VNNI path (else the portable C one).
         self.simd = bool(lib.quant_gemm_simd())
 
@@ -71,11 +71,13 @@ class QuantKernels:
             raise RuntimeError(f"quant_gemm refused its arguments (code {rc})")
         return out
 
-    def dequantize(self, code: int, data: torch.Tensor, k: int, dtype: torch.dtype):
+    def dequantize(
+        self, code: int, data: torch.Tensor, k: int, dtype: torch.dtype, portable: bool = False
+    ):
         """The block rows ``data`` as [N, k] floats in ``dtype`` (float32 or bf16)."""
         n, row_bytes = data.shape
         out = torch.empty(n, k, dtype=dtype)  # [N, K]
-        rc = self._dequant(
+        rc = (self._dequant_portable if portable else self._dequant)(
             code, data.data_ptr(), row_bytes, n, k, out.data_ptr(), DTYPES[dtype],
             torch.get_num_threads(),
         )  # fmt: skip

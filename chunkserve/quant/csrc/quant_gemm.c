@@ -112,24 +112,28 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 
 /* ---------------------------------------------------------------- activation quantization */
 /* Row m of x -> per pair p: xq[64] int8, xd[16] (dx per lane), xs[16] (dx * sum of the lane's
- * 4 codes). A pair's second chunk past the row's end is zeros. */
+ * 4 codes), xo[16] (-off * sum of the lane's codes). A pair's second chunk past the row's end
+ * is zeros. */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *o; /* -OFF * the lane's sum of codes (see Pair) */
     int64_t pairs;
 } QX;
 
-static void quantize_row(const void *x, int dtype, int64_t K, int64_t m, const QX *qx) {
+static void quantize_row(const void *x, int dtype, int64_t K, int64_t m, int off, const QX *qx) {
     int64_t chunks = K / 32;
     int8_t *q = qx->q + m * qx->pairs * 64;
     float *d = qx->d + m * qx->pairs * 16, *s = qx->s + m * qx->pairs * 16;
+    int32_t *o = qx->o + m * qx->pairs * 16;
     float v[32];
     for (int64_t c = 0; c < 2 * qx->pairs; c++) {
         int8_t *qc = q + 32 * c;
         float *dc = d + 16 * (c / 2) + 8 * (c % 2), *sc = s + 16 * (c / 2) + 8 * (c % 2);
+        int32_t *oc = o + 16 * (c / 2) + 8 * (c % 2);
         if (c >= chunks) {
             memset(qc, 0, 32);
-            for (int j = 0; j < 8; j++) dc[j] = sc[j] = 0.0f;
+            for (int j = 0; j < 8; j++) dc[j] = sc[j] = 0.0f, oc[j] = 0;
             continue;
         }
         if (dtype == F32) {
@@ -143,8 +147,10 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t m, const Q
         float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < 32; i++) qc[i] = (int8_t)nearbyintf(v[i] * inv);
         for (int j = 0; j < 8; j++) {
+            int sum = qc[4 * j] + qc[4 * j + 1] + qc[4 * j + 2] + qc[4 * j + 3];
             dc[j] = dx;
-            sc[j] = dx * (float)(qc[4 * j] + qc[4 * j + 1] + qc[4 * j + 2] + qc[4 * j + 3]);
+            sc[j] = dx * (float)sum;
+            oc[j] = -off * sum;
         }
     }
 }
@@ -254,10 +260,23 @@ static void rows_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t 
 
 /* ---------------------------------------------------------------- AVX512-VNNI decoding */
 #ifdef QG_AVX512
+/* A pair seen as w = (q - OFF) * sc + t per lane: OFF a constant of the format (8 for Q4_0,
+ * 16 Q5_0, 128 Q8_0, 32 Q6_K, else 0) and t present only for the formats with a min (Q4_1,
+ * Q5_1, Q4_K, Q5_K). In the dot the OFF term is integer (the accumulator starts at
+ * -OFF * the lane's sum of codes) and t costs one more FMA; dequantizing, it is gguf-py's
+ * float32 arithmetic exactly. */
 typedef struct {
     __m512i q;
-    __m512 sc, mn;
+    __m512 sc, t;
 } Pair;
+
+static inline __attribute__((always_inline)) int fmt_off(const int fmt) {
+    return fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : fmt == Q6_K ? 32 : 0;
+}
+
+static inline __attribute__((always_inline)) int fmt_has_t(const int fmt) {
+    return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K;
+}
 
 static inline float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
@@ -275,40 +294,31 @@ static inline __m256i nib16(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-static inline Pair decode_avx512(int fmt, const uint8_t *row, int64_t p, int64_t chunks) {
+static inline __attribute__((always_inline)) Pair decode_avx512(const int fmt, const uint8_t *row,
+                                                                int64_t p, int64_t chunks) {
     Pair r;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    r.t = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), bit5 = _mm512_set1_epi8(0x10);
     if (fmt < Q4_K) {
-        int bb = block_bytes(fmt);
+        const int bb = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : fmt == Q5_0 ? 22 : fmt == Q5_1 ? 24 : 34;
         const uint8_t *a = row + 2 * p * bb, *b = 2 * p + 1 < chunks ? a + bb : ZERO_BLOCK;
-        float da = h2f(a), db = h2f(b);
-        r.sc = lanes2(da, db);
-        switch (fmt) {
-        case Q4_0:
+        r.sc = lanes2(h2f(a), h2f(b));
+        if (fmt == Q4_0) {
             r.q = cat(nib16(a + 2), nib16(b + 2));
-            r.mn = _mm512_mul_ps(r.sc, _mm512_set1_ps(-8.0f));
-            break;
-        case Q4_1:
+        } else if (fmt == Q4_1) {
             r.q = cat(nib16(a + 4), nib16(b + 4));
-            r.mn = lanes2(h2f(a + 2), h2f(b + 2));
-            break;
-        case Q5_0:
-            r.q = _mm512_or_si512(cat(nib16(a + 6), nib16(b + 6)),
-                                  _mm512_maskz_mov_epi8(rd32(a + 2) | (uint64_t)rd32(b + 2) << 32,
-                                                        _mm512_set1_epi8(0x10)));
-            r.mn = _mm512_mul_ps(r.sc, _mm512_set1_ps(-16.0f));
-            break;
-        case Q5_1:
-            r.q = _mm512_or_si512(cat(nib16(a + 8), nib16(b + 8)),
-                                  _mm512_maskz_mov_epi8(rd32(a + 4) | (uint64_t)rd32(b + 4) << 32,
-                                                        _mm512_set1_epi8(0x10)));
-            r.mn = lanes2(h2f(a + 2), h2f(b + 2));
-            break;
-        default: /* Q8_0 */
+            r.t = lanes2(h2f(a + 2), h2f(b + 2));
+        } else if (fmt == Q5_0) {
+            uint64_t hb = rd32(a + 2) | (uint64_t)rd32(b + 2) << 32;
+            r.q = _mm512_or_si512(cat(nib16(a + 6), nib16(b + 6)), _mm512_maskz_mov_epi8(hb, bit5));
+        } else if (fmt == Q5_1) {
+            uint64_t hb = rd32(a + 4) | (uint64_t)rd32(b + 4) << 32;
+            r.q = _mm512_or_si512(cat(nib16(a + 8), nib16(b + 8)), _mm512_maskz_mov_epi8(hb, bit5));
+            r.t = lanes2(h2f(a + 2), h2f(b + 2));
+        } else { /* Q8_0: int8 + 128 as unsigned codes */
             r.q = _mm512_xor_si512(cat(_mm256_loadu_si256((const __m256i *)(a + 2)),
                                        _mm256_loadu_si256((const __m256i *)(b + 2))),
                                    _mm512_set1_epi8((char)0x80));
-            r.mn = _mm512_mul_ps(r.sc, _mm512_set1_ps(-128.0f));
         }
         return r;
     }
@@ -326,21 +336,20 @@ static inline Pair decode_avx512(int fmt, const uint8_t *row, int64_t p, int64_t
         r.q = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_slli_epi16(cat(ha, hc), 4));
         int32_t s4;
         memcpy(&s4, b + 192 + 2 * sub, 4);
-        __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(s4))),
-                              _mm_set1_ps(h2f(b + 208)));
+        __m128 f = _mm_mul_ps(_mm_set1_ps(h2f(b + 208)),
+                              _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(s4))));
         const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         r.sc = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
-        r.mn = _mm512_mul_ps(r.sc, _mm512_set1_ps(-32.0f));
         return r;
     }
     /* Q4_K, Q5_K: sub-blocks sub and sub + 1 share 32 bytes of nibbles (low, high). */
-    const uint8_t *b = row + (c / 8) * block_bytes(fmt);
+    const uint8_t *b = row + (c / 8) * (fmt == Q4_K ? 144 : 176);
     int sa, ma, sb, mb;
     k_scale_min(b + 4, sub, &sa, &ma);
     k_scale_min(b + 4, sub + 1, &sb, &mb);
     float d = h2f(b), dmin = h2f(b + 2);
     r.sc = lanes2(d * (float)sa, d * (float)sb);
-    r.mn = lanes2(-dmin * (float)ma, -dmin * (float)mb);
+    r.t = lanes2(-(dmin * (float)ma), -(dmin * (float)mb));
     __m256i v = _mm256_loadu_si256((const __m256i *)(b + (fmt == Q4_K ? 16 : 48) + 16 * sub));
     __m256i m4h = _mm256_set1_epi8(0x0f);
     r.q = cat(_mm256_and_si256(v, m4h), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4h));
@@ -349,51 +358,145 @@ static inline Pair decode_avx512(int fmt, const uint8_t *row, int64_t p, int64_t
         uint64_t bits = _mm256_test_epi8_mask(hb, _mm256_set1_epi8((char)(1 << sub))) |
                         (uint64_t)_mm256_test_epi8_mask(hb, _mm256_set1_epi8((char)(2 << sub)))
                             << 32;
-        r.q = _mm512_or_si512(r.q, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+        r.q = _mm512_or_si512(r.q, _mm512_maskz_mov_epi8(bits, bit5));
     }
     return r;
 }
 
-/* One weight row against MT activation rows (MT a constant in each instance). */
-static inline __attribute__((always_inline)) void row_avx512(
-    int fmt, const uint8_t *row, int64_t chunks, const QX *qx, int64_t m0, const int MT,
-    float *res) {
-    __m512 acc[MAX_ROWS];
-    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+/* G weight rows against MT activation rows (fmt, G and MT constants in each instance): each
+ * pair of activation codes loaded once serves the G rows. */
+static inline __attribute__((always_inline)) void rows_tile(const int fmt, const uint8_t *row,
+                                                            int64_t row_bytes, const int G,
+                                                            int64_t chunks, const QX *qx,
+                                                            int64_t m0, const int MT, float *res) {
+    __m512 acc[2][4];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < MT; i++) acc[g][i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < qx->pairs; p++) {
-        Pair w = decode_avx512(fmt, row, p, chunks);
+        Pair w[2];
+        for (int g = 0; g < G; g++) w[g] = decode_avx512(fmt, row + g * row_bytes, p, chunks);
         for (int i = 0; i < MT; i++) {
             int64_t at = (m0 + i) * qx->pairs + p;
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q,
-                                              _mm512_loadu_si512((const void *)(qx->q + at * 64)));
-            __m512 xd = _mm512_loadu_ps(qx->d + at * 16), xs = _mm512_loadu_ps(qx->s + at * 16);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.sc, xd), acc[i]);
-            acc[i] = _mm512_fmadd_ps(w.mn, xs, acc[i]);
+            __m512i init = fmt_has_t(fmt) ? _mm512_setzero_si512()
+                                          : _mm512_loadu_si512((const void *)(qx->o + at * 16));
+            __m512i xq = _mm512_loadu_si512((const void *)(qx->q + at * 64));
+            __m512 xd = _mm512_loadu_ps(qx->d + at * 16);
+            __m512 xs = fmt_has_t(fmt) ? _mm512_loadu_ps(qx->s + at * 16) : _mm512_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                __m512i dot = _mm512_dpbusd_epi32(init, w[g].q, xq);
+                acc[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[g].sc, xd),
+                                            acc[g][i]);
+                if (fmt_has_t(fmt)) acc[g][i] = _mm512_fmadd_ps(w[g].t, xs, acc[g][i]);
+            }
         }
     }
-    for (int i = 0; i < MT; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < MT; i++) res[g * 4 + i] = _mm512_reduce_add_ps(acc[g][i]);
 }
 
-#define ROW_CASE(n) \
-    case n: row_avx512(fmt, row, chunks, qx, m0, n, res); break;
-
-static void rows_avx512(int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1,
-                        int64_t K, const QX *qx, int64_t M, void *out, int out_dtype, int64_t N) {
+/* Rows o0..o1-1 of the weight against all M activation rows: two weight rows at a time, in
+ * activation tiles of 4, 2, 1 (a tile's codes, 32 KiB at K = 2048, stay in L1; wider tiles
+ * spill registers or stream the codes from L2 once per weight row, measured 2-3x slower). */
+static inline __attribute__((always_inline)) void rows_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t K,
+    const QX *qx, int64_t M, void *out, int out_dtype, int64_t N) {
     int64_t chunks = K / 32;
-    float res[MAX_ROWS];
+    float res[8];
+    for (int64_t o = o0; o < o1;) {
+        const uint8_t *row = w + o * row_bytes;
+        int g = o + 1 < o1 ? 2 : 1;
+        for (int64_t m0 = 0; m0 < M;) {
+            int64_t left = M - m0;
+            int mt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (g == 2) {
+                if (mt == 4) rows_tile(fmt, row, row_bytes, 2, chunks, qx, m0, 4, res);
+                else if (mt == 2) rows_tile(fmt, row, row_bytes, 2, chunks, qx, m0, 2, res);
+                else rows_tile(fmt, row, row_bytes, 2, chunks, qx, m0, 1, res);
+            } else {
+                if (mt == 4) rows_tile(fmt, row, row_bytes, 1, chunks, qx, m0, 4, res);
+                else if (mt == 2) rows_tile(fmt, row, row_bytes, 1, chunks, qx, m0, 2, res);
+                else rows_tile(fmt, row, row_bytes, 1, chunks, qx, m0, 1, res);
+            }
+            for (int r = 0; r < g; r++)
+                for (int i = 0; i < mt; i++)
+                    store(out, out_dtype, (m0 + i) * N + o + r, res[r * 4 + i]);
+            m0 += mt;
+        }
+        o += g;
+    }
+}
+
+/* Rows o0..o1-1 dequantized: ((q - OFF) * sc) [+ t], gguf-py's float32 operations. */
+static inline __attribute__((always_inline)) void dequant_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t K,
+    void *out, int out_dtype) {
+    int64_t chunks = K / 32, pairs = (chunks + 1) / 2;
+    const float off = (float)fmt_off(fmt);
     for (int64_t o = o0; o < o1; o++) {
         const uint8_t *row = w + o * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int mt = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            switch (mt) {
-                ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) ROW_CASE(4) ROW_CASE(5) ROW_CASE(6)
-                ROW_CASE(7) ROW_CASE(8) ROW_CASE(9) ROW_CASE(10) ROW_CASE(11) ROW_CASE(12)
-                ROW_CASE(13) ROW_CASE(14) ROW_CASE(15) ROW_CASE(16)
+        for (int64_t p = 0; p < pairs; p++) {
+            Pair r = decode_avx512(fmt, row, p, chunks);
+            int quarters = 2 * p + 1 < chunks ? 4 : 2;
+            for (int qi = 0; qi < quarters; qi++) {
+                const __m512i idx = _mm512_set_epi32(
+                    4 * qi + 3, 4 * qi + 3, 4 * qi + 3, 4 * qi + 3, 4 * qi + 2, 4 * qi + 2,
+                    4 * qi + 2, 4 * qi + 2, 4 * qi + 1, 4 * qi + 1, 4 * qi + 1, 4 * qi + 1, 4 * qi,
+                    4 * qi, 4 * qi, 4 * qi);
+                __m128i q16 = qi == 0   ? _mm512_extracti32x4_epi32(r.q, 0)
+                              : qi == 1 ? _mm512_extracti32x4_epi32(r.q, 1)
+                              : qi == 2 ? _mm512_extracti32x4_epi32(r.q, 2)
+                                        : _mm512_extracti32x4_epi32(r.q, 3);
+                __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q16));
+                if (fmt_off(fmt)) v = _mm512_sub_ps(v, _mm512_set1_ps(off));
+                v = _mm512_mul_ps(v, _mm512_permutexvar_ps(idx, r.sc));
+                if (fmt_has_t(fmt)) v = _mm512_add_ps(v, _mm512_permutexvar_ps(idx, r.t));
+                int64_t at = o * K + 64 * p + 16 * qi;
+                if (out_dtype == F32) {
+                    _mm512_storeu_ps((float *)out + at, v);
+                } else {
+#ifdef __AVX512BF16__
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at),
+                                        (__m256i)_mm512_cvtneps_pbh(v));
+#else
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, v);
+                    for (int i = 0; i < 16; i++) ((uint16_t *)out)[at + i] = to_bf16(tmp[i]);
+#endif
+                }
             }
-            for (int i = 0; i < mt; i++) store(out, out_dtype, (m0 + i) * N + o, res[i]);
         }
     }
 }
+
+#define PER_FORMAT(F)                                                                          \
+    static void rows_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1, int64_t K, \
+                                const QX *qx, int64_t M, void *out, int dt, int64_t N) {         \
+        rows_avx512(F, w, rb, o0, o1, K, qx, M, out, dt, N);                                   \
+    }                                                                                          \
+    static void dequant_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1,         \
+                                   int64_t K, void *out, int dt) {                             \
+        dequant_avx512(F, w, rb, o0, o1, K, out, dt);                                          \
+    }
+PER_FORMAT(Q4_0)
+PER_FORMAT(Q4_1)
+PER_FORMAT(Q5_0)
+PER_FORMAT(Q5_1)
+PER_FORMAT(Q8_0)
+PER_FORMAT(Q4_K)
+PER_FORMAT(Q5_K)
+PER_FORMAT(Q6_K)
+
+#define DISPATCH(fmt, fn, ...)                                                                 \
+    switch (fmt) {                                                                             \
+    case Q4_0: fn##_Q4_0(__VA_ARGS__); break;                                                  \
+    case Q4_1: fn##_Q4_1(__VA_ARGS__); break;                                                  \
+    case Q5_0: fn##_Q5_0(__VA_ARGS__); break;                                                  \
+    case Q5_1: fn##_Q5_1(__VA_ARGS__); break;                                                  \
+    case Q8_0: fn##_Q8_0(__VA_ARGS__); break;                                                  \
+    case Q4_K: fn##_Q4_K(__VA_ARGS__); break;                                                  \
+    case Q5_K: fn##_Q5_K(__VA_ARGS__); break;                                                  \
+    default: fn##_Q6_K(__VA_ARGS__);                                                           \
+    }
 #endif
 
 /* ---------------------------------------------------------------- entry points */
@@ -405,12 +508,14 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
     QX qx;
     qx.pairs = (K / 32 + 1) / 2;
     size_t n = (size_t)(M * qx.pairs);
-    void *buf = aligned_alloc(64, n * (64 + 64 + 64));
+    void *buf = aligned_alloc(64, n * 256);
     if (!buf) return 3;
     qx.q = (int8_t *)buf;
     qx.d = (float *)((char *)buf + n * 64);
     qx.s = (float *)((char *)buf + n * 128);
-    for (int64_t m = 0; m < M; m++) quantize_row(x, x_dtype, K, m, &qx);
+    qx.o = (int32_t *)((char *)buf + n * 192);
+    int off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : fmt == Q6_K ? 32 : 0;
+    for (int64_t m = 0; m < M; m++) quantize_row(x, x_dtype, K, m, off, &qx);
     if (nthreads < 1) nthreads = 1;
     if (nthreads > N) nthreads = (int)N;
 #pragma omp parallel num_threads(nthreads)
@@ -418,9 +523,9 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t o0 = N * t / nt, o1 = N * (t + 1) / nt;
 #ifdef QG_AVX512
-        if (!portable)
-            rows_avx512(fmt, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N);
-        else
+        if (!portable) {
+            DISPATCH(fmt, rows_avx512, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N)
+        } else
 #endif
             rows_portable(fmt, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N);
     }
@@ -513,12 +618,24 @@ static void dequant_block(int fmt, const uint8_t *b, float *v) {
 }
 
 /* Rows [0, N) of w dequantized into out [N, K] as float32 (0) or bf16 (1). */
-int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, void *out,
-                  int out_dtype, int nthreads) {
+static int dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, void *out,
+                   int out_dtype, int nthreads, int portable) {
     int bb = block_bytes(fmt), bv = block_values(fmt);
     if (!bb || K % bv || row_bytes != K / bv * bb) return 1;
     if (out_dtype != F32 && out_dtype != BF16) return 2;
     if (nthreads < 1) nthreads = 1;
+    if (nthreads > N) nthreads = (int)N;
+#ifdef QG_AVX512
+    if (!portable) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int64_t o0 = N * t / nt, o1 = N * (t + 1) / nt;
+            DISPATCH(fmt, dequant_avx512, w, row_bytes, o0, o1, K, out, out_dtype)
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = 0; o < N; o++) {
         float v[256];
@@ -532,4 +649,14 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64
         }
     }
     return 0;
+}
+
+int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, void *out,
+                  int out_dtype, int nthreads) {
+    return dequant(fmt, w, row_bytes, N, K, out, out_dtype, nthreads, 0);
+}
+
+int quant_dequant_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                           void *out, int out_dtype, int nthreads) {
+    return dequant(fmt, w, row_bytes, N, K, out, out_dtype, nthreads, 1);
 }
