@@ -171,6 +171,25 @@ def test_decode_kernel_is_the_product_with_int8_activations(weight, m, portable)
 
 
 @needs_kernels
+def test_threads_split_rows_without_changing_a_bit(weight):
+    """Each output comes from one thread's rows whatever the thread count: 1 and 2 threads
+    (and a thread count over the rows) give the same bits."""
+    qtype, _, w = weight
+    x = torch.randn(3, w.in_features).bfloat16()
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [w.matmul(x), w.matmul(x.repeat(30, 1))]
+        torch.set_num_threads(2)
+        two = [w.matmul(x), w.matmul(x.repeat(30, 1))]
+        small = w.rows(0, 1).matmul(x)
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert torch.equal(small, one[0][:, :1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 def test_kernel_dequantize_is_gguf_py_bit_for_bit(weight, portable):
     qtype, raw, w = weight
@@ -210,13 +229,15 @@ def test_kernel_cache_is_keyed_and_reused(tmp_path, monkeypatch):
 
 def test_reference_is_the_dequantized_model(weight, monkeypatch):
     """The reference path is F.linear on the dequantized weight cast to x's dtype, bit for
-    bit, also when it works in row tiles."""
+    bit; over the tile size, F.linear of each 5-row tile (a GEMM may block a tile
+    differently from the whole weight, so only the tiles' own products are exact)."""
     _, _, w = weight
     x = torch.randn(5, w.in_features).bfloat16()
-    want = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
-    assert torch.equal(weight_mod.reference_matmul(w, x), want)
+    dense = w.dequantize(torch.bfloat16)
+    assert torch.equal(weight_mod.reference_matmul(w, x), torch.nn.functional.linear(x, dense))
     monkeypatch.setattr(weight_mod, "REFERENCE_TILE_VALUES", w.in_features * 5)
-    assert torch.equal(weight_mod.reference_matmul(w, x), want)
+    tiles = [torch.nn.functional.linear(x, dense[r : r + 5]) for r in range(0, 37, 5)]
+    assert torch.equal(weight_mod.reference_matmul(w, x), torch.cat(tiles, dim=1))
 
 
 def test_embedding_rows(weight):

@@ -221,7 +221,9 @@ class GGUFWeight(QuantizedWeight):
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` with w dequantized to float32 and cast to x's dtype, in row tiles
     of at most ``REFERENCE_TILE_VALUES`` values: the arithmetic of a model dequantized at
-    load (tests/test_quant.py checks the tiles give the untiled product bit for bit)."""
+    load, bit for bit for weights within one tile (a GEMM may block a tile differently from
+    the whole weight, so larger ones, e.g. a tied embedding as the head, can differ in the
+    last bits)."""
     out_features, in_features = weight.shape
     x2 = x.reshape(-1, in_features)
     out = _tiled(
