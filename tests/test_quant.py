@@ -174,7 +174,7 @@ def test_decode_kernel_is_the_product_with_int8_activations(weight, m, portable)
 def test_threads_split_rows_without_changing_a_bit(weight):
     """Each output comes from one thread's rows whatever the thread count: 1 and 2 threads
     (and a thread count over the rows) give the same bits."""
-    qtype, _, w = weight
+    _, _, w = weight
     x = torch.randn(3, w.in_features).bfloat16()
     old = torch.get_num_threads()
     try:
