@@ -139,7 +139,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": cpu_description(),
         "cpu_flags": cpu_flags(),
-        "kernel_simd": "AVX512-VNNI" if k.simd else "portable C",
+        "kernel_simd": k.simd,
         "torch": torch.__version__,
         "threads": args.threads,
         "load_average_at_end": os.getloadavg(),

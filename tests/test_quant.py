@@ -149,13 +149,26 @@ def test_matmul_against_gguf_py_dequantize(weight, m, path, monkeypatch):
         )
 
 
+@pytest.fixture(scope="module")
+def avx2_kernels() -> kernels.QuantKernels:
+    """A build of the kernels without AVX512 (the AVX2 path), where the CPU has AVX2."""
+    if kernels.load() is None or kernels.load().simd == "portable C":
+        pytest.skip("no AVX2 here")
+    k = kernels._load(("-mno-avx512f",))
+    assert k.simd == "AVX2"
+    return k
+
+
 @needs_kernels
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
 @pytest.mark.parametrize("m", [1, 3, 7, 16])
-def test_decode_kernel_is_the_product_with_int8_activations(weight, m, portable):
-    """Tight: the decode kernel (its SIMD and its portable C path) equals the float product
-    of the dequantized weight with the int8-quantized activations, up to float summation
-    order; bf16 input rows are quantized from their exact float values."""
+def test_decode_kernel_is_the_product_with_int8_activations(weight, m, path, request):
+    """Tight: the decode kernel (its SIMD path, its portable C path, and the AVX2 path of a
+    build without AVX512) equals the float product of the dequantized weight with the
+    int8-quantized activations, up to float summation order; bf16 input rows are quantized
+    from their exact float values."""
+    k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
+    portable = path == "portable"
     qtype, _, _ = weight
     # 5 rows (the kernel's two-row step leaves one) and an even number of 32-value chunks.
     raw = make_raw(qtype, 5, odd_k(qtype) + formats.get(qtype).block_values, seed=3)
@@ -163,7 +176,7 @@ def test_decode_kernel_is_the_product_with_int8_activations(weight, m, portable)
     ref_w = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), np.float32))
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(10 + m))
     for xin in (x, x.bfloat16()):
-        got = kernels.load().gemm(int(qtype), w.data, xin, portable=portable)
+        got = k.gemm(int(qtype), w.data, xin, portable=portable)
         want = int8_activations(xin).double() @ ref_w.double().T
         assert got.dtype == xin.dtype
         tol = 1e-5 if xin.dtype == torch.float32 else 5e-3  # bf16 output rounding

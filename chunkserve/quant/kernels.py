@@ -3,7 +3,7 @@ and cached by ``chunkserve.cbuild``, called through ctypes.
 
 - ``gemm``: decode rows (M up to ``DECODE_MAX_ROWS``). The activations are quantized to int8
   per 32 values and dotted with the weight's blocks in integer arithmetic (AVX512-VNNI here,
-  portable C elsewhere), each weight byte read once per call, threaded over output rows on
+  AVX2 or portable C elsewhere), each weight byte read once per call, threaded over output rows on
   torch's OpenMP runtime. Error: that of the int8 activations, ~0.5% of the output's norm.
 - ``dequantize``: rows of the weight to float32 or bfloat16, bit for bit as gguf-py (and
   ``formats.dequantize``), for prefill chunks: tiles dequantized here, multiplied in torch.
@@ -34,6 +34,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Up to this many rows a product runs the integer kernel; more rows dequantize tiles and
 # multiply in torch (see benchmarks/results/quant_kernels*.md for the crossover).
 DECODE_MAX_ROWS = 16
+SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
 
 _lock = threading.Lock()
 _kernels: QuantKernels | None = None
@@ -53,8 +54,8 @@ class QuantKernels:
         lib.quant_gemm_simd.restype = i32
         self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
         self._dequant, self._dequant_portable = lib.quant_dequant, lib.quant_dequant_portable
-        # Built with the AVX512-VNNI path (else the portable C one).
-        self.simd = bool(lib.quant_gemm_simd())
+        # The decode path this build runs (what the compiler targets with -march=native).
+        self.simd = SIMD_PATHS[lib.quant_gemm_simd()]
 
     def gemm(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
         """x [M, K] (contiguous float32/bf16) times the block rows ``data`` (uint8 [N,
@@ -115,6 +116,8 @@ def load_error() -> str | None:
     return _error
 
 
-def _load() -> QuantKernels:
-    lib, path = cbuild.load_library(SOURCE, CFLAGS)
+def _load(extra_cflags: tuple[str, ...] = ()) -> QuantKernels:
+    """Build (or take from the cache) and load; ``extra_cflags`` builds another variant,
+    e.g. ``-mno-avx512f`` for the AVX2 path on an AVX512 machine (tests)."""
+    lib, path = cbuild.load_library(SOURCE, CFLAGS + extra_cflags)
     return QuantKernels(lib, path)

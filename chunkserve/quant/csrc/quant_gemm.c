@@ -24,8 +24,9 @@
  * a float matmul in torch.
  *
  * Paths: AVX512-VNNI + AVX512BW (+VL) intrinsics where the compiler targets them (built with
- * -march=native), else portable C (vectorized by the compiler where it can); the portable
- * path is also exported as quant_gemm_portable, and tests run both.
+ * -march=native), else AVX2 + FMA (the portable decoding, 256-bit integer dots), else
+ * portable C (vectorized by the compiler where it can). The portable path is also exported
+ * as quant_gemm_portable; tests run all three (AVX2 in a build with -mno-avx512f).
  *
  * Block layouts: see chunkserve/quant/formats.py. All pointers are to little-endian data.
  */
@@ -39,13 +40,15 @@
     defined(__AVX512VNNI__) && defined(__F16C__)
 #define QG_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QG_AVX2 1
+#include <immintrin.h>
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { F32 = 0, BF16 = 1 };
 #define MAX_ROWS 16 /* activation rows dotted per pass over a weight row */
 
-static const uint8_t ZERO_BLOCK[256] = {0}; /* stands in for the missing chunk of an odd row */
 
 static int block_bytes(int fmt) {
     switch (fmt) {
@@ -258,8 +261,61 @@ static void rows_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t 
     }
 }
 
+/* ---------------------------------------------------------------- AVX2 */
+#ifdef QG_AVX2
+/* The portable decoding, one 32-value chunk per 256-bit vector; u8 x s8 products summed in
+ * pairs by vpmaddubsw (saturating at 16 bits: fine for codes up to 63, so Q8_0 multiplies its
+ * signed int8 values directly, |q| * sign(x, q), and drops the -128 offset term). */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static void rows_avx2(int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1,
+                      int64_t K, const QX *qx, int64_t M, void *out, int out_dtype, int64_t N) {
+    int64_t chunks = K / 32;
+    _Alignas(32) uint8_t q[64];
+    _Alignas(32) float sc[16], mn[16];
+    const int q8 = fmt == Q8_0;
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *row = w + o * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t mt = M - m0 < 4 ? M - m0 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int64_t p = 0; p < qx->pairs; p++) {
+                decode_pair(fmt, row, p, chunks, q, sc, mn);
+                for (int h = 0; h < 2; h++) {
+                    __m256i vq = _mm256_load_si256((const __m256i *)(q + 32 * h));
+                    __m256i sq = _mm256_xor_si256(vq, flip); /* Q8_0: the signed values */
+                    __m256 vsc = _mm256_load_ps(sc + 8 * h), vmn = _mm256_load_ps(mn + 8 * h);
+                    for (int64_t i = 0; i < mt; i++) {
+                        int64_t at = (m0 + i) * qx->pairs + p;
+                        __m256i xq = _mm256_loadu_si256((const __m256i *)(qx->q + at * 64 + 32 * h));
+                        __m256i prod = q8 ? _mm256_maddubs_epi16(_mm256_sign_epi8(sq, sq),
+                                                                 _mm256_sign_epi8(xq, sq))
+                                          : _mm256_maddubs_epi16(vq, xq);
+                        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+                        __m256 xd = _mm256_loadu_ps(qx->d + at * 16 + 8 * h);
+                        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(vsc, xd), acc[i]);
+                        if (!q8)
+                            acc[i] = _mm256_fmadd_ps(vmn, _mm256_loadu_ps(qx->s + at * 16 + 8 * h),
+                                                     acc[i]);
+                    }
+                }
+            }
+            for (int64_t i = 0; i < mt; i++) store(out, out_dtype, (m0 + i) * N + o, hsum256(acc[i]));
+        }
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------- AVX512-VNNI decoding */
 #ifdef QG_AVX512
+static const uint8_t ZERO_BLOCK[256] = {0}; /* stands in for the missing chunk of an odd row */
+
 /* A pair seen as w = (q - OFF) * sc + t per lane: OFF a constant of the format (8 for Q4_0,
  * 16 Q5_0, 128 Q8_0, 32 Q6_K, else 0) and t present only for the formats with a min (Q4_1,
  * Q5_1, Q4_K, Q5_K). In the dot the OFF term is integer (the accumulator starts at
@@ -522,10 +578,14 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t o0 = N * t / nt, o1 = N * (t + 1) / nt;
-#ifdef QG_AVX512
+#if defined(QG_AVX512)
         if (!portable) {
             DISPATCH(fmt, rows_avx512, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N)
         } else
+#elif defined(QG_AVX2)
+        if (!portable)
+            rows_avx2(fmt, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N);
+        else
 #endif
             rows_portable(fmt, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N);
     }
@@ -544,8 +604,11 @@ int quant_gemm_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
     return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1);
 }
 
+/* Which decode path quant_gemm runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_gemm_simd(void) {
-#ifdef QG_AVX512
+#if defined(QG_AVX512)
+    return 2;
+#elif defined(QG_AVX2)
     return 1;
 #else
     return 0;
