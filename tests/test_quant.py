@@ -22,7 +22,7 @@ K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
 # Byte offsets of each block's f16 scale fields (overwritten with sane values in random
 # K-quant blocks so no inf/nan turns up).
 F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-ROWS_M = [1, 3, 16, 64, 300]
+ROWS_M = [1, 3, 8, 16, 64, 300]
 
 
 def odd_k(qtype: T) -> int:
@@ -313,4 +313,5 @@ def test_bad_input_is_refused_by_name():
         w.matmul(torch.zeros(1, 32))
     with pytest.raises(ValueError, match="output: rows 2:5"):
         w.rows(2, 5)
+    assert w.matmul(torch.zeros(0, 64)).shape == (0, 3)
     assert isinstance(w, QuantizedWeight)

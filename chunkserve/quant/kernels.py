@@ -32,8 +32,11 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemm.c"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-fopenmp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Up to this many rows a product runs the integer kernel; more rows dequantize tiles and
-# multiply in torch (see benchmarks/results/quant_kernels*.md for the crossover).
-DECODE_MAX_ROWS = 16
+# multiply in torch. Measured at 1 thread (benchmarks/results/quant_kernels_t1.md): the
+# kernel wins clearly at 4 and 8 rows, the two are about even at 16 (the kernel's float work
+# per row and pair of blocks grows with M while the dequantized weight's bf16 GEMM stays
+# bound by reading it).
+DECODE_MAX_ROWS = 8
 SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
 
 _lock = threading.Lock()

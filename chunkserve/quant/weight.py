@@ -202,7 +202,7 @@ class GGUFWeight(QuantizedWeight):
         compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``): the reference."""
         self._check_x(x)
         k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
-        if k is None:
+        if k is None or x.numel() == 0:
             return reference_matmul(self, x)
         x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
         code = self.format.code
