@@ -558,6 +558,7 @@ PER_FORMAT(Q6_K)
 /* ---------------------------------------------------------------- entry points */
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                 int x_dtype, int64_t M, void *out, int nthreads, int portable) {
+    (void)portable; /* unused in a build without SIMD paths */
     int bb = block_bytes(fmt);
     if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
     if ((x_dtype != F32 && x_dtype != BF16) || M < 1 || N < 1) return 2;
@@ -683,6 +684,7 @@ static void dequant_block(int fmt, const uint8_t *b, float *v) {
 /* Rows [0, N) of w dequantized into out [N, K] as float32 (0) or bf16 (1). */
 static int dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, void *out,
                    int out_dtype, int nthreads, int portable) {
+    (void)portable;
     int bb = block_bytes(fmt), bv = block_values(fmt);
     if (!bb || K % bv || row_bytes != K / bv * bb) return 1;
     if (out_dtype != F32 && out_dtype != BF16) return 2;
