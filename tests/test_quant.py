@@ -315,3 +315,23 @@ def test_bad_input_is_refused_by_name():
         w.rows(2, 5)
     assert w.matmul(torch.zeros(0, 64)).shape == (0, 3)
     assert isinstance(w, QuantizedWeight)
+
+
+def test_the_embedded_files_own_tensors(gguf_path):
+    """The embedded model's real tensors kept in their bits: the first tensor of each block
+    type (its Q8_0 embedding, its Q4_1 weights) multiplies within tolerance of the float
+    product at decode and prefill rows, and its embedding rows are gguf-py's values."""
+    from chunkserve.model.loader import open_gguf
+
+    seen = set()
+    for t in open_gguf(gguf_path).tensors:
+        if int(t.tensor_type) not in formats.FORMATS or t.tensor_type in seen:
+            continue
+        seen.add(t.tensor_type)
+        w = GGUFWeight.from_gguf(t.data[:96], int(t.tensor_type), t.name)
+        dense = torch.from_numpy(np.asarray(gguf_dequantize(t.data[:96], t.tensor_type)))
+        assert torch.equal(w.embedding(torch.tensor([5, 0, 95])), dense[[5, 0, 95]])
+        for m in (1, 4, 40):
+            x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m))
+            assert rel_err(w.matmul(x.bfloat16()), x @ dense.T) < 2e-2, (t.name, m)
+    assert {T.Q4_1, T.Q8_0} <= seen
