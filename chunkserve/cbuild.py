@@ -8,8 +8,8 @@ runtime torch has already loaded (the same ``libgomp``), so their threads are to
 threads, not a second pool spinning beside them. The library is built in a temporary
 directory and moved into place atomically (engine cores and ranks may build at once).
 
-Callers keep their own "tried once" state and fall back to torch when ``load_library``
-raises (no compiler, a failed build, not Linux).
+``OnceLoaded`` holds a caller's "tried once" state: the kernel object, or None and the
+reason, after which the caller falls back to torch (no compiler, a failed build, not Linux).
 """
 
 from __future__ import annotations
@@ -22,12 +22,41 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger("chunkserve.cbuild")
 
 BUILD_TIMEOUT_S = 120
+
+
+class OnceLoaded(Generic[T]):
+    """A kernel built or taken from the cache once per process: ``get()`` is it, or None
+    when ``build`` raised (``error`` says why, logged once as ``unavailable % error``)."""
+
+    def __init__(
+        self, build: Callable[[], T], log: logging.Logger, level: int, unavailable: str
+    ) -> None:
+        self._build, self._log, self._level, self._unavailable = build, log, level, unavailable
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self.error: str | None = None
+        self._tried = False
+
+    def get(self) -> T | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self._value = self._build()
+                except Exception as e:  # any build or load failure: the caller's torch path
+                    self.error = f"{type(e).__name__}: {e}"
+                    self._log.log(self._level, self._unavailable, self.error)
+            return self._value
 
 
 def load_library(source: Path, cflags: Sequence[str]) -> tuple[ctypes.CDLL, Path]:

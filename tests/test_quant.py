@@ -219,9 +219,7 @@ def test_failed_build_falls_back_to_the_reference(tmp_path, monkeypatch, caplog)
     reference (equal to the dequantized model)."""
     monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(kernels, "_tried", False)
-    monkeypatch.setattr(kernels, "_kernels", None)
-    monkeypatch.setattr(kernels, "_error", None)
+    monkeypatch.setattr(kernels, "_once", kernels._fresh())
     with caplog.at_level("WARNING", logger="chunkserve.quant"):
         assert kernels.load() is None
     assert "nonexistent" in kernels.load_error()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -36,11 +35,6 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC
 MAX_BLOCK_SIZE = 64
 MAX_HEAD_DIM = 256
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-_lock = threading.Lock()
-_kernel: PagedAttentionKernel | None = None
-_error: str | None = None
-_tried = False
 
 
 class PagedAttentionKernel:
@@ -128,22 +122,18 @@ def supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
 def load() -> PagedAttentionKernel | None:
     """The kernel, built or taken from the cache once per process; None if it cannot be
     built here (``load_error()`` says why)."""
-    global _kernel, _error, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernel = _load()
-            except Exception as e:  # any build or load failure: the torch path runs
-                _error = f"{type(e).__name__}: {e}"
-                logger.info("CPU attention kernel unavailable (%s); using torch", _error)
-        return _kernel
+    return _once.get()
 
 
 def load_error() -> str | None:
-    return _error
+    return _once.error
 
 
 def _load() -> PagedAttentionKernel:
     lib, path = cbuild.load_library(SOURCE, CFLAGS)
     return PagedAttentionKernel(lib, path)
+
+
+_once = cbuild.OnceLoaded(
+    _load, logger, logging.INFO, "CPU attention kernel unavailable (%s); using torch"
+)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -38,11 +37,6 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # bound by reading it).
 DECODE_MAX_ROWS = 8
 SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
-
-_lock = threading.Lock()
-_kernels: QuantKernels | None = None
-_error: str | None = None
-_tried = False
 
 
 class QuantKernels:
@@ -97,26 +91,11 @@ def enabled() -> bool:
 def load() -> QuantKernels | None:
     """The kernels, built or taken from the cache once per process; None if they cannot be
     built here (``load_error()`` says why) or are turned off."""
-    global _kernels, _error, _tried
-    if not enabled():
-        return None
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernels = _load()
-            except Exception as e:  # any build or load failure: the torch reference runs
-                _error = f"{type(e).__name__}: {e}"
-                logger.warning(
-                    "quantized-weight CPU kernels unavailable (%s); using the torch "
-                    "reference (dequantize, then matmul)",
-                    _error,
-                )
-        return _kernels
+    return _once.get() if enabled() else None
 
 
 def load_error() -> str | None:
-    return _error
+    return _once.error
 
 
 def _load(extra_cflags: tuple[str, ...] = ()) -> QuantKernels:
@@ -124,3 +103,16 @@ def _load(extra_cflags: tuple[str, ...] = ()) -> QuantKernels:
     e.g. ``-mno-avx512f`` for the AVX2 path on an AVX512 machine (tests)."""
     lib, path = cbuild.load_library(SOURCE, CFLAGS + extra_cflags)
     return QuantKernels(lib, path)
+
+
+def _fresh() -> cbuild.OnceLoaded[QuantKernels]:
+    return cbuild.OnceLoaded(
+        _load,
+        logger,
+        logging.WARNING,
+        "quantized-weight CPU kernels unavailable (%s); using the torch reference "
+        "(dequantize, then matmul)",
+    )
+
+
+_once = _fresh()
