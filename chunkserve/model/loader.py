@@ -491,9 +491,9 @@ def hf_model_config(path: Path) -> ModelConfig:
 
 def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     cfg = {**_HF_DEFAULTS.get(family, {}), **cfg}
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    num_layers = int(cfg["num_hidden_layers"])
+    heads = _cfg_int(cfg, "num_attention_heads", minimum=1)
+    hidden = _cfg_int(cfg, "hidden_size", minimum=1)
+    num_layers = _cfg_int(cfg, "num_hidden_layers", minimum=1)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope = cfg.get("rope_scaling") or None
@@ -560,13 +560,13 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     fields = dict(
         **_moe_fields(cfg, num_layers),
         architecture=family,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_cfg_int(cfg, "vocab_size", minimum=1),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_cfg_int(cfg, "intermediate_size", minimum=1),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=_cfg_int(cfg, "num_key_value_heads", 0, minimum=0) or heads,
+        head_dim=_cfg_int(cfg, "head_dim", 0, minimum=0) or hidden // heads,
         rope_theta=float(theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -597,15 +597,46 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+_REQUIRED = object()
+
+
+def _cfg_int(
+    cfg: dict[str, Any], name: str, default: Any = _REQUIRED, *, minimum: int | None = None
+) -> Any:
+    """``cfg[name]`` as an int (``default`` where it is absent or null; a required one
+    absent or null, a non-integer, or one below ``minimum``: a ValueError naming it)."""
+    value = cfg.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            state = "null" if name in cfg else "missing"
+            raise ValueError(f"model: config.json: {name} is {state} (an integer is required)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"model: config.json: {name} {value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"model: config.json: {name} {value!r} must be >= {minimum}")
+    return int(value)
+
+
+def _cfg_float(cfg: dict[str, Any], name: str, default: float) -> float:
+    """``cfg[name]`` as a float (``default`` where absent; null or not a number: a
+    ValueError naming it)."""
+    value = cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"model: config.json: {name} {value!r} must be a number")
+    return float(value)
+
+
 def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A mixture of experts' fields (``ModelConfig``; none for a dense model): the number
     of experts (``num_local_experts`` as Mixtral and transformers 5's Qwen3-MoE name it, or
     ``num_experts``), the layers with experts from ``mlp_only_layers`` and
     ``decoder_sparse_step`` as transformers' Qwen2/3-MoE derive them (layer i is sparse
-    unless listed, when (i + 1) is a multiple of the step)."""
-    experts = int(
-        cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-    )
+    unless listed, when (i + 1) is a multiple of the step). A field null, missing where
+    required, or not an integer is a ValueError naming it."""
+    experts = 0
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        experts = experts or _cfg_int(cfg, name, 0, minimum=0)
     if experts == 0:
         return {}
     if "n_routed_experts" in cfg:
@@ -617,13 +648,14 @@ def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         )
     dense = set(cfg.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    moe_inter = cfg.get("moe_intermediate_size")
     return dict(
         num_experts=experts,
-        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-        moe_intermediate_size=None if moe_inter is None else int(moe_inter),
+        num_experts_per_tok=_cfg_int(cfg, "num_experts_per_tok", minimum=1),
+        moe_intermediate_size=_cfg_int(cfg, "moe_intermediate_size", None, minimum=1),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        shared_expert_intermediate_size=_cfg_int(
+            cfg, "shared_expert_intermediate_size", 0, minimum=0
+        ),
         moe_layers=None if len(layers) == num_layers else layers,
     )
 
@@ -642,21 +674,21 @@ def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> 
         raise ValueError(
             f"model: config.json: scoring_func {scoring!r} is not supported (only 'softmax')"
         )
-    first = int(cfg.get("first_k_dense_replace") or 0)
+    first = _cfg_int(cfg, "first_k_dense_replace", 0, minimum=0)
     layers = tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
-    moe_inter = int(cfg["moe_intermediate_size"])
+    moe_inter = _cfg_int(cfg, "moe_intermediate_size", minimum=1)
     return dict(
         num_experts=experts,
-        num_experts_per_tok=int(cfg["num_experts_per_tok"] or 0),
+        num_experts_per_tok=_cfg_int(cfg, "num_experts_per_tok", minimum=1),
         moe_intermediate_size=moe_inter,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * moe_inter,
+        shared_expert_intermediate_size=_cfg_int(cfg, "n_shared_experts", 0, minimum=0) * moe_inter,
         shared_expert_gate=False,
         moe_layers=None if len(layers) == num_layers else layers,
         topk_method=str(cfg.get("topk_method") or "greedy"),
-        n_group=int(cfg.get("n_group") or 1),
-        topk_group=int(cfg.get("topk_group") or 1),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_group=_cfg_int(cfg, "n_group", 1, minimum=1),
+        topk_group=_cfg_int(cfg, "topk_group", 1, minimum=1),
+        routed_scaling_factor=_cfg_float(cfg, "routed_scaling_factor", 1.0),
     )
 
 
@@ -665,13 +697,12 @@ def _mla_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     is the rope part of a head (``qk_rope_head_dim``, as transformers sets it)."""
     if cfg.get("kv_lora_rank") is None:
         return {}
-    q_lora = cfg.get("q_lora_rank")
     return dict(
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
-        head_dim=int(cfg["qk_rope_head_dim"]),
+        kv_lora_rank=_cfg_int(cfg, "kv_lora_rank", minimum=1),
+        q_lora_rank=_cfg_int(cfg, "q_lora_rank", None, minimum=1),
+        qk_nope_head_dim=_cfg_int(cfg, "qk_nope_head_dim", minimum=1),
+        v_head_dim=_cfg_int(cfg, "v_head_dim", minimum=1),
+        head_dim=_cfg_int(cfg, "qk_rope_head_dim", minimum=1),
     )
 
 
