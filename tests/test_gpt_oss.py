@@ -427,6 +427,31 @@ def test_sinks_pick_a_backend_with_them_or_are_refused_by_name(
         make_engine(gpt_oss_dir, attention_backend="cpu")
 
 
+def test_a_draft_model_chooses_its_backend_as_the_target_does(gpt_oss_dir, monkeypatch) -> None:
+    """The draft model's ``auto`` is the target's (one function): where the C kernel's
+    backend lacks sinks, both take the torch backend (not a refusal of the draft); where the
+    kernel does not build, both take the torch backend; otherwise both the C kernel's."""
+    from chunkserve.attention import cpu_kernels
+    from chunkserve.attention.base import AttentionBackend
+    from chunkserve.attention.cpu_paged import CpuAttentionBackend
+    from chunkserve.attention.torch_ref import TorchAttentionBackend
+
+    spec = {"method": "draft_model", "model": str(gpt_oss_dir), "num_speculative_tokens": 2}
+
+    def backends() -> tuple[type, type]:
+        worker = make_engine(gpt_oss_dir, speculative_config=spec, load_format="dummy").core.worker
+        return type(worker.attention), type(worker.draft.attention)
+
+    if cpu_kernels.load() is not None:
+        assert backends() == (CpuAttentionBackend, CpuAttentionBackend)
+    with monkeypatch.context() as m:  # the kernel's backend without sinks
+        m.setattr(CpuAttentionBackend, "supports", AttentionBackend.supports)
+        assert backends() == (TorchAttentionBackend, TorchAttentionBackend)
+    with monkeypatch.context() as m:  # the kernel does not build
+        m.setattr(cpu_kernels, "load", lambda: None)
+        assert backends() == (TorchAttentionBackend, TorchAttentionBackend)
+
+
 def test_norms_multiply_by_their_weight_in_fp32_as_transformers() -> None:
     """bf16: transformers' GPT-OSS norm (weight kept fp32) multiplies the fp32 normed values
     and casts once; ours the same (Llama's casts first, then multiplies: other roundings)."""
