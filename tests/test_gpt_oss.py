@@ -397,11 +397,50 @@ def test_quantization_we_do_not_load_is_refused_naming_it(
         make_engine(path)
 
 
-def test_gpt_oss_gguf_is_refused_naming_it() -> None:
-    from chunkserve.model.registry import gguf_spec
+def _fuse_gate_up(tensors: dict) -> None:
+    """Newer converters' fused ffn_gate_up_exps (gate rows, then up rows) and its bias."""
+    import numpy as np
 
-    with pytest.raises(ValueError, match="GGUF architecture 'gpt-oss'.*HF directory"):
-        gguf_spec("gpt-oss")
+    for name in [n for n in tensors if ".ffn_gate_exps." in n]:
+        up = tensors.pop(name.replace("gate_exps", "up_exps"))
+        fused = np.concatenate((tensors.pop(name), up), axis=-2 if name.endswith("weight") else -1)
+        tensors[name.replace("gate_exps", "gate_up_exps")] = fused
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "f32", "f32-fused"])
+def test_gguf_matches_the_directory(mxfp4_dirs, tmp_path, experts: str) -> None:
+    """Written as llama.cpp's converter writes GPT-OSS (gate_up_proj's interleaved columns
+    split into ffn_gate_exps / ffn_up_exps, or fused gate-then-up; down_proj as [E, H, I];
+    sinks, router bias; the experts in GGUF MXFP4 of the checkpoint's own codes, or F32): the
+    logits and greedy tokens of the directory of the float values. llama.cpp hard-codes
+    the SwiGLU clamp at 7.0, so the directory compared has that."""
+    import gguf
+
+    from chunkserve.model.loader import gguf_model_config, hf_model_config, open_gguf
+    from tests.test_gguf import _compare, write_gguf
+
+    quant, floats = mxfp4_dirs
+    ref = variant(floats, tmp_path / "ref", swiglu_limit=7.0)
+    src = quant if experts == "mxfp4" else ref
+    edit = _fuse_gate_up if experts == "f32-fused" else None
+    path = write_gguf(src, tmp_path / "m.gguf", edit=edit)
+    reader = open_gguf(path)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    if experts == "mxfp4":
+        assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+        assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    got, want = gguf_model_config(reader), hf_model_config(ref)
+    for field in (
+        "architecture", "attention_sinks", "sliding_window", "window_layers", "swiglu_limit",
+        "swiglu_alpha", "rope_scaling", "num_experts", "num_experts_per_tok", "head_dim",
+        "attention_bias",
+    ):  # fmt: skip
+        g, w = getattr(got, field), getattr(want, field)
+        if field == "rope_scaling":  # the keys the file has (the others: their defaults)
+            w = {k: v for k, v in w.items() if k in g}
+            g = {k: v for k, v in g.items() if k in w}
+        assert g == w, (field, g, w)
+    _compare(ref, path, 1e-5)
 
 
 def test_sinks_pick_a_backend_with_them_or_are_refused_by_name(

@@ -254,13 +254,16 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             raise _refuse(f"file of {arch!r}", f"key {prefix + required!r} is missing")
     fields.setdefault("num_kv_heads", fields["num_heads"])
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
-    if values.get("attention.value_length", fields["head_dim"]) != fields["head_dim"]:
+    if (
+        "attention.value_length" not in spec.keys
+        and values.get("attention.value_length", fields["head_dim"]) != fields["head_dim"]
+    ):
         raise _refuse(
             f"key {prefix}attention.value_length",
             f"{values['attention.value_length']} differs from the key length "
             f"{fields['head_dim']} (not supported)",
         )
-    if "rope.dimension_count" in values:
+    if "rope.dimension_count" in values and "rope.dimension_count" not in spec.keys:
         fields["partial_rotary_factor"] = values["rope.dimension_count"] / fields["head_dim"]
     tokens = _field(reader, "tokenizer.ggml.tokens")
     fields.setdefault("vocab_size", len(tokens) if tokens is not None else 0)
@@ -347,6 +350,9 @@ def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
         return tuple(prefix + part for part in spec.splits[rest].parts)
     if rest in spec.experts:  # stacked: one name per expert ("{}": its index)
         return (prefix + spec.experts[rest],)
+    join = spec.join_of(rest)
+    if join is not None:
+        return (prefix + join.hf,)
     hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
     if hf is not None:
         return (prefix + hf,)
@@ -370,6 +376,7 @@ def iter_gguf_weights(
     from chunkserve.model.dequant import dequantize
 
     _, spec = gguf_spec(_field(reader, "general.architecture"))
+    held: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (block, HF name) -> joins' parts
     for t in reader.tensors:
         names = _gguf_to_hf(t.name, spec)
         if not names:
@@ -380,6 +387,18 @@ def iter_gguf_weights(
             arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy data is already [rows, cols] = HF's [out, in].
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        rest = t.name.split(".", 2)[2] if t.name.startswith("blk.") else ""
+        join = spec.join_of(rest) if rest else None
+        if join is not None:
+            have = held.setdefault((names[0], join.parts[0]), {})
+            have[rest] = arr
+            if len(have) < len(join.parts):
+                continue
+            del held[(names[0], join.parts[0])]
+            try:
+                arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
+            except ValueError as exc:
+                raise _refuse(f"tensor {t.name!r}", str(exc)) from None
         parts = [arr]
         if "{}" in names[0]:  # a mixture of experts' stacked tensor: expert by expert
             if arr.ndim != 3 or arr.shape[0] != config.num_experts:
@@ -404,6 +423,12 @@ def iter_gguf_weights(
             if not part.flags.writeable:
                 part = part.copy()  # memory-mapped F32 tensors are read-only
             yield name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
+    if held:
+        (name, _), have = sorted(held.items())[0]
+        join = spec.join_of(next(iter(have)))
+        assert join is not None
+        missing = [p for p in join.parts if p not in have]
+        raise _refuse(f"tensor {name!r}", f"{', '.join(sorted(have))} without {', '.join(missing)}")
 
 
 def _is_proj(name: str, proj: str) -> bool:
