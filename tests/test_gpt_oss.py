@@ -590,6 +590,61 @@ def test_the_published_config_reads_as_transformers_reads_it(tmp_path) -> None:
     assert factor == pytest.approx(want_factor)
 
 
+def test_a_slice_dequantizes_as_the_whole_tensor_does() -> None:
+    """``LazyDequant[src]`` (what a tensor-parallel rank reads) equals the whole tensor's
+    dequantized values there, for slices that start and end inside MXFP4's 32-value groups
+    and FP8's blocks, with steps (GPT-OSS's interleaved gate/up columns) and empty ones."""
+    from chunkserve.model.hf_quant import LazyDequant
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 24, 96, generator=gen)  # [E, out, in]: in is 3 groups of 32
+    blocks, scales, values = mxfp4_quantize(w)
+    whole = values.transpose(1, 2)  # the HF parameter [E, in, out]
+    lazy = LazyDequant("mxfp4", {"blocks": blocks, "scales": scales}, torch.float32)
+    assert lazy.shape == whole.shape
+    f8 = (torch.randn(50, 70, generator=gen) * 4).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 4, generator=gen) + 0.5  # 24 x 20 blocks, partial at the edges
+    fp8 = LazyDequant("fp8", {"weight": f8, "scale": scale}, torch.float32, (24, 20))
+    fp8_whole = dequantize_fp8_blocks(f8, scale, (24, 20))
+    cases = [
+        (lazy, whole, (slice(None),)),
+        (lazy, whole, (slice(1, 3), slice(40, 70))),  # rows inside groups 1 and 2
+        (lazy, whole, (slice(None), slice(None), slice(5, 21, 2))),  # interleaved columns
+        (lazy, whole, (slice(0, 2), slice(33, 34), slice(1, None, 2))),
+        (lazy, whole, (slice(0, 0),)),
+        (fp8, fp8_whole, (slice(10, 45), slice(None))),
+        (fp8, fp8_whole, (slice(None), slice(19, 61))),
+        (fp8, fp8_whole, (slice(23, 25), slice(1, 70, 3))),
+    ]
+    for t, full, src in cases:
+        got = t[src]
+        assert got.shape == full[src].shape, src
+        assert torch.equal(got, full[src]), src
+
+
+def test_tensor_parallel_ranks_of_quantized_checkpoints_match_one_process(
+    mxfp4_dirs, fp8_dirs
+) -> None:
+    """Each rank dequantizes only its share (its experts' columns; its rows or columns of
+    the FP8 projections): tensor parallel 2 of the quantized checkpoint gives one process's
+    logits of the float values."""
+    work = [*prompts(), random_prompt(random.Random(3), 100)]
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    for quant, floats in (mxfp4_dirs, fp8_dirs):
+        tp1 = make_engine(floats, max_num_batched_tokens=64)
+        ref = record_logits(tp1)
+        want = run_all(tp1, work, params)
+        tp2 = make_engine(quant, max_num_batched_tokens=64, tensor_parallel_size=2)
+        try:
+            got = record_logits(tp2)
+            assert run_all(tp2, work, params) == want
+            assert len(got) == len(ref) > 0
+            for a, b in zip(got, ref, strict=True):
+                assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+        finally:
+            tp2.shutdown()
+
+
 def test_fp8_tensors_without_their_pair_or_of_another_kind_are_refused() -> None:
     from chunkserve.model.hf_quant import dequantize_stream
 

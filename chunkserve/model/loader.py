@@ -785,7 +785,7 @@ def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch
         for name, t in _iter_safetensors(path):
             yield name, t.to(dtype)
         return
-    yield from dequantize_stream(_iter_safetensors(path), method, dtype, cfg)
+    yield from dequantize_stream(_iter_safetensors(path), method, dtype, cfg, lazy=True)
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
