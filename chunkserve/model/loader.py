@@ -19,7 +19,10 @@ module applies it generically:
 - **Tensors**: the Llama table below (``_GGUF_TOP_NAMES``, ``_GGUF_BLOCK_NAMES``: GGUF name
   -> HF name) updated with the spec's ``tensors``; the spec's ``splits`` cut fused tensors
   into their HF parts; its ``experts`` cut a mixture of experts' stacked tensors
-  (``ffn_gate_exps`` ...) into one HF tensor per expert; ``permuted_qk`` undoes llama.cpp's
+  (``ffn_gate_exps`` ...) into one HF tensor per expert; its ``joins`` make an HF tensor of
+  several GGUF ones, or of one changed (MLA's ``kv_b_proj`` from ``attn_k_b`` and
+  ``attn_v_b``, GPT-OSS's interleaved ``gate_up_proj`` from ``ffn_gate_exps`` and
+  ``ffn_up_exps``); ``permuted_qk`` undoes llama.cpp's
   Q/K row permutation (its ``LlamaModel.permute``, applied by the Llama-derived converters
   only); ``norm_offset``
   undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
@@ -775,7 +778,8 @@ def hf_weight_files(path: Path) -> list[Path]:
 
 def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The directory's tensors in ``dtype``; a quantized checkpoint's (``hf_quant``: MXFP4,
-    block FP8) dequantized as they stream in."""
+    block FP8) as ``hf_quant.LazyDequant``s, dequantized where the model's weight loader
+    reads them (``tensor[src]``: a tensor-parallel rank only its share)."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
