@@ -360,7 +360,19 @@ def test_a_published_config_json_reads(dirs, tmp_path) -> None:
 
 
 # ---- GGUF (llama.cpp's deepseek2) ----------------------------------------------------------
-@pytest.mark.parametrize("name, split_kv_b", [("lite", False), ("lite", True), ("v2-greedy", True)])
+def _kv_b_beside_its_split(tensors: dict) -> None:
+    """attn_kv_b written beside attn_k_b and attn_v_b (converters that keep both)."""
+    import numpy as np
+
+    for name in [n for n in tensors if n.endswith("attn_k_b.weight")]:
+        k_b, v_b = tensors[name], tensors[name.replace("k_b", "v_b")]
+        kv = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1)
+        tensors[name.replace("k_b", "kv_b")] = kv.reshape(-1, kv.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "name, split_kv_b", [("lite", False), ("lite", True), ("lite", "both"), ("v2-greedy", True)]
+)
 def test_gguf_matches_the_directory(dirs, tmp_path, name, split_kv_b) -> None:
     """Written as llama.cpp's converter writes DeepSeek-V2 (MLA as MQA over the latent:
     head_count_kv 1, key_length kv_lora_rank + rope dims; kv_b_proj whole, or split into
@@ -374,10 +386,12 @@ def test_gguf_matches_the_directory(dirs, tmp_path, name, split_kv_b) -> None:
     src = dirs["lite"]
     if name == "v2-greedy":
         src = variant(dirs["v2"], tmp_path / "v2", topk_method="greedy", n_group=1, topk_group=1)
-    path = write_gguf(src, tmp_path / "m.gguf", split_kv_b=split_kv_b)
+    both = _kv_b_beside_its_split if split_kv_b == "both" else None
+    path = write_gguf(src, tmp_path / "m.gguf", split_kv_b=bool(split_kv_b), edit=both)
     reader = open_gguf(path)
     names = {t.name for t in reader.tensors}
-    assert ("blk.0.attn_k_b.weight" in names) == split_kv_b
+    assert ("blk.0.attn_k_b.weight" in names) == bool(split_kv_b)
+    assert ("blk.0.attn_kv_b.weight" in names) == (split_kv_b is not True)
     got, want = gguf_model_config(reader), hf_model_config(src)
     for field in (
         "architecture", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",

@@ -380,6 +380,10 @@ def iter_gguf_weights(
 
     _, spec = gguf_spec(_field(reader, "general.architecture"))
     held: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (block, HF name) -> joins' parts
+    # A join's HF tensor may also be in the file as such (converters writing attn_kv_b
+    # beside attn_k_b / attn_v_b): the same weights in two layouts, loaded once.
+    joined = {j.hf for j in spec.joins}
+    loaded: set[str] = set()
     for t in reader.tensors:
         names = _gguf_to_hf(t.name, spec)
         if not names:
@@ -417,6 +421,10 @@ def iter_gguf_weights(
                 raise _refuse(f"tensor {t.name!r}", f"{arr.shape[0]} rows, expected {sizes}")
             parts = np.split(arr, np.cumsum(sizes)[:-1], axis=0)
         for name, part in zip(names, parts, strict=True):
+            if name.startswith("model.layers.") and name.split(".", 3)[3] in joined:
+                if name in loaded:
+                    continue
+                loaded.add(name)
             if spec.permuted_qk and _is_proj(name, "q_proj"):
                 part = _unpermute_rope(part, config.num_heads)
             elif spec.permuted_qk and _is_proj(name, "k_proj"):
