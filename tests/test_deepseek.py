@@ -357,3 +357,65 @@ def test_a_published_config_json_reads(dirs, tmp_path) -> None:
     assert config.rope_scaling["factor"] == 40.0 and config.rope_theta == 10000
     assert config.moe_layers == (1,) and config.topk_method == "greedy"
     assert config.shared_expert_intermediate_size == 2 * 32 and not config.shared_expert_gate
+
+
+# ---- GGUF (llama.cpp's deepseek2) ----------------------------------------------------------
+def _kv_b_beside_its_split(tensors: dict) -> None:
+    """attn_kv_b written beside attn_k_b and attn_v_b (converters that keep both)."""
+    import numpy as np
+
+    for name in [n for n in tensors if n.endswith("attn_k_b.weight")]:
+        k_b, v_b = tensors[name], tensors[name.replace("k_b", "v_b")]
+        kv = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1)
+        tensors[name.replace("k_b", "kv_b")] = kv.reshape(-1, kv.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "name, split_kv_b", [("lite", False), ("lite", True), ("lite", "both"), ("v2-greedy", True)]
+)
+def test_gguf_matches_the_directory(dirs, tmp_path, name, split_kv_b) -> None:
+    """Written as llama.cpp's converter writes DeepSeek-V2 (MLA as MQA over the latent:
+    head_count_kv 1, key_length kv_lora_rank + rope dims; kv_b_proj whole, or split into
+    attn_k_b / attn_v_b as newer converters write it; experts stacked, shared experts as
+    ffn_*_shexp; mscale_all_dim in yarn_log_multiplier): the directory's logits and greedy
+    tokens. V2's q bottleneck and routed scaling factor with greedy routing (the converter
+    writes no group keys for V2's group_limited_greedy)."""
+    from chunkserve.model.loader import gguf_model_config, hf_model_config, open_gguf
+    from tests.test_gguf import _compare, write_gguf
+
+    src = dirs["lite"]
+    if name == "v2-greedy":
+        src = variant(dirs["v2"], tmp_path / "v2", topk_method="greedy", n_group=1, topk_group=1)
+    both = _kv_b_beside_its_split if split_kv_b == "both" else None
+    path = write_gguf(src, tmp_path / "m.gguf", split_kv_b=bool(split_kv_b), edit=both)
+    reader = open_gguf(path)
+    names = {t.name for t in reader.tensors}
+    assert ("blk.0.attn_k_b.weight" in names) == bool(split_kv_b)
+    assert ("blk.0.attn_kv_b.weight" in names) == (split_kv_b is not True)
+    got, want = gguf_model_config(reader), hf_model_config(src)
+    for field in (
+        "architecture", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
+        "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "moe_layers", "routed_scaling_factor",
+        "num_kv_heads",
+    ):  # fmt: skip
+        assert getattr(got, field) == getattr(want, field), field
+    _compare(src, path, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra, edit, named",
+    [
+        ({"deepseek2.expert_group_count": 4}, None, "deepseek2.expert_group_count"),
+        (None, lambda t: t.pop("blk.1.attn_v_b.weight"), "attn_k_b.weight without attn_v_b"),
+        (None, lambda t: t.update({"blk.1.exp_probs_b.bias": t["blk.1.ffn_norm.weight"][:8]}),
+         "blk.1.exp_probs_b.bias"),
+    ],
+)  # fmt: skip
+def test_gguf_what_we_cannot_honour_is_refused_naming_it(dirs, tmp_path, extra, edit, named):
+    """V3's grouped router (group keys), a half of a split kv_b, V3's expert bias."""
+    from tests.test_gguf import write_gguf
+
+    path = write_gguf(dirs["lite"], tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
+    with pytest.raises(ValueError, match=named):
+        make_engine(path)

@@ -36,6 +36,8 @@ GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "deepseek_v2": "deepseek2",
+    "gpt_oss": "gpt-oss",
 }
 # The converters derived from llama.cpp's LlamaModel, which permute Q/K rows.
 PERMUTED = {"llama", "mistral", "mixtral", "granite", "smollm3"}
@@ -78,11 +80,19 @@ def _llama3_rope_freqs(cfg: dict, rope: dict) -> np.ndarray:
 
 
 def write_gguf(
-    hf_dir: Path, out: Path, quant: str | None = None, extra: dict | None = None, edit=None
+    hf_dir: Path,
+    out: Path,
+    quant: str | None = None,
+    extra: dict | None = None,
+    edit=None,
+    split_kv_b: bool = False,
 ):
     """The HF directory as llama.cpp's ``convert_hf_to_gguf.py`` writes it (F32, or Q8_0
     matrices with ``quant="Q8_0"``), with the embedded model's tokenizer. ``extra``: more
-    metadata (key -> value) to write; ``edit``: changes the GGUF-named tensors (a dict)."""
+    metadata (key -> value) to write; ``edit``: changes the GGUF-named tensors (a dict).
+    DeepSeek-V2: ``split_kv_b`` as newer converters write ``kv_b_proj`` (attn_k_b, attn_v_b).
+    GPT-OSS: experts as the converter splits them; a directory with MXFP4 experts
+    (``*_blocks``, ``*_scales``) gives GGUF MXFP4 tensors of the same codes."""
     import gguf
     from safetensors.torch import load_file
 
@@ -100,12 +110,13 @@ def write_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
+    w.add_head_count_kv(1 if family == "deepseek_v2" else n_kv)  # MLA written as MQA
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if family != "phi3":  # Phi3MiniModel.set_gguf_parameters writes none
         w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get("head_dim") and family != "granite":  # Granite's converter drops head_dim
+    # Granite's converter drops head_dim; DeepSeek's writes its own (below).
+    if cfg.get("head_dim") and family not in ("granite", "deepseek_v2"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if family in PERMUTED:  # LlamaModel.set_gguf_parameters
@@ -135,7 +146,15 @@ def write_gguf(
             for kind in ("long", "short"):
                 factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
                 w.add_tensor(f"rope_factors_{kind}.weight", factors)
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if family == "deepseek_v2":
+        _deepseek_keys(w, cfg, rope)
+    if family == "gpt_oss":  # GptOssModel.set_gguf_parameters, and the base's YaRN keys
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if experts:  # the converters' MoE keys
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -154,8 +173,13 @@ def write_gguf(
     stacked: dict[str, dict[int, np.ndarray]] = {}  # "...experts.gate_proj" -> expert -> tensor
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = _llama3_rope_freqs(cfg, rope)
+    raw: dict[str, tuple[np.ndarray, object]] = {}  # GGUF name -> (bytes, GGML type)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 pairs waiting for their partner
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if family == "gpt_oss" and (".experts." in name or name.endswith("sinks")):
+            _gpt_oss_tensor(name, tensor, names, tensors, raw, pending)
             continue
         data = tensor.float().numpy()
         if family in GEMMA and name.endswith("norm.weight"):
@@ -176,8 +200,13 @@ def write_gguf(
         gguf_name = names.get_name(name)
         assert gguf_name is not None, name
         tensors[gguf_name + ".weight"] = np.stack([parts[e] for e in range(len(parts))])
+    if family == "deepseek_v2" and split_kv_b:
+        _split_kv_b(tensors, cfg)
     if edit is not None:
         edit(tensors)
+    assert not pending, sorted(pending)
+    for gguf_name, (data, qtype) in raw.items():
+        w.add_tensor(gguf_name, data, raw_dtype=qtype)
     for gguf_name, data in tensors.items():
         if quant and data.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quant]
@@ -189,6 +218,108 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _deepseek_keys(w, cfg: dict, rope: dict) -> None:
+    """DeepseekV2Model.set_gguf_parameters: MLA as MQA over the latent, the MoE keys, YaRN's
+    mscale_all_dim as 0.1 x it in yarn_log_multiplier."""
+    import gguf
+
+    rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    w.add_key_length(rank + rope_dim)
+    w.add_value_length(rank)
+    w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_rope_dimension_count(rope_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _split_kv_b(tensors: dict, cfg: dict) -> None:
+    """Newer converters' attn_k_b ([H, rank, nope]: W_UK transposed) and attn_v_b
+    ([H, v, rank]) in place of attn_kv_b."""
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for name in [n for n in tensors if n.endswith("attn_kv_b.weight")]:
+        kv_b = tensors.pop(name)
+        per_head = kv_b.reshape(heads, nope + v, kv_b.shape[-1])
+        tensors[name.replace("kv_b", "k_b")] = np.ascontiguousarray(
+            per_head[:, :nope].transpose(0, 2, 1)
+        )
+        tensors[name.replace("kv_b", "v_b")] = np.ascontiguousarray(per_head[:, nope:])
+
+
+def _mxfp4_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """GGUF MXFP4 bytes [..., G * 17] of the same codes as HF's MXFP4 (``blocks`` [..., G,
+    16], the low nibble the even value; ``scales`` [..., G], E8M0): ggml's block is the scale
+    byte, then 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32]
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    out = torch.cat((scales[..., None], packed), dim=-1)  # [..., G, 17]
+    return out.flatten(-2).numpy()
+
+
+def _gpt_oss_tensor(
+    name: str, tensor: torch.Tensor, names, tensors: dict, raw: dict, pending: dict
+) -> None:
+    """GptOssModel's experts and sinks: gate_up_proj's interleaved columns split into gate
+    and up ([E, I, H] each, as [out, in]), down_proj as [E, H, I], the biases beside them;
+    MXFP4 pairs repacked into GGUF MXFP4 (the rows split the same way)."""
+    import gguf
+
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    assert layer is not None, name
+    blk = f"blk.{layer.group(1)}"
+    if name.endswith("sinks"):
+        tensors[f"{blk}.attn_sinks.weight"] = tensor.float().numpy()
+        return
+    block = name.split(".experts.")[0]
+    proj = name.split(".experts.")[1]
+    if proj.endswith(("_blocks", "_scales")):
+        base, part = proj.rsplit("_", 1)
+        pair = pending.setdefault(f"{block}.{base}", {})
+        pair[part] = tensor
+        if len(pair) < 2:
+            return
+        del pending[f"{block}.{base}"]
+        b, s = pair["blocks"], pair["scales"]  # [E, out, G, 16], [E, out, G]
+        if base == "down_proj":
+            raw[f"{blk}.ffn_down_exps.weight"] = (
+                _mxfp4_ggml(b, s),
+                gguf.GGMLQuantizationType.MXFP4,
+            )
+            return
+        for kind, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+            raw[f"{blk}.ffn_{kind}_exps.weight"] = (
+                _mxfp4_ggml(b[:, rows].contiguous(), s[:, rows].contiguous()),
+                gguf.GGMLQuantizationType.MXFP4,
+            )
+        return
+    data = tensor.float().numpy()
+    if proj == "gate_up_proj":  # [E, H, 2I] -> [E, 2I, H], rows interleaved
+        t = data.transpose(0, 2, 1)
+        tensors[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(t[:, ::2])
+        tensors[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(t[:, 1::2])
+    elif proj == "gate_up_proj_bias":
+        tensors[f"{blk}.ffn_gate_exps.bias"] = np.ascontiguousarray(data[:, ::2])
+        tensors[f"{blk}.ffn_up_exps.bias"] = np.ascontiguousarray(data[:, 1::2])
+    elif proj == "down_proj":
+        tensors[f"{blk}.ffn_down_exps.weight"] = np.ascontiguousarray(data.transpose(0, 2, 1))
+    elif proj == "down_proj_bias":
+        tensors[f"{blk}.ffn_down_exps.bias"] = data
+    else:
+        raise AssertionError(name)
 
 
 def _value_type(value):

@@ -423,6 +423,77 @@ def test_unsupported_moe_options_are_refused_naming_them(
         make_engine(path)
 
 
+# A minimal config.json of each kind of MoE config (Mixtral's names, DeepSeek's with latent
+# attention): every numeric field below, null or of the wrong type, is a ValueError naming it.
+_MIXTRAL_JSON = dict(
+    architectures=["MixtralForCausalLM"],
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+_DEEPSEEK_JSON = dict(
+    _MIXTRAL_JSON,
+    architectures=["DeepseekV2ForCausalLM"],
+    num_local_experts=None,
+    n_routed_experts=4,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+)
+_NUMERIC_FIELDS = [
+    (_MIXTRAL_JSON, f)
+    for f in ("num_experts_per_tok", "num_local_experts", "vocab_size", "num_hidden_layers")
+] + [
+    (_DEEPSEEK_JSON, f)
+    for f in (
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+    )
+]
+
+
+@pytest.mark.parametrize("value", [None, "2", 1.5])
+@pytest.mark.parametrize(
+    "base, field", _NUMERIC_FIELDS, ids=[f"{b['architectures'][0]}-{f}" for b, f in _NUMERIC_FIELDS]
+)
+def test_null_or_non_integer_config_fields_are_refused_naming_them(
+    tmp_path, base, field, value
+) -> None:
+    import json
+
+    from chunkserve.model.loader import hf_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    hf_model_config(tmp_path)  # the base reads
+    if field == "routed_scaling_factor" and value == 1.5:
+        return  # a number: fine
+    if field in ("num_local_experts", "n_routed_experts", "n_group", "topk_group") and (
+        value is None
+    ):
+        return  # null: no experts (transformers' DeepseekV2: every MLP dense), one group
+    (tmp_path / "config.json").write_text(json.dumps({**base, field: value}))
+    with pytest.raises(ValueError, match=field):
+        hf_model_config(tmp_path)
+
+
 def test_expert_parallel_without_experts_is_refused(hf_dir, tmp_path, no_weight_loading) -> None:
     from tests.test_model_families import hf_config
 

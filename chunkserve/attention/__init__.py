@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Iterable
 
 import torch
 
 from chunkserve.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 from chunkserve.config import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -77,6 +81,39 @@ def get_attention_backend(
     return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
 
 
+def select_attention_backend(
+    name: str,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
+    deterministic: bool = False,
+    specs: Iterable[AttentionSpec] = (),
+    who: str = "model",
+) -> AttentionBackend:
+    """The backend a model (the target, or a draft model) attends with: ``name`` as
+    ``get_attention_backend`` resolves it (``auto``: the C kernel's where it builds and
+    takes the shapes, else torch's), and where ``auto`` picked a backend without something
+    in ``specs`` (what the model's layers need: windows, soft-caps, sinks), the torch
+    backend, which has them all (a log line). A backend named explicitly is kept: the
+    caller's ``check_attention`` then refuses what it lacks, by name."""
+    backend = get_attention_backend(
+        name, device, num_heads, num_kv_heads, head_dim, dtype, block_size, deterministic
+    )
+    if name == "auto" and any(backend.supports(spec) is not None for spec in specs):
+        logger.info(
+            "attention backend (%s): %s lacks what the model's attention needs; using torch",
+            who,
+            type(backend).__name__,
+        )
+        backend = get_attention_backend(
+            "torch", device, num_heads, num_kv_heads, head_dim, dtype, block_size, deterministic
+        )
+    return backend
+
+
 def _cpu_kernel(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
     """The C kernel when it serves this configuration, else None."""
     from chunkserve.attention import cpu_kernels
@@ -91,5 +128,6 @@ __all__ = [
     "AttentionSpec",
     "BatchLayout",
     "get_attention_backend",
+    "select_attention_backend",
     "triton_usable",
 ]

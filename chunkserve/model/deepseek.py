@@ -46,8 +46,8 @@ from chunkserve.model.layers import (
     Target,
     _yarn_mscale,
 )
-from chunkserve.model.moe import MOE_NAMES
-from chunkserve.model.registry import KVLayout, register
+from chunkserve.model.moe import MOE_NAMES, gguf_moe_names
+from chunkserve.model.registry import GGUFJoin, GGUFSpec, KVLayout, register
 
 if TYPE_CHECKING:
     from chunkserve.attention.base import AttentionBackend
@@ -244,7 +244,142 @@ class LatentAttention(nn.Module):
         return out
 
 
-@register("deepseek_v2", hf=("DeepseekV2ForCausalLM",))
+# ---- GGUF (llama.cpp's ``deepseek2``) --------------------------------------------------------
+# The converter writes MLA as MQA: head_count_kv 1, key_length kv_lora_rank + rope dims,
+# value_length kv_lora_rank (the latent), the per-head sizes as key_length_mla (no-rope +
+# rope) and value_length_mla; rope.dimension_count is qk_rope_head_dim; the first
+# leading_dense_block_count layers dense; experts stacked, the shared experts (ungated) as
+# ffn_*_shexp with expert_shared_count experts' width; expert_weights_scale is
+# routed_scaling_factor; YaRN's mscale_all_dim as rope.scaling.yarn_log_multiplier (0.1 x it;
+# llama.cpp applies it as DeepSeek does when mscale == mscale_all_dim, as V2 ships: cos/sin
+# unscaled, the softmax scale x mscale(factor, mscale_all_dim) ** 2). kv_b_proj is attn_kv_b,
+# or (newer converters, for absorbed attention) attn_k_b, each head's W_UK transposed
+# ([H, rank, nope]), and attn_v_b ([H, v, rank]).
+_DEEPSEEK_TENSORS, _DEEPSEEK_EXPERTS = gguf_moe_names(DEEPSEEK_NAMES, shared=True)
+_DEEPSEEK_TENSORS.update(
+    {
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    }
+)
+_DEEPSEEK_KEYS = {
+    "attention.head_count_kv": "_head_count_kv",
+    "attention.key_length": "_key_length",
+    "attention.value_length": "_value_length",
+    "attention.key_length_mla": "_key_length_mla",
+    "attention.value_length_mla": "v_head_dim",
+    "attention.kv_lora_rank": "kv_lora_rank",
+    "attention.q_lora_rank": "q_lora_rank",
+    "rope.dimension_count": "_rope_dim",
+    "rope.scaling.yarn_log_multiplier": "_yarn_log_mul",
+    "leading_dense_block_count": "_leading_dense",
+    "expert_shared_count": "_shared_count",
+    "expert_weights_scale": ("routed_scaling_factor", float),
+    "expert_gating_func": "_gating_func",
+    "expert_group_count": "_group_count",
+    "expert_group_used_count": "_group_used_count",
+}
+_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (2: sigmoid, V3's)
+
+
+def _kv_b_from_k_b_v_b(config: ModelConfig, arrays: list) -> object:
+    """kv_b_proj [H * (nope + v), rank] from attn_k_b [H, rank, nope] and attn_v_b
+    [H, v, rank] (the converter's split, W_UK transposed)."""
+    import numpy as np
+
+    k_b, v_b = arrays
+    heads, rank = config.num_heads, config.kv_lora_rank
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    if k_b.size != heads * rank * nope or v_b.size != heads * v * rank:
+        raise ValueError(
+            f"attn_k_b {k_b.shape} / attn_v_b {v_b.shape} do not hold {heads} heads of "
+            f"[{rank} x {nope}] / [{v} x {rank}]"
+        )
+    k = k_b.reshape(heads, rank, nope).transpose(0, 2, 1)
+    return np.concatenate((k, v_b.reshape(heads, v, rank)), axis=1).reshape(-1, rank)
+
+
+def _deepseek_gguf_fields(f: dict) -> dict:
+    """ModelConfig's MLA and MoE fields from the deepseek2 keys (see above)."""
+    prefix = "deepseek2."
+
+    def need(name: str, key: str) -> int:
+        if f.get(name) is None:
+            raise ValueError(f"model: GGUF file of 'deepseek2': key {prefix + key!r} is missing")
+        return int(f[name])
+
+    rank, rope = (
+        need("kv_lora_rank", "attention.kv_lora_rank"),
+        need("_rope_dim", "rope.dimension_count"),
+    )
+    qk = need("_key_length_mla", "attention.key_length_mla")
+    for name, key, want in (
+        ("_key_length", "attention.key_length", rank + rope),
+        ("_value_length", "attention.value_length", rank),
+        ("_head_count_kv", "attention.head_count_kv", 1),
+    ):
+        if f.get(name) is not None and int(f[name]) != want:
+            raise ValueError(
+                f"model: GGUF key {prefix + key!r}: {f[name]}, expected {want} (MLA written as "
+                f"MQA over the latent); other layouts are not supported"
+            )
+    if f.get("_gating_func", _SOFTMAX_GATING) != _SOFTMAX_GATING:
+        raise ValueError(
+            f"model: GGUF key {prefix}expert_gating_func: {f['_gating_func']} is not "
+            f"supported (only 1, softmax: DeepSeek-V2's router)"
+        )
+    for name, key in (
+        ("_group_count", "expert_group_count"),
+        ("_group_used_count", "expert_group_used_count"),
+    ):
+        if f.get(name, 1) not in (0, 1):
+            raise ValueError(
+                f"model: GGUF key {prefix + key!r}: {f[name]} is not supported (llama.cpp's "
+                f"group scoring is not DeepSeek-V2's group_limited_greedy; serve the HF "
+                f"directory)"
+            )
+    out: dict = dict(
+        head_dim=rope,
+        qk_nope_head_dim=qk - rope,
+        num_kv_heads=f["num_heads"],  # transformers' config: one KV head per head
+        shared_expert_gate=False,
+        topk_method="greedy",
+    )
+    if f.get("num_experts"):
+        first = int(f.get("_leading_dense") or 0)
+        out["moe_layers"] = tuple(range(first, f["num_layers"])) if first else None
+        out["shared_expert_intermediate_size"] = int(f.get("_shared_count") or 0) * int(
+            f.get("moe_intermediate_size") or 0
+        )
+    scaling = f.get("rope_scaling")
+    if scaling and scaling.get("rope_type") == "yarn":
+        scaling = dict(scaling)
+        scaling.setdefault("attention_factor", 1.0)
+        if f.get("_yarn_log_mul"):
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(f["_yarn_log_mul"]) / 0.1
+        out["rope_scaling"] = scaling
+    return out
+
+
+DEEPSEEK_GGUF = GGUFSpec(
+    "deepseek2",
+    tensors=_DEEPSEEK_TENSORS,
+    experts=_DEEPSEEK_EXPERTS,
+    keys=_DEEPSEEK_KEYS,
+    joins=(
+        GGUFJoin(
+            "self_attn.kv_b_proj.weight", ("attn_k_b.weight", "attn_v_b.weight"), _kv_b_from_k_b_v_b
+        ),
+    ),
+    derive=_deepseek_gguf_fields,
+)
+
+
+@register("deepseek_v2", hf=("DeepseekV2ForCausalLM",), gguf=[DEEPSEEK_GGUF])
 class DeepseekV2Model(DecoderLM):
     attention_cls = LatentAttention
     moe_names: ClassVar[dict[str, str]] = DEEPSEEK_NAMES

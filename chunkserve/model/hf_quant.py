@@ -20,6 +20,13 @@ the formats the published mixture-of-experts models ship in. ``config.json``'s
 
 The two tensors of a pair may come in either order, from different shards: the first is
 held until its partner arrives; one left without its partner is a ValueError naming it.
+
+Tensor parallel: a rank keeps a slice of most tensors (``layers.Target``: ``tensor[src]``,
+a tuple of slices). ``dequantize_stream(lazy=True)`` (the loader's) yields a quantized
+tensor as a ``LazyDequant``, whose ``[src]`` dequantizes only the blocks the slice touches
+(MXFP4: the rows it selects and the 32-value groups its input range covers; FP8: the rows
+and columns it selects with their blocks' scales), so a rank dequantizes its share of the
+checkpoint, not the whole of it (``benchmarks/tp_dequant.py`` measures it).
 """
 
 from __future__ import annotations
@@ -117,14 +124,97 @@ def dequantize_fp8_blocks(
     return weight.float() * s
 
 
+class LazyDequant:
+    """A quantized checkpoint tensor, dequantized only where it is read: ``shape`` is the
+    dequantized tensor's; ``t[src]`` (a tuple of slices, as ``layers.Target`` reads a
+    checkpoint tensor) is ``dequantized[src]`` in ``dtype``, computed from the blocks ``src``
+    touches only. The pair's shapes are checked when it is made."""
+
+    def __init__(
+        self,
+        method: str,
+        parts: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        block: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.method, self.dtype, self.block = method, dtype, block
+        if method == "mxfp4":
+            self.blocks, self.scales = parts["blocks"], parts["scales"]
+            _check_mxfp4(self.blocks, self.scales)
+            *lead, out, groups, _ = self.blocks.shape
+            self.shape = torch.Size((*lead, groups * 32, out))  # [..., in, out]
+        else:
+            self.weight, self.scale = parts["weight"], parts["scale"]
+            _check_fp8(self.weight, self.scale, block)
+            self.shape = self.weight.shape
+
+    def __getitem__(self, src: tuple[slice, ...]) -> torch.Tensor:
+        if not isinstance(src, tuple):
+            src = (src,)
+        if not all(isinstance(s, slice) for s in src) or len(src) > len(self.shape):
+            raise TypeError(f"LazyDequant: index by a tuple of slices, got {src!r}")
+        src = (*src, *[slice(None)] * (len(self.shape) - len(src)))
+        out_shape = torch.empty(self.shape, device="meta")[src].shape
+        if out_shape.numel() == 0:
+            return torch.empty(out_shape, dtype=self.dtype)
+        if self.method == "mxfp4":
+            return self._mxfp4(src).to(self.dtype)
+        return self._fp8(src).to(self.dtype)
+
+    def _mxfp4(self, src: tuple[slice, ...]) -> torch.Tensor:
+        *lead, rows, cols = src  # rows: the input dim (grouped by 32), cols: the output dim
+        start, stop, step = rows.indices(self.shape[-2])
+        g0, g1 = start // 32, -(-stop // 32)
+        sel = (*lead, cols, slice(g0, g1))
+        values = dequantize_mxfp4(self.blocks[sel], self.scales[sel]).transpose(-1, -2)
+        return values[..., start - 32 * g0 : stop - 32 * g0 : step, :]
+
+    def _fp8(self, src: tuple[slice, ...]) -> torch.Tensor:
+        *lead, rows, cols = src
+        bm, bn = self.block
+        m, n = self.shape[-2:]
+        r = torch.arange(m)[rows] // bm
+        c = torch.arange(n)[cols] // bn
+        scale = self.scale[(*lead,)].float().index_select(-2, r).index_select(-1, c)
+        return self.weight[src].float() * scale
+
+    def full(self) -> torch.Tensor:
+        return self[(slice(None),)]
+
+
+def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"MXFP4: blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}"
+        )
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
+            f"match ([..., G, 16] and [..., G])"
+        )
+
+
+def _check_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    bm, bn = block
+    m, n = weight.shape[-2:]
+    want = (-(-m // bm), -(-n // bn))
+    if tuple(scale_inv.shape[-2:]) != want:
+        raise ValueError(
+            f"FP8: scales {tuple(scale_inv.shape)} do not match a {tuple(weight.shape)} weight "
+            f"in {bm} x {bn} blocks (expected {want})"
+        )
+
+
 def dequantize_stream(
     items: Iterator[tuple[str, torch.Tensor]],
     method: str,
     dtype: torch.dtype,
     cfg: dict[str, Any],
+    lazy: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors (``items``: name, raw tensor) with each quantized pair
-    replaced by its dequantized tensor in ``dtype`` (see the module docstring)."""
+    replaced by its dequantized tensor in ``dtype`` (see the module docstring); ``lazy``: by
+    a ``LazyDequant`` (dequantized where a rank reads it)."""
     held: dict[str, dict[str, torch.Tensor]] = {}
     count = 0
     block = weight_block_size(cfg) if method == "fp8" else (0, 0)
@@ -144,12 +234,12 @@ def dequantize_stream(
         if len(parts) < 2:
             continue
         del held[key]
-        if method == "mxfp4":
-            w = dequantize_mxfp4(parts["blocks"], parts["scales"]).transpose(-1, -2)
-        else:
-            w = dequantize_fp8_blocks(parts["weight"], parts["scale"], block)
+        try:
+            w = LazyDequant(method, parts, dtype, block)
+        except ValueError as exc:
+            raise ValueError(f"model: {method} checkpoint: {key!r}: {exc}") from None
         count += 1
-        yield key, w.to(dtype)
+        yield key, w if lazy else w.full()  # type: ignore[misc]
     if held:
         key = sorted(held)[0]
         have = sorted(held[key])

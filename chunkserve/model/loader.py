@@ -19,7 +19,10 @@ module applies it generically:
 - **Tensors**: the Llama table below (``_GGUF_TOP_NAMES``, ``_GGUF_BLOCK_NAMES``: GGUF name
   -> HF name) updated with the spec's ``tensors``; the spec's ``splits`` cut fused tensors
   into their HF parts; its ``experts`` cut a mixture of experts' stacked tensors
-  (``ffn_gate_exps`` ...) into one HF tensor per expert; ``permuted_qk`` undoes llama.cpp's
+  (``ffn_gate_exps`` ...) into one HF tensor per expert; its ``joins`` make an HF tensor of
+  several GGUF ones, or of one changed (MLA's ``kv_b_proj`` from ``attn_k_b`` and
+  ``attn_v_b``, GPT-OSS's interleaved ``gate_up_proj`` from ``ffn_gate_exps`` and
+  ``ffn_up_exps``); ``permuted_qk`` undoes llama.cpp's
   Q/K row permutation (its ``LlamaModel.permute``, applied by the Llama-derived converters
   only); ``norm_offset``
   undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
@@ -254,13 +257,16 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             raise _refuse(f"file of {arch!r}", f"key {prefix + required!r} is missing")
     fields.setdefault("num_kv_heads", fields["num_heads"])
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
-    if values.get("attention.value_length", fields["head_dim"]) != fields["head_dim"]:
+    if (
+        "attention.value_length" not in spec.keys
+        and values.get("attention.value_length", fields["head_dim"]) != fields["head_dim"]
+    ):
         raise _refuse(
             f"key {prefix}attention.value_length",
             f"{values['attention.value_length']} differs from the key length "
             f"{fields['head_dim']} (not supported)",
         )
-    if "rope.dimension_count" in values:
+    if "rope.dimension_count" in values and "rope.dimension_count" not in spec.keys:
         fields["partial_rotary_factor"] = values["rope.dimension_count"] / fields["head_dim"]
     tokens = _field(reader, "tokenizer.ggml.tokens")
     fields.setdefault("vocab_size", len(tokens) if tokens is not None else 0)
@@ -347,6 +353,9 @@ def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
         return tuple(prefix + part for part in spec.splits[rest].parts)
     if rest in spec.experts:  # stacked: one name per expert ("{}": its index)
         return (prefix + spec.experts[rest],)
+    join = spec.join_of(rest)
+    if join is not None:
+        return (prefix + join.hf,)
     hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
     if hf is not None:
         return (prefix + hf,)
@@ -370,6 +379,11 @@ def iter_gguf_weights(
     from chunkserve.quant.formats import dequantize
 
     _, spec = gguf_spec(_field(reader, "general.architecture"))
+    held: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (block, HF name) -> joins' parts
+    # A join's HF tensor may also be in the file as such (converters writing attn_kv_b
+    # beside attn_k_b / attn_v_b): the same weights in two layouts, loaded once.
+    joined = {j.hf for j in spec.joins}
+    loaded: set[str] = set()
     for t in reader.tensors:
         names = _gguf_to_hf(t.name, spec)
         if not names:
@@ -380,6 +394,18 @@ def iter_gguf_weights(
             arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy data is already [rows, cols] = HF's [out, in].
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        rest = t.name.split(".", 2)[2] if t.name.startswith("blk.") else ""
+        join = spec.join_of(rest) if rest else None
+        if join is not None:
+            have = held.setdefault((names[0], join.parts[0]), {})
+            have[rest] = arr
+            if len(have) < len(join.parts):
+                continue
+            del held[(names[0], join.parts[0])]
+            try:
+                arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
+            except ValueError as exc:
+                raise _refuse(f"tensor {t.name!r}", str(exc)) from None
         parts = [arr]
         if "{}" in names[0]:  # a mixture of experts' stacked tensor: expert by expert
             if arr.ndim != 3 or arr.shape[0] != config.num_experts:
@@ -395,6 +421,10 @@ def iter_gguf_weights(
                 raise _refuse(f"tensor {t.name!r}", f"{arr.shape[0]} rows, expected {sizes}")
             parts = np.split(arr, np.cumsum(sizes)[:-1], axis=0)
         for name, part in zip(names, parts, strict=True):
+            if name.startswith("model.layers.") and name.split(".", 3)[3] in joined:
+                if name in loaded:
+                    continue
+                loaded.add(name)
             if spec.permuted_qk and _is_proj(name, "q_proj"):
                 part = _unpermute_rope(part, config.num_heads)
             elif spec.permuted_qk and _is_proj(name, "k_proj"):
@@ -404,6 +434,12 @@ def iter_gguf_weights(
             if not part.flags.writeable:
                 part = part.copy()  # memory-mapped F32 tensors are read-only
             yield name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
+    if held:
+        (name, _), have = sorted(held.items())[0]
+        join = spec.join_of(next(iter(have)))
+        assert join is not None
+        missing = [p for p in join.parts if p not in have]
+        raise _refuse(f"tensor {name!r}", f"{', '.join(sorted(have))} without {', '.join(missing)}")
 
 
 def _is_proj(name: str, proj: str) -> bool:
@@ -491,9 +527,9 @@ def hf_model_config(path: Path) -> ModelConfig:
 
 def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     cfg = {**_HF_DEFAULTS.get(family, {}), **cfg}
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    num_layers = int(cfg["num_hidden_layers"])
+    heads = _cfg_int(cfg, "num_attention_heads", minimum=1)
+    hidden = _cfg_int(cfg, "hidden_size", minimum=1)
+    num_layers = _cfg_int(cfg, "num_hidden_layers", minimum=1)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope = cfg.get("rope_scaling") or None
@@ -560,13 +596,13 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     fields = dict(
         **_moe_fields(cfg, num_layers),
         architecture=family,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_cfg_int(cfg, "vocab_size", minimum=1),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_cfg_int(cfg, "intermediate_size", minimum=1),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=_cfg_int(cfg, "num_key_value_heads", 0, minimum=0) or heads,
+        head_dim=_cfg_int(cfg, "head_dim", 0, minimum=0) or hidden // heads,
         rope_theta=float(theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -597,15 +633,46 @@ def _hf_fields(cfg: dict[str, Any], family: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+_REQUIRED = object()
+
+
+def _cfg_int(
+    cfg: dict[str, Any], name: str, default: Any = _REQUIRED, *, minimum: int | None = None
+) -> Any:
+    """``cfg[name]`` as an int (``default`` where it is absent or null; a required one
+    absent or null, a non-integer, or one below ``minimum``: a ValueError naming it)."""
+    value = cfg.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            state = "null" if name in cfg else "missing"
+            raise ValueError(f"model: config.json: {name} is {state} (an integer is required)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"model: config.json: {name} {value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"model: config.json: {name} {value!r} must be >= {minimum}")
+    return int(value)
+
+
+def _cfg_float(cfg: dict[str, Any], name: str, default: float) -> float:
+    """``cfg[name]`` as a float (``default`` where absent; null or not a number: a
+    ValueError naming it)."""
+    value = cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"model: config.json: {name} {value!r} must be a number")
+    return float(value)
+
+
 def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A mixture of experts' fields (``ModelConfig``; none for a dense model): the number
     of experts (``num_local_experts`` as Mixtral and transformers 5's Qwen3-MoE name it, or
     ``num_experts``), the layers with experts from ``mlp_only_layers`` and
     ``decoder_sparse_step`` as transformers' Qwen2/3-MoE derive them (layer i is sparse
-    unless listed, when (i + 1) is a multiple of the step)."""
-    experts = int(
-        cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-    )
+    unless listed, when (i + 1) is a multiple of the step). A field null, missing where
+    required, or not an integer is a ValueError naming it."""
+    experts = 0
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        experts = experts or _cfg_int(cfg, name, 0, minimum=0)
     if experts == 0:
         return {}
     if "n_routed_experts" in cfg:
@@ -617,13 +684,14 @@ def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         )
     dense = set(cfg.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    moe_inter = cfg.get("moe_intermediate_size")
     return dict(
         num_experts=experts,
-        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-        moe_intermediate_size=None if moe_inter is None else int(moe_inter),
+        num_experts_per_tok=_cfg_int(cfg, "num_experts_per_tok", minimum=1),
+        moe_intermediate_size=_cfg_int(cfg, "moe_intermediate_size", None, minimum=1),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        shared_expert_intermediate_size=_cfg_int(
+            cfg, "shared_expert_intermediate_size", 0, minimum=0
+        ),
         moe_layers=None if len(layers) == num_layers else layers,
     )
 
@@ -642,21 +710,21 @@ def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> 
         raise ValueError(
             f"model: config.json: scoring_func {scoring!r} is not supported (only 'softmax')"
         )
-    first = int(cfg.get("first_k_dense_replace") or 0)
+    first = _cfg_int(cfg, "first_k_dense_replace", 0, minimum=0)
     layers = tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
-    moe_inter = int(cfg["moe_intermediate_size"])
+    moe_inter = _cfg_int(cfg, "moe_intermediate_size", minimum=1)
     return dict(
         num_experts=experts,
-        num_experts_per_tok=int(cfg["num_experts_per_tok"] or 0),
+        num_experts_per_tok=_cfg_int(cfg, "num_experts_per_tok", minimum=1),
         moe_intermediate_size=moe_inter,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * moe_inter,
+        shared_expert_intermediate_size=_cfg_int(cfg, "n_shared_experts", 0, minimum=0) * moe_inter,
         shared_expert_gate=False,
         moe_layers=None if len(layers) == num_layers else layers,
         topk_method=str(cfg.get("topk_method") or "greedy"),
-        n_group=int(cfg.get("n_group") or 1),
-        topk_group=int(cfg.get("topk_group") or 1),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_group=_cfg_int(cfg, "n_group", 1, minimum=1),
+        topk_group=_cfg_int(cfg, "topk_group", 1, minimum=1),
+        routed_scaling_factor=_cfg_float(cfg, "routed_scaling_factor", 1.0),
     )
 
 
@@ -665,13 +733,12 @@ def _mla_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     is the rope part of a head (``qk_rope_head_dim``, as transformers sets it)."""
     if cfg.get("kv_lora_rank") is None:
         return {}
-    q_lora = cfg.get("q_lora_rank")
     return dict(
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
-        head_dim=int(cfg["qk_rope_head_dim"]),
+        kv_lora_rank=_cfg_int(cfg, "kv_lora_rank", minimum=1),
+        q_lora_rank=_cfg_int(cfg, "q_lora_rank", None, minimum=1),
+        qk_nope_head_dim=_cfg_int(cfg, "qk_nope_head_dim", minimum=1),
+        v_head_dim=_cfg_int(cfg, "v_head_dim", minimum=1),
+        head_dim=_cfg_int(cfg, "qk_rope_head_dim", minimum=1),
     )
 
 
@@ -719,7 +786,8 @@ def hf_weight_files(path: Path) -> list[Path]:
 
 def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The directory's tensors in ``dtype``; a quantized checkpoint's (``hf_quant``: MXFP4,
-    block FP8) dequantized as they stream in."""
+    block FP8) as ``hf_quant.LazyDequant``s, dequantized where the model's weight loader
+    reads them (``tensor[src]``: a tensor-parallel rank only its share)."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -729,7 +797,7 @@ def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch
         for name, t in _iter_safetensors(path):
             yield name, t.to(dtype)
         return
-    yield from dequantize_stream(_iter_safetensors(path), method, dtype, cfg)
+    yield from dequantize_stream(_iter_safetensors(path), method, dtype, cfg, lazy=True)
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

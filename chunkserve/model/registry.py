@@ -174,6 +174,19 @@ class GGUFSplit:
 
 
 @dataclass(frozen=True)
+class GGUFJoin:
+    """An HF tensor llama.cpp stores as other tensors (or changed): the GGUF block tensors
+    ``parts`` (after ``blk.N.``; their arrays in HF's axis order, [..., rows, cols]) give
+    ``combine(config, arrays)``, the HF tensor ``hf`` (after ``model.layers.N.``). The loader
+    holds each part until the others of its block arrive; one left without them is a
+    ValueError naming it. Several joins may give one HF name (a file has one of them)."""
+
+    hf: str
+    parts: tuple[str, ...]
+    combine: Callable[[ModelConfig, list[Any]], Any]
+
+
+@dataclass(frozen=True)
 class GGUFSpec:
     """How llama.cpp's converter writes one family as GGUF ``general.architecture`` ``arch``
     (read by ``loader``, which applies it; see the loader's docstring for the whole recipe).
@@ -197,7 +210,10 @@ class GGUFSpec:
       ``derive`` (e.g. parts of a rope scaling dict), dropped before ``ModelConfig``;
     - ``experts``: a mixture of experts' stacked GGUF block tensors (after ``blk.N.``, e.g.
       ``ffn_gate_exps.weight``, [E, rows, cols]) -> the HF name of one expert's tensor with
-      ``{}`` for its index (after ``model.layers.N.``): loaded expert by expert.
+      ``{}`` for its index (after ``model.layers.N.``): loaded expert by expert;
+    - ``joins``: HF tensors made of several GGUF tensors, or of one changed (``GGUFJoin``:
+      MLA's ``kv_b_proj`` from ``attn_k_b`` and ``attn_v_b``, GPT-OSS's interleaved
+      ``gate_up_proj`` from ``ffn_gate_exps`` and ``ffn_up_exps``).
     """
 
     arch: str
@@ -210,6 +226,11 @@ class GGUFSpec:
     config: Mapping[str, Any] = field(default_factory=dict)
     derive: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     experts: Mapping[str, str] = field(default_factory=dict)
+    joins: tuple[GGUFJoin, ...] = ()
+
+    def join_of(self, part: str) -> GGUFJoin | None:
+        """The join GGUF block tensor ``part`` (after ``blk.N.``) is a part of, or None."""
+        return next((j for j in self.joins if part in j.parts), None)
 
 
 _CLASSES: dict[str, type] = {}  # family -> class

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.attention import get_attention_backend
+from chunkserve.attention import select_attention_backend
 from chunkserve.config import ModelConfig
 from chunkserve.model.loader import ModelSource, iter_weights
-from chunkserve.model.registry import build_model, check_attention
+from chunkserve.model.registry import attention_specs, build_model, check_attention
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -64,7 +64,9 @@ class DraftModel:
         dummy_weights: bool = False,
     ) -> None:
         self.model_config = model_config
-        self.attention = get_attention_backend(
+        # The target's choice (``auto``: the C kernel's backend, else torch's where the
+        # kernel does not build or lacks what this model's attention needs).
+        self.attention = select_attention_backend(
             attention_backend,
             device,
             model_config.num_heads,
@@ -72,6 +74,8 @@ class DraftModel:
             model_config.head_dim,
             dtype,
             block_size,
+            specs=attention_specs(model_config),
+            who="draft model",
         )
         check_attention(self.attention, model_config, "draft model")
         self.model = build_model(

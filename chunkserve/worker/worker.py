@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from chunkserve.attention import get_attention_backend, triton_usable
+from chunkserve.attention import select_attention_backend, triton_usable
 from chunkserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -307,7 +307,7 @@ class Worker:
         kv_heads = self.kv_layout.num_kv_heads if latent else self.shard.num_kv_heads
         head_dim = self.kv_layout.head_dim if latent else model_config.head_dim
         try:
-            self.attention = get_attention_backend(
+            self.attention = select_attention_backend(
                 config.attention_backend,
                 self.device,
                 self.shard.num_heads,
@@ -316,6 +316,7 @@ class Worker:
                 self.dtype,
                 self.block_size,
                 deterministic=config.deterministic,
+                specs=attention_specs(model_config),
             )
         except ValueError as exc:
             if not latent:
@@ -325,19 +326,6 @@ class Worker:
                 f"of {self.kv_layout.head_dim} values: kv_lora_rank + qk_rope_head_dim; "
                 f"the torch attention backend serves it)"
             ) from None
-        if config.attention_backend == "auto" and any(
-            self.attention.supports(spec) for spec in attention_specs(model_config)
-        ):
-            # "auto" picked a backend without something the model's attention needs (today
-            # every backend has windows, caps and sinks): the torch backend has it all.
-            logger.info(
-                "attention backend: %s lacks what the model's attention needs; using torch",
-                type(self.attention).__name__,
-            )
-            self.attention = get_attention_backend(
-                "torch", self.device, self.shard.num_heads, kv_heads, head_dim,
-                self.dtype, self.block_size, deterministic=config.deterministic,
-            )  # fmt: skip
         check_attention(self.attention, model_config)
         t0 = time.perf_counter()
         self.model = build_model(
