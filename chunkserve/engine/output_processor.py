@@ -98,7 +98,10 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             detok=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.keep_special_token_ids,
             ),
             holdback=max(0, max_stop - 1),
             metrics=RequestMetrics(arrival_time),

@@ -200,6 +200,10 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the sampled token's logprob and the top-n alternatives (0..20)."""
     skip_special_tokens: bool = True
+    keep_special_token_ids: list[int] | None = None
+    """Special tokens written into the text even with ``skip_special_tokens`` (the markers a
+    tool-call or reasoning parser reads, e.g. Mistral's ``[TOOL_CALLS]``); others are still
+    skipped."""
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before sampling (OpenAI's semantics: -100
@@ -217,6 +221,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.keep_special_token_ids = (
+            list(self.keep_special_token_ids) if self.keep_special_token_ids else None
+        )
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if isinstance(self.structured_outputs, dict):
             try:

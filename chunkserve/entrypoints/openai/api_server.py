@@ -44,6 +44,10 @@ from chunkserve.entrypoints.openai.protocol import (
     error_responses,
     param_of,
 )
+from chunkserve.entrypoints.openai.reasoning_parsers import (
+    detect_reasoning_parser,
+    get_reasoning_parser,
+)
 from chunkserve.entrypoints.openai.responses import (
     SSE_DONE,
     error_body,
@@ -52,8 +56,11 @@ from chunkserve.entrypoints.openai.responses import (
 )
 from chunkserve.entrypoints.openai.tool_parsers import (
     Event,
-    ToolParser,
+    HarmonyParser,
+    Reasoning,
+    ReplyParser,
     collect,
+    detect_tool_parser,
     get_tool_parser,
 )
 from chunkserve.entrypoints.openai.tools import (
@@ -156,6 +163,28 @@ class ServerState:
     created: int
     request_timeout: float | None = None
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
+
+
+def resolve_parsers(
+    chat_template: str | None, tool_call_parser: str, reasoning_parser: str | None
+) -> tuple[str, str | None, list[str]]:
+    """``(tool-call parser, reasoning parser or None, lines saying why)``: ``auto`` picks
+    from the chat template (``detect_tool_parser`` / ``detect_reasoning_parser``), ``none``
+    turns reasoning parsing off; an unknown name is a ``ValueError`` naming the flag."""
+    why = []
+    if tool_call_parser == "auto":
+        tool_call_parser, reason = detect_tool_parser(chat_template)
+        why.append(f"tool-call parser {tool_call_parser} ({reason})")
+    get_tool_parser(tool_call_parser)
+    if reasoning_parser == "auto":
+        reasoning_parser, reason = detect_reasoning_parser(chat_template)
+        why.append(f"reasoning parser {reasoning_parser or 'none'} ({reason})")
+    elif reasoning_parser == "none":
+        reasoning_parser = None
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
+    return tool_call_parser, reasoning_parser, why
 
 
 def build_app(
@@ -166,9 +195,15 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
     tool_call_parser: str = "hermes",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
-    get_tool_parser(tool_call_parser)  # an unknown name fails here, not at the first call
     engine = async_engine.engine
+    # An unknown name fails here, not at the first call; ``auto`` is decided and said here.
+    tool_call_parser, reasoning_parser, why = resolve_parsers(
+        engine.tokenizer.chat_template, tool_call_parser, reasoning_parser
+    )
+    for line in why:
+        logger.info("chat replies: %s", line)
     metrics = Metrics(engine, served_model_name)
     metrics.track_streams(lambda: async_engine.queued_bytes)
     engine.step_listeners.append(metrics.on_step)
@@ -181,6 +216,7 @@ def build_app(
         int(time.time()),
         request_timeout,
         tool_call_parser,
+        reasoning_parser,
     )
 
     @asynccontextmanager
@@ -341,6 +377,7 @@ class _Handler:
         body: Any,
         max_tokens: int | None,
         logprobs: int | None,
+        keep_special: list[int] | None = None,
     ) -> list[_Choice]:
         """Check every (prompt, n) pair against the engine before anything is queued (the
         engine queues the checked requests without checking them again)."""
@@ -358,6 +395,8 @@ class _Handler:
         for p_index, (text, ids) in enumerate(prompts):
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
+                if keep_special:
+                    params.keep_special_token_ids = list(keep_special)
                 checked = self.engine.inputs.check(text, ids, params, body.priority)
                 choices.append(_Choice(len(choices), p_index, checked))
         self.state.engine.check_capacity(len(choices))
@@ -369,10 +408,30 @@ class _Handler:
         tools = spec.tools if spec is not None else None
         return encode_chat_with_tools(self.tokenizer, messages, tools, body.add_generation_prompt)
 
-    def tool_parser(self, spec: ToolSpec) -> ToolParser:
-        """A fresh parser for one reply: Hermes for forced calls (their grammar writes that
-        format), else ``--tool-call-parser``."""
-        return get_tool_parser("hermes" if spec.forced else self.state.tool_call_parser)()
+    def reply_parser(self, spec: ToolSpec | None) -> ReplyParser | None:
+        """A fresh parser for one chat reply (None: the reply is all content). Tool calls:
+        Hermes for forced calls (their grammar writes that format), else
+        ``--tool-call-parser``; reasoning: ``--reasoning-parser``, except for forced calls,
+        whose grammar lets the model write the call alone (no reasoning before it)."""
+        tools = None if spec is None else "hermes" if spec.forced else self.state.tool_call_parser
+        reasoning = None if spec is not None and spec.forced else self.state.reasoning_parser
+        if tools is None and reasoning is None:
+            return None
+        if "harmony" in (tools, reasoning):  # one parser reads harmony's channels and calls
+            rest = None if tools in (None, "harmony") else get_tool_parser(tools)()
+            return ReplyParser(HarmonyParser(calls=tools == "harmony"), rest)
+        return ReplyParser(
+            get_reasoning_parser(reasoning)() if reasoning else None,
+            get_tool_parser(tools)() if tools else None,
+        )
+
+    def kept_special_tokens(self, parser: ReplyParser | None) -> list[int] | None:
+        """The special tokens of the parsers' formats (kept in the reply's text)."""
+        if parser is None:
+            return None
+        markers = [m for p in (parser.reasoning, parser.tools) if p for m in p.markers]
+        ids = {self.tokenizer.special_token_id(m) for m in markers}
+        return sorted(i for i in ids if i is not None) or None
 
     def submit(self, choices: list[_Choice], base_id: str) -> list[_Submitted]:
         """Queue every choice now, right after ``prepare`` admitted them (no await in
@@ -582,7 +641,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         spec = body.tool_spec()
         ids = h.chat_prompt([m.as_template_dict() for m in body.messages], body, spec)
         prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
-        choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
+        keep = h.kept_special_tokens(h.reply_parser(spec))
+        choices = h.prepare(
+            prompts, body, body.resolved_max_tokens(), body.resolved_logprobs(), keep
+        )
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         submitted = h.submit(choices, base_id)
@@ -600,10 +662,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             final = finals[c.index]
             message: dict[str, Any] = {"role": "assistant", "content": final.text}
             finish_reason = final.finish_reason
-            if spec is not None:
-                parser = h.tool_parser(spec)
+            parser = h.reply_parser(spec)
+            if parser is not None:
                 result = collect(parser.feed(final.text) + parser.finish())
-                calls = result.tool_calls if spec.parallel else result.tool_calls[:1]
+                message["content"] = result.content
+                if h.state.reasoning_parser is not None or result.reasoning is not None:
+                    message["reasoning_content"] = result.reasoning
+                parallel = spec is None or spec.parallel
+                calls = result.tool_calls if parallel else result.tool_calls[:1]
                 if calls:
                     message["content"] = result.content if result.content.strip() else None
                     message["tool_calls"] = [
@@ -733,13 +799,13 @@ def _stream_chat(
     include_usage: bool,
     spec: ToolSpec | None = None,
 ) -> AsyncIterator[str]:
-    parsers = {c.index: h.tool_parser(spec) for c in choices} if spec is not None else {}
+    parsers = {c.index: h.reply_parser(spec) for c in choices}
 
     def render(index: int, out: RequestOutput) -> list[dict[str, Any]] | None:
         if not out.delta_text and not out.finished and not out.delta_logprobs:
             return None  # (a step whose text is held back still sends its logprobs)
         finish_reason = out.finish_reason if out.finished else None
-        parser = parsers.get(index)
+        parser = parsers[index]
         if parser is None:
             delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
             deltas = [delta]
@@ -782,10 +848,18 @@ def _chat_deltas(events: list[Event], parallel: bool) -> list[dict[str, Any]]:
     """A step's parser events as chat deltas: content joined, then each tool-call delta in its
     own chunk (the call's id, type and name first, then its arguments), as OpenAI streams
     them; with ``parallel_tool_calls`` false, calls after the first are left out."""
-    text = "".join(e for e in events if isinstance(e, str))
-    deltas: list[dict[str, Any]] = [{"content": text}] if text else []
+    deltas: list[dict[str, Any]] = []
+    # Runs of reasoning and of content each in one delta, in the order they came.
     for e in events:
-        if isinstance(e, str) or (e.index > 0 and not parallel):
+        key = "reasoning_content" if isinstance(e, Reasoning) else "content"
+        if isinstance(e, (str, Reasoning)):
+            piece = e.text if isinstance(e, Reasoning) else e
+            if deltas and list(deltas[-1]) == [key]:
+                deltas[-1][key] += piece
+            elif piece:
+                deltas.append({key: piece})
+            continue
+        if e.index > 0 and not parallel:
             continue
         fn: dict[str, Any] = {"arguments": e.arguments}
         call: dict[str, Any] = {"index": e.index}

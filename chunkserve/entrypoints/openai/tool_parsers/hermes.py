@@ -13,6 +13,7 @@ CLOSE = "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    markers = (OPEN, CLOSE)  # special in some vocabularies (added tokens in Qwen's)
 
     def _step(self, final: bool):
         text, pos = self.text, self.pos
