@@ -198,6 +198,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: every prompt token's logprob (the first's None) and its top-n alternatives
+    (0..20), computed over each prefill chunk's rows. Such a request bypasses the prefix
+    cache (a cached prefix has no logits to give): its whole prompt is computed."""
     """Return the sampled token's logprob and the top-n alternatives (0..20)."""
     skip_special_tokens: bool = True
     keep_special_token_ids: list[int] | None = None
@@ -357,6 +361,12 @@ class SamplingParams:
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
         )
         for name, cls in (
             ("structured_outputs", StructuredOutputsParams),

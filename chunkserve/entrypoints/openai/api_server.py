@@ -32,7 +32,7 @@ from chunkserve.engine.async_engine import (
     RequestTimeoutError,
 )
 from chunkserve.engine.input_processor import CheckedRequest
-from chunkserve.engine.output_processor import RequestOutput, TokenLogprob
+from chunkserve.engine.output_processor import PromptTokenLogprob, RequestOutput, TokenLogprob
 from chunkserve.entrypoints.openai.metrics import Metrics
 from chunkserve.entrypoints.openai.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -452,9 +452,15 @@ class _Handler:
 
     async def collect(self, submitted: list[_Submitted]) -> dict[int, RequestOutput]:
         finals: dict[int, RequestOutput] = {}
+        scored: dict[int, Any] = {}  # prompt logprobs come with a request's first output
         async for index, out in _merge(submitted):
+            if out.prompt_logprobs is not None:
+                scored[index] = out.prompt_logprobs
             if out.finished:
                 finals[index] = out
+        for index, prompt_logprobs in scored.items():
+            if index in finals:
+                finals[index].prompt_logprobs = prompt_logprobs
         return finals
 
     def usage(
@@ -477,20 +483,60 @@ class _Handler:
         return self.tokenizer.token_text(token_id)
 
     def completion_logprobs(
-        self, entries: list[TokenLogprob] | None, text_start: int, texts: list[str]
+        self,
+        entries: list[TokenLogprob] | None,
+        text_start: int,
+        texts: list[str],
+        prompt: list[PromptTokenLogprob | None] | None = None,
+        prompt_ids: list[int] | None = None,
+        prompt_start: int = 0,
     ) -> dict[str, Any] | None:
-        if entries is None:
+        """OpenAI's legacy logprobs object; with ``prompt`` (``echo`` with ``logprobs``) the
+        prompt's tokens first, the very first one's logprob and top null."""
+        if entries is None and prompt is None:
             return None
-        offsets, pos = [], text_start
+        entries = entries or []
+        head: list[tuple[str, float | None, dict[str, float] | None]] = []
+        if prompt is not None and prompt_ids is not None:
+            for token, e in zip(prompt_ids, prompt):
+                top = None if e is None else {self.token_str(t): lp for t, lp in e.top}
+                head.append((self.token_str(token), None if e is None else e.logprob, top))
+        offsets, pos = [], prompt_start  # the echoed prompt's tokens, then the generated ones
+        for t, _, _ in head:
+            offsets.append(pos)
+            pos += len(t)
+        pos = text_start
         for t in texts:
             offsets.append(pos)
             pos += len(t)
         return {
-            "tokens": texts,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_str(t): lp for t, lp in e.top} for e in entries],
+            "tokens": [t for t, _, _ in head] + list(texts),
+            "token_logprobs": [lp for _, lp, _ in head] + [e.logprob for e in entries],
+            "top_logprobs": [top for _, _, top in head]
+            + [{self.token_str(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(
+        self, entries: list[PromptTokenLogprob | None] | None
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its id and the
+        top-n ids, each with ``logprob``, ``rank`` and ``decoded_token``."""
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            item = {str(e.token_id): self._scored(e.token_id, e.logprob, e.rank)}
+            for rank, (t, lp) in enumerate(e.top, 1):
+                item.setdefault(str(t), self._scored(t, lp, rank))
+            out.append(item)
+        return out
+
+    def _scored(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_str(token_id)}
 
     def chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
@@ -596,7 +642,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prompts = [
             (text if text is not None else h.tokenizer.decode(ids), ids) for text, ids in prompts
         ]
-        choices = h.prepare(prompts, body, body.max_tokens, body.logprobs)
+        max_tokens, scoring_only = body.engine_max_tokens()
+        choices = h.prepare(prompts, body, max_tokens, body.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         submitted = h.submit(choices, base_id)
@@ -604,7 +651,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _stream_completion(
-                    h, body, prompts, choices, submitted, base_id, created, include_usage
+                    h,
+                    body,
+                    prompts,
+                    choices,
+                    submitted,
+                    base_id,
+                    created,
+                    include_usage,
+                    scoring_only,
                 ),
                 media_type="text/event-stream",
             )
@@ -612,17 +667,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         out_choices = []
         for c in choices:
             o = finals[c.index]
+            if scoring_only:  # max_tokens 0: the one token run is not part of the reply
+                o.text, o.token_ids, o.logprobs = "", [], [] if o.logprobs is not None else None
             prefix = c.request.prompt if body.echo else ""
             texts = [h.token_str(t) for t in o.token_ids] if o.logprobs is not None else []
-            out_choices.append(
-                {
-                    "index": c.index,
-                    "text": (prefix or "") + o.text,
-                    "logprobs": h.completion_logprobs(o.logprobs, len(prefix or ""), texts),
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                }
-            )
+            echoed = o.prompt_logprobs if body.echo and body.logprobs is not None else None
+            choice = {
+                "index": c.index,
+                "text": (prefix or "") + o.text,
+                "logprobs": h.completion_logprobs(
+                    o.logprobs, len(prefix or ""), texts, echoed, c.request.prompt_token_ids
+                ),
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = h.prompt_logprobs(o.prompt_logprobs)
+            out_choices.append(choice)
         return JSONResponse(
             {
                 "id": base_id,
@@ -691,6 +752,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                     "stop_reason": final.stop_reason,
                 }
             )
+            if body.prompt_logprobs is not None:
+                out_choices[-1]["prompt_logprobs"] = h.prompt_logprobs(final.prompt_logprobs)
         return JSONResponse(
             {
                 "id": base_id,
@@ -724,8 +787,8 @@ async def _sse_stream(
         for choice in prelude or []:
             yield sse_event({**envelope, "choices": [choice]})
         async for index, out in _merge(submitted):
-            counts[index] = len(out.token_ids)
             rendered = render(index, out)
+            counts[index] = len(out.token_ids)  # (after render: max_tokens 0 drops its token)
             for choice in rendered if isinstance(rendered, list) else [rendered]:
                 if choice is None:
                     continue
@@ -755,29 +818,48 @@ def _stream_completion(
     base_id: str,
     created: int,
     include_usage: bool,
+    scoring_only: bool = False,
 ) -> AsyncIterator[str]:
     echoed: set[int] = set()
     sent_chars = dict.fromkeys(range(len(choices)), 0)
 
     def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
-        text = out.delta_text
+        text, delta_logprobs = out.delta_text, out.delta_logprobs
+        if scoring_only:  # max_tokens 0: the one token run is not part of the reply
+            text, out.token_ids = "", []
+            delta_logprobs = [] if delta_logprobs is not None else None
+        prompt, prompt_start = None, sent_chars[index]
         if body.echo and index not in echoed:
             echoed.add(index)
-            text = (choices[index].request.prompt or "") + text
-        if not text and not out.finished and not out.delta_logprobs:
+            echo = choices[index].request.prompt or ""
+            text = echo + text
+            sent_chars[index] += len(echo)
+            if body.logprobs is not None:
+                prompt = out.prompt_logprobs
+        if not (text or out.finished or delta_logprobs or out.prompt_logprobs is not None):
             return None  # (a step whose text is held back still sends its logprobs)
         logprobs = None
-        if out.delta_logprobs is not None:
-            texts = [h.token_str(e.token_id) for e in out.delta_logprobs]
-            logprobs = h.completion_logprobs(out.delta_logprobs, sent_chars[index], texts)
-        sent_chars[index] += len(text)
-        return {
+        if delta_logprobs is not None or prompt is not None:
+            texts = [h.token_str(e.token_id) for e in delta_logprobs or []]
+            logprobs = h.completion_logprobs(
+                delta_logprobs,
+                sent_chars[index],
+                texts,
+                prompt,
+                choices[index].request.prompt_token_ids,
+                prompt_start,
+            )
+        sent_chars[index] += len(text) - (sent_chars[index] - prompt_start)
+        chunk = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason if out.finished else None,
             "stop_reason": out.stop_reason if out.finished else None,
         }
+        if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = h.prompt_logprobs(out.prompt_logprobs)
+        return chunk
 
     envelope = {
         "id": base_id,
