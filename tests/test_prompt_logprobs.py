@@ -110,6 +110,14 @@ def test_chunked_unchunked_and_cached_are_identical_when_deterministic(prompt):
 def test_bad_prompt_logprobs_name_the_field(value):
     with pytest.raises(ValueError, match="^prompt_logprobs"):
         SamplingParams(prompt_logprobs=value).validate()
+    SamplingParams(prompt_logprobs=5).validate()
+
+
+def test_prompt_logprobs_refused_for_a_remotely_prefilled_prompt():
+    remote = {"prefill_url": "http://127.0.0.1:1"}
+    with pytest.raises(ValueError, match="^prompt_logprobs: not available"):
+        SamplingParams(prompt_logprobs=0, kv_transfer_params=remote).validate()
+    SamplingParams(kv_transfer_params=remote).validate()
 
 
 # ---- served ----------------------------------------------------------------------------------

@@ -368,6 +368,14 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
         )
+        _check(
+            self.prompt_logprobs is None
+            or self.kv_transfer_params is None
+            or self.kv_transfer_params.prefill_url is None,
+            "prompt_logprobs",
+            "not available with kv_transfer_params.prefill_url (a prompt prefilled by another "
+            "instance has no logits here)",
+        )
         for name, cls in (
             ("structured_outputs", StructuredOutputsParams),
             ("kv_transfer_params", KVTransferParams),
