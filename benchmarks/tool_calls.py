@@ -234,6 +234,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-ttft", action="store_true", help="only the forced calls")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tool_calls.json"))
     args = ap.parse_args()
     flags = [
@@ -245,9 +246,14 @@ def main() -> None:
         str(args.threads),
         "--log-level",
         "warning",
+        # A loaded shared machine can go minutes between steps: not a hang.
+        "--watchdog-timeout",
+        "900",
     ]
     with ServeProcess(*flags) as server:
-        prefix = prefix_ttft(server.base, args.pairs, args.prefix_tokens)
+        prefix = None
+        if not args.skip_ttft:
+            prefix = prefix_ttft(server.base, args.pairs, args.prefix_tokens)
         print(json.dumps(prefix), flush=True)
         forced = forced_validity(server.base, args.requests, args.concurrency, args.seed)
         print(json.dumps(forced), flush=True)
