@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -20,13 +21,16 @@ class ServeProcess:
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "chunkserve", "serve", "--port", str(self.port), *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # Its output to a file: a pipe nobody reads would stall the server once full.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="chunkserve-", suffix=".log")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env
         )
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("serve exited:\n" + self.proc.stdout.read())
+                self.log.seek(0)
+                raise RuntimeError("serve exited:\n" + self.log.read())
             try:
                 if httpx.get(self.base + "/health", timeout=1).status_code == 200:
                     return
@@ -43,6 +47,7 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+        self.log.close()
 
     def __enter__(self) -> ServeProcess:
         return self
