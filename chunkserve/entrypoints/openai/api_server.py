@@ -884,7 +884,8 @@ def _stream_chat(
     parsers = {c.index: h.reply_parser(spec) for c in choices}
 
     def render(index: int, out: RequestOutput) -> list[dict[str, Any]] | None:
-        if not out.delta_text and not out.finished and not out.delta_logprobs:
+        scored = out.prompt_logprobs if body.prompt_logprobs is not None else None
+        if not (out.delta_text or out.finished or out.delta_logprobs or scored is not None):
             return None  # (a step whose text is held back still sends its logprobs)
         finish_reason = out.finish_reason if out.finished else None
         parser = parsers[index]
@@ -897,7 +898,7 @@ def _stream_chat(
                 events += parser.finish()
                 if parser.count and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            elif not events and not out.delta_logprobs:
+            elif not events and not out.delta_logprobs and scored is None:
                 return None  # the parser holds the text back
             deltas = _chat_deltas(events, spec is None or spec.parallel)
         logprobs = h.chat_logprobs(out.delta_logprobs)
@@ -906,6 +907,8 @@ def _stream_chat(
         ]
         # The step's logprobs and finish reason ride on its last chunk.
         rendered[-1].update(logprobs=logprobs, finish_reason=finish_reason)
+        if scored is not None:  # the first output's: on its first chunk
+            rendered[0]["prompt_logprobs"] = h.prompt_logprobs(scored)
         return rendered
 
     envelope = {
