@@ -215,7 +215,12 @@ def test_n_logprobs_echo_and_token_prompts(server: Server) -> None:
     assert r.choices[0].text.startswith("Once upon") and r.choices[2].text.startswith("The sky")
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    # echo with logprobs: the prompt's tokens first, the very first one unscored.
+    prompt_ids = httpx.post(server.base + "/tokenize", json={"prompt": "Once upon"}).json()
+    assert len(lp.tokens) == prompt_ids["count"] + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(t is None or len(t) <= 2 for t in lp.top_logprobs)
+    assert all(x is not None for x in lp.token_logprobs[1:])
     ids = httpx.post(server.base + "/tokenize", json={"prompt": "The sky"}).json()["tokens"]
     by_ids = client.completions.create(model=MODEL, prompt=ids, **greedy(max_tokens=4))
     by_text = client.completions.create(model=MODEL, prompt="The sky", **greedy(max_tokens=4))

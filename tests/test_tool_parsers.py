@@ -72,6 +72,13 @@ HERMES = [
         "</tool_call>",
         ("", [("get_time", TIME)]),
     ),
+    # A string holding the closing tag (a forced call's grammar allows it): the JSON decides
+    # where the call ends.
+    (
+        '<tool_call>\n{"name": "note", "arguments": {"text": "a</tool_call>b"}}\n</tool_call>!',
+        ("!", [("note", {"text": "a</tool_call>b"})]),
+    ),
+    same('<tool_call>{"name": "n", "arguments": {"t": "</tool_call>"}} x</tool_call>'),
     # Broken JSON, a missing name, half a tag, an unclosed call: all content.
     (
         '<tool_call>{"name": "f", "arguments": {"a": }</tool_call> ok',

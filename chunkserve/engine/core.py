@@ -90,6 +90,9 @@ class CoreOutput:
     num_cached_tokens: int = 0
     timing: CoreTiming | None = None
     error: str | None = None
+    # ``prompt_logprobs`` requests, with their first output: per prompt position (None at
+    # 0) its token's (logprob, top-n, rank).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -508,6 +511,12 @@ class EngineCore:
                     self.scheduler.fail_requests([r], error)
                     outputs.append(self._final(r, error))
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
+        for chunk in out.prefills:  # gathered chunk by chunk, by position (a recompute
+            r = chunk.request  # after a preemption writes the same values again)
+            scored = result.prompt_logprobs.get(r.request_id)
+            if scored is not None and r.prompt_logprobs is not None:
+                first, entries = scored
+                r.prompt_logprobs[first : first + len(entries)] = entries
         produced = self.scheduler.update(out, result.sampled)
         forward_time = t_fwd - t_sched
         for chunk in out.prefills:
@@ -517,6 +526,9 @@ class EngineCore:
             new = r.output_token_ids[before[r.request_id] :]
             num_generated += len(new)
             logprobs = result.logprobs.get(r.request_id)
+            prompt_logprobs = None
+            if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+                prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
             outputs.append(
                 CoreOutput(
                     r.request_id,
@@ -527,6 +539,7 @@ class EngineCore:
                     r.num_cached_tokens,
                     CoreTiming.of(r),
                     r.error,
+                    prompt_logprobs,
                 )
             )
             if r.is_finished:

@@ -31,6 +31,11 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptTokenLogprob(TokenLogprob):
+    rank: int = 1  # the token's rank in its distribution (1: the most likely)
+
+
+@dataclass
 class RequestOutput:
     """A request's output so far. ``text``/``token_ids`` are cumulative; ``delta_*`` are what
     this step added (what a stream sends)."""
@@ -50,6 +55,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # ``prompt_logprobs``: per prompt token (None for the first), on the first output.
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
 
 @dataclass
@@ -98,7 +105,10 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             detok=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.keep_special_token_ids,
             ),
             holdback=max(0, max_stop - 1),
             metrics=RequestMetrics(arrival_time),
@@ -217,7 +227,23 @@ class OutputProcessor:
             delta_logprobs=delta_logprobs,
             num_cached_tokens=co.num_cached_tokens,
             metrics=state.metrics,
+            prompt_logprobs=_prompt_logprobs(state.prompt_token_ids, co.prompt_logprobs),
         )
+
+
+def _prompt_logprobs(
+    prompt: list[int], scored: list[tuple[float, list, int] | None] | None
+) -> list[PromptTokenLogprob | None] | None:
+    if scored is None:
+        return None
+    out: list[PromptTokenLogprob | None] = []
+    for token, entry in zip(prompt, scored):
+        if entry is None:
+            out.append(None)
+        else:
+            logprob, top, rank = entry
+            out.append(PromptTokenLogprob(token, logprob, [tuple(t) for t in top], rank))
+    return out
 
 
 def _core_timing(metrics: RequestMetrics, co: CoreOutput) -> None:

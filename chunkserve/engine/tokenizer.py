@@ -269,6 +269,32 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_keeping(
+        self, token_ids: Sequence[int], skip_special_tokens: bool, keep: frozenset[int]
+    ) -> str:
+        """``decode``, where the special tokens in ``keep`` are written even when the others
+        are skipped (a parser's own markers)."""
+        if not skip_special_tokens or not keep:
+            return self.decode(token_ids, skip_special_tokens)
+        special = self.special_token_ids
+        ids = [t for t in token_ids if t not in special or t in keep]
+        return self._tk.decode(ids, skip_special_tokens=False)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (what ``skip_special_tokens`` drops)."""
+        cached = self.__dict__.get("_special_ids")
+        if cached is None:
+            decoder = self._tk.get_added_tokens_decoder()
+            cached = frozenset(i for i, t in decoder.items() if t.special)
+            self.__dict__["_special_ids"] = cached
+        return cached
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one special token, else None."""
+        tid = self._tk.token_to_id(text)
+        return tid if tid is not None and tid in self.special_token_ids else None
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 
@@ -392,9 +418,11 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        keep_special_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.keep = frozenset(keep_special_token_ids or ())
         self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT :])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -403,11 +431,8 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new stable text (may be empty)."""
         self._ids.extend(token_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(
-            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
-        )
-        full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
@@ -416,13 +441,13 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode_keeping(ids, self.skip_special_tokens, self.keep)
+
     def flush(self) -> str:
         """At the end: whatever is left, replacement characters included."""
-        decode = self.tokenizer.decode
-        prefix = decode(
-            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
-        )
-        full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._prefix_offset = self._read_offset = len(self._ids)
         self.text += delta

@@ -10,6 +10,7 @@ import signal
 from types import FrameType
 
 from chunkserve.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from chunkserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from chunkserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("chunkserve.server")
@@ -54,10 +55,19 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        default="hermes",
-        choices=sorted(TOOL_PARSERS),
-        help="the format tool calls are read from in a chat reply with tools (default: "
-        "hermes, <tool_call> blocks, which the fallback prompt asks for)",
+        default="auto",
+        choices=["auto", *sorted(TOOL_PARSERS)],
+        help="the format tool calls are read from in a chat reply with tools (default: auto, "
+        "the one the chat template writes: harmony, mistral, hermes or llama3_json; hermes, "
+        "the fallback prompt's <tool_call> blocks, when it writes none); said at startup",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", *sorted(REASONING_PARSERS)],
+        help="split the reasoning off chat replies into reasoning_content (default: auto, "
+        "harmony for a <|channel|> template, qwen3 or deepseek_r1 for a <think> one, else "
+        "none); said at startup",
     )
     p.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 << 20)
     p.add_argument(
@@ -152,6 +162,17 @@ def _serve(args: argparse.Namespace) -> int:
         f"max_waiting_requests={args.max_waiting_requests}",
         flush=True,
     )
+    from chunkserve.entrypoints.openai.api_server import resolve_parsers
+
+    tool_parser, reasoning_parser, _ = resolve_parsers(
+        engine.tokenizer.chat_template, args.tool_call_parser, args.reasoning_parser
+    )
+    print(
+        f"chat replies: tool-call parser {tool_parser}"
+        f"{' (auto)' if args.tool_call_parser == 'auto' else ''}, reasoning parser "
+        f"{reasoning_parser or 'none'}{' (auto)' if args.reasoning_parser == 'auto' else ''}",
+        flush=True,
+    )
     async_engine = AsyncEngine(engine, args.max_waiting_requests, watchdog)
     app = build_app(
         async_engine,
@@ -159,7 +180,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
         request_timeout=args.request_timeout,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     from chunkserve.platform import freeze_startup_heap
 

@@ -377,6 +377,10 @@ class KVCacheManager:
         the table has null blocks before them."""
         if not self.enable_prefix_caching or any(request.block_tables):
             return [], 0
+        if request.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt row's logits: a hit has none, so such a
+            # request computes its whole prompt (as vLLM does); its blocks still publish.
+            return [], 0
         bs, pool = self.block_size, self.pool
         hashes = self._block_hashes(request, (request.num_tokens - 1) // bs)
         full = [g for g, w in enumerate(self.group_windows) if w is None]

@@ -21,6 +21,10 @@ from typing import Any
 
 from chunkserve.scheduling.sampling_params import SamplingParams
 
+# A prompt token's (logprob, top-n alternatives as (token id, logprob), rank in the
+# distribution: 1 for its most likely token).
+PromptLogprob = tuple[float, list[tuple[int, float]], int]
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -145,6 +149,13 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        # ``prompt_logprobs``: per prompt position, (logprob, top, rank) of its token once a
+        # chunk computed it (position 0 stays None); None when not asked for. Sent with the
+        # request's first output (``prompt_logprobs_sent``).
+        self.prompt_logprobs: list[PromptLogprob | None] | None = (
+            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None
+        )
+        self.prompt_logprobs_sent = False
         # One block table per KV group (``kv_cache``): entry i holds the request's tokens
         # ``i * block_size ..``; a sliding-window group's entries out of its window are the
         # null block. A model without windows has one group.

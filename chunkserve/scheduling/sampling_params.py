@@ -198,8 +198,16 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: every prompt token's logprob (the first's None) and its top-n alternatives
+    (0..20), computed over each prefill chunk's rows. Such a request bypasses the prefix
+    cache (a cached prefix has no logits to give): its whole prompt is computed."""
     """Return the sampled token's logprob and the top-n alternatives (0..20)."""
     skip_special_tokens: bool = True
+    keep_special_token_ids: list[int] | None = None
+    """Special tokens written into the text even with ``skip_special_tokens`` (the markers a
+    tool-call or reasoning parser reads, e.g. Mistral's ``[TOOL_CALLS]``); others are still
+    skipped."""
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before sampling (OpenAI's semantics: -100
@@ -217,6 +225,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.keep_special_token_ids = (
+            list(self.keep_special_token_ids) if self.keep_special_token_ids else None
+        )
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if isinstance(self.structured_outputs, dict):
             try:
@@ -350,6 +361,20 @@ class SamplingParams:
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or self.kv_transfer_params is None
+            or self.kv_transfer_params.prefill_url is None,
+            "prompt_logprobs",
+            "not available with kv_transfer_params.prefill_url (a prompt prefilled by another "
+            "instance has no logits here)",
         )
         for name, cls in (
             ("structured_outputs", StructuredOutputsParams),

@@ -17,6 +17,7 @@ from chunkserve.attention import AttentionBackend, BatchLayout
 from chunkserve.distributed.group import OP_STEP, CollectiveError, TPGroup
 from chunkserve.model.registry import CausalLM, KVGroups
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
+from chunkserve.scheduling.request import PromptLogprob
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.cuda_graphs import DecodeGraphs
 from chunkserve.worker.sampler import Sampler
@@ -43,6 +44,9 @@ class RunnerOutput:
     # Tensor parallel: seconds rank 0 spent in collectives (the step broadcast, all-reduces
     # and the logits gather, waiting for slower ranks included).
     comm_time: float = 0.0
+    # ``prompt_logprobs`` requests: request id -> (first prompt position its chunk scored,
+    # per position (logprob, top-n, rank) of the prompt's token there).
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 # The per-step index arrays, in the order they lie in the step's one device buffer: the
@@ -197,6 +201,9 @@ class ModelRunner:
         self._pinned_next = 0
         self.graphs: DecodeGraphs | None = None
         self.masks: GrammarMasks | None = None  # made at the first step with a grammar
+        # The last ``build_layout``'s prompt-logprob rows: (chunk, rows), after the sampled
+        # rows in ``logits_indices``.
+        self.prompt_rows: list[tuple[ScheduledChunk, int]] = []
 
     def transfer(self, host: np.ndarray) -> torch.Tensor:
         """One int64 host array to the device: on CUDA through pinned memory, one
@@ -238,6 +245,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         sampled_chunks: list[ScheduledChunk] = []
+        prompt_rows: list[int] = []
+        self.prompt_rows = []
         num_groups = self.num_kv_groups
         # Per KV group: the slots rows write, the blocks first written, the block tables.
         slots = [np.full(padded, NULL_BLOCK * bs, dtype=np.int64) for _ in range(num_groups)]
@@ -278,6 +287,13 @@ class ModelRunner:
             elif chunk.samples:
                 logits_rows.append(row - 1)
                 sampled_chunks.append(chunk)
+            if getattr(r, "prompt_logprobs", None) is not None and not chunk.draft_token_ids:
+                # Rows s.. predict prompt tokens s+1..: those inside the prompt.
+                k = min(n, r.num_prompt_tokens - 1 - s)
+                if k > 0:
+                    prompt_rows.extend(range(row - n, row - n + k))
+                    self.prompt_rows.append((chunk, k))
+        logits_rows += prompt_rows  # after the sampled rows: sampling sees [0, S)
 
         max_blocks = max((len(t) for t in tables[0]), default=0)
         width = max(max_blocks, 1)
@@ -371,6 +387,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(out):
             # Decode-only: every row is sampled, in order.
             sampled_chunks = list(out.decodes)
+            self.prompt_rows = []
             masks = self._start_masks(sampled_chunks)
             hidden, _ = self.graphs.run(out)
             layout_time = self.graphs.last_layout_time
@@ -383,7 +400,8 @@ class ModelRunner:
             try:
                 hidden = self.model(layout, self.kv_caches, self.attn, meta)  # [T, hidden]
                 hidden = hidden[layout.logits_indices]
-                logits = self.model.compute_logits(hidden) if sampled_chunks else None
+                scored = sampled_chunks or self.prompt_rows
+                logits = self.model.compute_logits(hidden) if scored else None
             except Exception as exc:
                 if self.group is None or isinstance(exc, CollectiveError):
                     raise
@@ -392,10 +410,14 @@ class ModelRunner:
                     f"rank 0 failed inside a tensor-parallel forward pass: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-        if not sampled_chunks:
-            return RunnerOutput({}, {}, layout_time)
-        assert logits is not None
         result = RunnerOutput({}, {}, layout_time)
+        if self.prompt_rows and logits is not None:
+            num_sampled = logits.shape[0] - sum(k for _, k in self.prompt_rows)
+            self._prompt_logprobs(logits[num_sampled:], result)
+            logits = logits[:num_sampled]
+        if not sampled_chunks:
+            return result
+        assert logits is not None
         if masks is not None:
             assert self.masks is not None
             t_wait = time.perf_counter()
@@ -411,6 +433,25 @@ class ModelRunner:
             self._sample_group(logits[row : row + n], group, verify, draft_probs, result)
             row += n
         return result
+
+    def _prompt_logprobs(self, logits: torch.Tensor, result: RunnerOutput) -> None:
+        """The prompt tokens' logprobs from their rows' logits (fp32 log-softmax, as the
+        sampler's logprobs): the token's logprob, rank and the top-n alternatives."""
+        row = 0
+        for chunk, k in self.prompt_rows:
+            r, s = chunk.request, chunk.start
+            lps = torch.log_softmax(logits[row : row + k].float(), dim=-1)
+            row += k
+            targets = torch.tensor(r.token_ids[s + 1 : s + 1 + k], device=lps.device)
+            chosen = lps.gather(1, targets[:, None])
+            ranks = (lps > chosen).sum(dim=-1).add_(1).tolist()
+            n = r.sampling_params.prompt_logprobs or 0
+            top_vals, top_ids = lps.topk(n, dim=-1) if n else (None, None)
+            entries = []
+            for i, (lp, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks)):
+                top = list(zip(top_ids[i].tolist(), top_vals[i].tolist())) if n else []
+                entries.append((lp, top, rank))
+            result.prompt_logprobs[r.request_id] = (s + 1, entries)
 
     @torch.inference_mode()
     def follow(self, step: StepArrays) -> None:

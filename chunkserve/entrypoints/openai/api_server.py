@@ -32,7 +32,7 @@ from chunkserve.engine.async_engine import (
     RequestTimeoutError,
 )
 from chunkserve.engine.input_processor import CheckedRequest
-from chunkserve.engine.output_processor import RequestOutput, TokenLogprob
+from chunkserve.engine.output_processor import PromptTokenLogprob, RequestOutput, TokenLogprob
 from chunkserve.entrypoints.openai.metrics import Metrics
 from chunkserve.entrypoints.openai.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -44,6 +44,10 @@ from chunkserve.entrypoints.openai.protocol import (
     error_responses,
     param_of,
 )
+from chunkserve.entrypoints.openai.reasoning_parsers import (
+    detect_reasoning_parser,
+    get_reasoning_parser,
+)
 from chunkserve.entrypoints.openai.responses import (
     SSE_DONE,
     error_body,
@@ -52,8 +56,11 @@ from chunkserve.entrypoints.openai.responses import (
 )
 from chunkserve.entrypoints.openai.tool_parsers import (
     Event,
-    ToolParser,
+    HarmonyParser,
+    Reasoning,
+    ReplyParser,
     collect,
+    detect_tool_parser,
     get_tool_parser,
 )
 from chunkserve.entrypoints.openai.tools import (
@@ -156,6 +163,28 @@ class ServerState:
     created: int
     request_timeout: float | None = None
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
+
+
+def resolve_parsers(
+    chat_template: str | None, tool_call_parser: str, reasoning_parser: str | None
+) -> tuple[str, str | None, list[str]]:
+    """``(tool-call parser, reasoning parser or None, lines saying why)``: ``auto`` picks
+    from the chat template (``detect_tool_parser`` / ``detect_reasoning_parser``), ``none``
+    turns reasoning parsing off; an unknown name is a ``ValueError`` naming the flag."""
+    why = []
+    if tool_call_parser == "auto":
+        tool_call_parser, reason = detect_tool_parser(chat_template)
+        why.append(f"tool-call parser {tool_call_parser} ({reason})")
+    get_tool_parser(tool_call_parser)
+    if reasoning_parser == "auto":
+        reasoning_parser, reason = detect_reasoning_parser(chat_template)
+        why.append(f"reasoning parser {reasoning_parser or 'none'} ({reason})")
+    elif reasoning_parser == "none":
+        reasoning_parser = None
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
+    return tool_call_parser, reasoning_parser, why
 
 
 def build_app(
@@ -166,9 +195,15 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
     tool_call_parser: str = "hermes",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
-    get_tool_parser(tool_call_parser)  # an unknown name fails here, not at the first call
     engine = async_engine.engine
+    # An unknown name fails here, not at the first call; ``auto`` is decided and said here.
+    tool_call_parser, reasoning_parser, why = resolve_parsers(
+        engine.tokenizer.chat_template, tool_call_parser, reasoning_parser
+    )
+    for line in why:
+        logger.info("chat replies: %s", line)
     metrics = Metrics(engine, served_model_name)
     metrics.track_streams(lambda: async_engine.queued_bytes)
     engine.step_listeners.append(metrics.on_step)
@@ -181,6 +216,7 @@ def build_app(
         int(time.time()),
         request_timeout,
         tool_call_parser,
+        reasoning_parser,
     )
 
     @asynccontextmanager
@@ -341,6 +377,7 @@ class _Handler:
         body: Any,
         max_tokens: int | None,
         logprobs: int | None,
+        keep_special: list[int] | None = None,
     ) -> list[_Choice]:
         """Check every (prompt, n) pair against the engine before anything is queued (the
         engine queues the checked requests without checking them again)."""
@@ -358,6 +395,8 @@ class _Handler:
         for p_index, (text, ids) in enumerate(prompts):
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
+                if keep_special:
+                    params.keep_special_token_ids = list(keep_special)
                 checked = self.engine.inputs.check(text, ids, params, body.priority)
                 choices.append(_Choice(len(choices), p_index, checked))
         self.state.engine.check_capacity(len(choices))
@@ -369,10 +408,30 @@ class _Handler:
         tools = spec.tools if spec is not None else None
         return encode_chat_with_tools(self.tokenizer, messages, tools, body.add_generation_prompt)
 
-    def tool_parser(self, spec: ToolSpec) -> ToolParser:
-        """A fresh parser for one reply: Hermes for forced calls (their grammar writes that
-        format), else ``--tool-call-parser``."""
-        return get_tool_parser("hermes" if spec.forced else self.state.tool_call_parser)()
+    def reply_parser(self, spec: ToolSpec | None) -> ReplyParser | None:
+        """A fresh parser for one chat reply (None: the reply is all content). Tool calls:
+        Hermes for forced calls (their grammar writes that format), else
+        ``--tool-call-parser``; reasoning: ``--reasoning-parser``, except for forced calls,
+        whose grammar lets the model write the call alone (no reasoning before it)."""
+        tools = None if spec is None else "hermes" if spec.forced else self.state.tool_call_parser
+        reasoning = None if spec is not None and spec.forced else self.state.reasoning_parser
+        if tools is None and reasoning is None:
+            return None
+        if "harmony" in (tools, reasoning):  # one parser reads harmony's channels and calls
+            rest = None if tools in (None, "harmony") else get_tool_parser(tools)()
+            return ReplyParser(HarmonyParser(calls=tools == "harmony"), rest)
+        return ReplyParser(
+            get_reasoning_parser(reasoning)() if reasoning else None,
+            get_tool_parser(tools)() if tools else None,
+        )
+
+    def kept_special_tokens(self, parser: ReplyParser | None) -> list[int] | None:
+        """The special tokens of the parsers' formats (kept in the reply's text)."""
+        if parser is None:
+            return None
+        markers = [m for p in (parser.reasoning, parser.tools) if p for m in p.markers]
+        ids = {self.tokenizer.special_token_id(m) for m in markers}
+        return sorted(i for i in ids if i is not None) or None
 
     def submit(self, choices: list[_Choice], base_id: str) -> list[_Submitted]:
         """Queue every choice now, right after ``prepare`` admitted them (no await in
@@ -393,9 +452,15 @@ class _Handler:
 
     async def collect(self, submitted: list[_Submitted]) -> dict[int, RequestOutput]:
         finals: dict[int, RequestOutput] = {}
+        scored: dict[int, Any] = {}  # prompt logprobs come with a request's first output
         async for index, out in _merge(submitted):
+            if out.prompt_logprobs is not None:
+                scored[index] = out.prompt_logprobs
             if out.finished:
                 finals[index] = out
+        for index, prompt_logprobs in scored.items():
+            if index in finals:
+                finals[index].prompt_logprobs = prompt_logprobs
         return finals
 
     def usage(
@@ -418,20 +483,60 @@ class _Handler:
         return self.tokenizer.token_text(token_id)
 
     def completion_logprobs(
-        self, entries: list[TokenLogprob] | None, text_start: int, texts: list[str]
+        self,
+        entries: list[TokenLogprob] | None,
+        text_start: int,
+        texts: list[str],
+        prompt: list[PromptTokenLogprob | None] | None = None,
+        prompt_ids: list[int] | None = None,
+        prompt_start: int = 0,
     ) -> dict[str, Any] | None:
-        if entries is None:
+        """OpenAI's legacy logprobs object; with ``prompt`` (``echo`` with ``logprobs``) the
+        prompt's tokens first, the very first one's logprob and top null."""
+        if entries is None and prompt is None:
             return None
-        offsets, pos = [], text_start
+        entries = entries or []
+        head: list[tuple[str, float | None, dict[str, float] | None]] = []
+        if prompt is not None and prompt_ids is not None:
+            for token, e in zip(prompt_ids, prompt):
+                top = None if e is None else {self.token_str(t): lp for t, lp in e.top}
+                head.append((self.token_str(token), None if e is None else e.logprob, top))
+        offsets, pos = [], prompt_start  # the echoed prompt's tokens, then the generated ones
+        for t, _, _ in head:
+            offsets.append(pos)
+            pos += len(t)
+        pos = text_start
         for t in texts:
             offsets.append(pos)
             pos += len(t)
         return {
-            "tokens": texts,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_str(t): lp for t, lp in e.top} for e in entries],
+            "tokens": [t for t, _, _ in head] + list(texts),
+            "token_logprobs": [lp for _, lp, _ in head] + [e.logprob for e in entries],
+            "top_logprobs": [top for _, _, top in head]
+            + [{self.token_str(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(
+        self, entries: list[PromptTokenLogprob | None] | None
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its id and the
+        top-n ids, each with ``logprob``, ``rank`` and ``decoded_token``."""
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            item = {str(e.token_id): self._scored(e.token_id, e.logprob, e.rank)}
+            for rank, (t, lp) in enumerate(e.top, 1):
+                item.setdefault(str(t), self._scored(t, lp, rank))
+            out.append(item)
+        return out
+
+    def _scored(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_str(token_id)}
 
     def chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
@@ -537,7 +642,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prompts = [
             (text if text is not None else h.tokenizer.decode(ids), ids) for text, ids in prompts
         ]
-        choices = h.prepare(prompts, body, body.max_tokens, body.logprobs)
+        max_tokens, scoring_only = body.engine_max_tokens()
+        choices = h.prepare(prompts, body, max_tokens, body.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         submitted = h.submit(choices, base_id)
@@ -545,7 +651,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _stream_completion(
-                    h, body, prompts, choices, submitted, base_id, created, include_usage
+                    h,
+                    body,
+                    prompts,
+                    choices,
+                    submitted,
+                    base_id,
+                    created,
+                    include_usage,
+                    scoring_only,
                 ),
                 media_type="text/event-stream",
             )
@@ -553,17 +667,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         out_choices = []
         for c in choices:
             o = finals[c.index]
+            if scoring_only:  # max_tokens 0: the one token run is not part of the reply
+                o.text, o.token_ids, o.logprobs = "", [], [] if o.logprobs is not None else None
             prefix = c.request.prompt if body.echo else ""
             texts = [h.token_str(t) for t in o.token_ids] if o.logprobs is not None else []
-            out_choices.append(
-                {
-                    "index": c.index,
-                    "text": (prefix or "") + o.text,
-                    "logprobs": h.completion_logprobs(o.logprobs, len(prefix or ""), texts),
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                }
-            )
+            echoed = o.prompt_logprobs if body.echo and body.logprobs is not None else None
+            choice = {
+                "index": c.index,
+                "text": (prefix or "") + o.text,
+                "logprobs": h.completion_logprobs(
+                    o.logprobs, len(prefix or ""), texts, echoed, c.request.prompt_token_ids
+                ),
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = h.prompt_logprobs(o.prompt_logprobs)
+            out_choices.append(choice)
         return JSONResponse(
             {
                 "id": base_id,
@@ -582,7 +702,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         spec = body.tool_spec()
         ids = h.chat_prompt([m.as_template_dict() for m in body.messages], body, spec)
         prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
-        choices = h.prepare(prompts, body, body.resolved_max_tokens(), body.resolved_logprobs())
+        keep = h.kept_special_tokens(h.reply_parser(spec))
+        choices = h.prepare(
+            prompts, body, body.resolved_max_tokens(), body.resolved_logprobs(), keep
+        )
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         submitted = h.submit(choices, base_id)
@@ -600,10 +723,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             final = finals[c.index]
             message: dict[str, Any] = {"role": "assistant", "content": final.text}
             finish_reason = final.finish_reason
-            if spec is not None:
-                parser = h.tool_parser(spec)
+            parser = h.reply_parser(spec)
+            if parser is not None:
                 result = collect(parser.feed(final.text) + parser.finish())
-                calls = result.tool_calls if spec.parallel else result.tool_calls[:1]
+                message["content"] = result.content
+                if h.state.reasoning_parser is not None or result.reasoning is not None:
+                    message["reasoning_content"] = result.reasoning
+                parallel = spec is None or spec.parallel
+                calls = result.tool_calls if parallel else result.tool_calls[:1]
                 if calls:
                     message["content"] = result.content if result.content.strip() else None
                     message["tool_calls"] = [
@@ -625,6 +752,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                     "stop_reason": final.stop_reason,
                 }
             )
+            if body.prompt_logprobs is not None:
+                out_choices[-1]["prompt_logprobs"] = h.prompt_logprobs(final.prompt_logprobs)
         return JSONResponse(
             {
                 "id": base_id,
@@ -658,8 +787,8 @@ async def _sse_stream(
         for choice in prelude or []:
             yield sse_event({**envelope, "choices": [choice]})
         async for index, out in _merge(submitted):
-            counts[index] = len(out.token_ids)
             rendered = render(index, out)
+            counts[index] = len(out.token_ids)  # (after render: max_tokens 0 drops its token)
             for choice in rendered if isinstance(rendered, list) else [rendered]:
                 if choice is None:
                     continue
@@ -689,29 +818,48 @@ def _stream_completion(
     base_id: str,
     created: int,
     include_usage: bool,
+    scoring_only: bool = False,
 ) -> AsyncIterator[str]:
     echoed: set[int] = set()
     sent_chars = dict.fromkeys(range(len(choices)), 0)
 
     def render(index: int, out: RequestOutput) -> dict[str, Any] | None:
-        text = out.delta_text
+        text, delta_logprobs = out.delta_text, out.delta_logprobs
+        if scoring_only:  # max_tokens 0: the one token run is not part of the reply
+            text, out.token_ids = "", []
+            delta_logprobs = [] if delta_logprobs is not None else None
+        prompt, prompt_start = None, sent_chars[index]
         if body.echo and index not in echoed:
             echoed.add(index)
-            text = (choices[index].request.prompt or "") + text
-        if not text and not out.finished and not out.delta_logprobs:
+            echo = choices[index].request.prompt or ""
+            text = echo + text
+            sent_chars[index] += len(echo)
+            if body.logprobs is not None:
+                prompt = out.prompt_logprobs
+        if not (text or out.finished or delta_logprobs or out.prompt_logprobs is not None):
             return None  # (a step whose text is held back still sends its logprobs)
         logprobs = None
-        if out.delta_logprobs is not None:
-            texts = [h.token_str(e.token_id) for e in out.delta_logprobs]
-            logprobs = h.completion_logprobs(out.delta_logprobs, sent_chars[index], texts)
-        sent_chars[index] += len(text)
-        return {
+        if delta_logprobs is not None or prompt is not None:
+            texts = [h.token_str(e.token_id) for e in delta_logprobs or []]
+            logprobs = h.completion_logprobs(
+                delta_logprobs,
+                sent_chars[index],
+                texts,
+                prompt,
+                choices[index].request.prompt_token_ids,
+                prompt_start,
+            )
+        sent_chars[index] += len(text) - (sent_chars[index] - prompt_start)
+        chunk = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason if out.finished else None,
             "stop_reason": out.stop_reason if out.finished else None,
         }
+        if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = h.prompt_logprobs(out.prompt_logprobs)
+        return chunk
 
     envelope = {
         "id": base_id,
@@ -733,13 +881,14 @@ def _stream_chat(
     include_usage: bool,
     spec: ToolSpec | None = None,
 ) -> AsyncIterator[str]:
-    parsers = {c.index: h.tool_parser(spec) for c in choices} if spec is not None else {}
+    parsers = {c.index: h.reply_parser(spec) for c in choices}
 
     def render(index: int, out: RequestOutput) -> list[dict[str, Any]] | None:
-        if not out.delta_text and not out.finished and not out.delta_logprobs:
+        scored = out.prompt_logprobs if body.prompt_logprobs is not None else None
+        if not (out.delta_text or out.finished or out.delta_logprobs or scored is not None):
             return None  # (a step whose text is held back still sends its logprobs)
         finish_reason = out.finish_reason if out.finished else None
-        parser = parsers.get(index)
+        parser = parsers[index]
         if parser is None:
             delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
             deltas = [delta]
@@ -749,7 +898,7 @@ def _stream_chat(
                 events += parser.finish()
                 if parser.count and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            elif not events and not out.delta_logprobs:
+            elif not events and not out.delta_logprobs and scored is None:
                 return None  # the parser holds the text back
             deltas = _chat_deltas(events, spec is None or spec.parallel)
         logprobs = h.chat_logprobs(out.delta_logprobs)
@@ -758,6 +907,8 @@ def _stream_chat(
         ]
         # The step's logprobs and finish reason ride on its last chunk.
         rendered[-1].update(logprobs=logprobs, finish_reason=finish_reason)
+        if scored is not None:  # the first output's: on its first chunk
+            rendered[0]["prompt_logprobs"] = h.prompt_logprobs(scored)
         return rendered
 
     envelope = {
@@ -782,10 +933,18 @@ def _chat_deltas(events: list[Event], parallel: bool) -> list[dict[str, Any]]:
     """A step's parser events as chat deltas: content joined, then each tool-call delta in its
     own chunk (the call's id, type and name first, then its arguments), as OpenAI streams
     them; with ``parallel_tool_calls`` false, calls after the first are left out."""
-    text = "".join(e for e in events if isinstance(e, str))
-    deltas: list[dict[str, Any]] = [{"content": text}] if text else []
+    deltas: list[dict[str, Any]] = []
+    # Runs of reasoning and of content each in one delta, in the order they came.
     for e in events:
-        if isinstance(e, str) or (e.index > 0 and not parallel):
+        key = "reasoning_content" if isinstance(e, Reasoning) else "content"
+        if isinstance(e, (str, Reasoning)):
+            piece = e.text if isinstance(e, Reasoning) else e
+            if deltas and list(deltas[-1]) == [key]:
+                deltas[-1][key] += piece
+            elif piece:
+                deltas.append({key: piece})
+            continue
+        if e.index > 0 and not parallel:
             continue
         fn: dict[str, Any] = {"arguments": e.arguments}
         call: dict[str, Any] = {"index": e.index}

@@ -80,6 +80,8 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     best_of: int | None = None
+    # vLLM's: every prompt token's logprob and top-n (0..20), in each choice.
+    prompt_logprobs: int | None = None
     # Prefill/decode disaggregation (``chunkserve router`` sets it; vLLM's name).
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -169,6 +171,17 @@ class _SamplingFields(BaseModel):
             if name in self.model_fields_set
         )
 
+    def resolved_prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """``prompt_logprobs``, or for ``echo`` with ``logprobs`` (OpenAI's legacy way of
+        scoring a prompt) the ``logprobs`` top-n; the larger when both are given."""
+        asked = [self.prompt_logprobs]
+        if getattr(self, "echo", False) and logprobs is not None:
+            asked.append(logprobs)
+        given = [n for n in asked if n is not None]
+        if not given:
+            return None
+        return max(given) if all(isinstance(n, int) for n in given) else given[0]
+
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
     ) -> SamplingParams:
@@ -182,6 +195,7 @@ class _SamplingFields(BaseModel):
         }
         params = SamplingParams(
             max_tokens=max_tokens,
+            prompt_logprobs=self.resolved_prompt_logprobs(logprobs),
             **optional,
             seed=None if self.seed is None else self.seed + seed_offset,
             presence_penalty=self.presence_penalty or 0.0,
@@ -207,6 +221,16 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    def engine_max_tokens(self) -> tuple[int | None, bool]:
+        """``(max_tokens for the engine, whether the reply drops what it generates)``:
+        ``max_tokens: 0`` (scoring a prompt, with ``echo``) runs one token and drops it;
+        without ``echo`` it is a 400 naming ``max_tokens``."""
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ValueError("max_tokens: 0 generates nothing; it needs echo=true")
+            return 1, True
+        return self.max_tokens, False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -34,12 +34,23 @@ class ToolCallDelta:
 
 
 @dataclass
+class Reasoning:
+    """A piece of the reply's reasoning (``reasoning_content``), apart from its content."""
+
+    text: str
+
+    def __bool__(self) -> bool:
+        return bool(self.text)
+
+
+@dataclass
 class ExtractedOutput:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None  # None: the reply had no reasoning part
 
 
-Event = str | ToolCallDelta  # a content delta or a tool-call delta
+Event = str | ToolCallDelta | Reasoning  # a content, tool-call or reasoning delta
 
 
 def safe_end(text: str, start: int, tag: str) -> int:
@@ -71,6 +82,10 @@ class ToolParser:
     """Base class; subclasses implement ``_step``."""
 
     name = ""
+    # The special tokens this format writes, which the reply must be decoded keeping
+    # (``SamplingParams.keep_special_token_ids``): detokenized without special tokens, as
+    # chat replies are, the parser would never see them.
+    markers: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.text = ""
@@ -106,8 +121,9 @@ class ToolParser:
             self.pos = end
         return out
 
-    def _step(self, final: bool) -> tuple[str, list[tuple[str, str]], int] | None:
-        """``(content, calls, new position)`` for the next decided piece, or None."""
+    def _step(self, final: bool) -> tuple[str | Reasoning, list[tuple[str, str]], int] | None:
+        """``(content, calls, new position)`` for the next decided piece, or None (the
+        content may be a ``Reasoning`` piece)."""
         raise NotImplementedError
 
     @classmethod
@@ -120,13 +136,18 @@ class ToolParser:
 def collect(events: list[Event]) -> ExtractedOutput:
     """Streamed events added up: the content and the calls they make."""
     content = []
+    reasoning: list[str] | None = None
     calls: list[ToolCall] = []
     for ev in events:
         if isinstance(ev, str):
             content.append(ev)
+        elif isinstance(ev, Reasoning):
+            reasoning = (reasoning or []) + [ev.text]
         elif ev.id is not None:
             assert ev.index == len(calls)
             calls.append(ToolCall(ev.id, ev.name or "", ev.arguments))
         else:
             calls[ev.index].arguments += ev.arguments
-    return ExtractedOutput("".join(content), calls)
+    return ExtractedOutput(
+        "".join(content), calls, None if reasoning is None else "".join(reasoning)
+    )

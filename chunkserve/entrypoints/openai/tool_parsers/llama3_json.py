@@ -15,6 +15,7 @@ _DECODER = json.JSONDecoder()
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    markers = (TAG,)
 
     def __init__(self) -> None:
         super().__init__()

@@ -17,6 +17,7 @@ _DECODER = json.JSONDecoder()
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    markers = (MARKER,)
 
     def new_id(self) -> str:
         return "".join(random.choices(_ID_CHARS, k=9))
