@@ -3,6 +3,7 @@ by the real ``openai`` client and by raw HTTP for the error paths."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
@@ -32,7 +33,9 @@ def free_port() -> int:
 
 class ChunkserveProcess:
     """``python -m chunkserve <command> --port P ...`` on a free loopback port, ready once
-    ``health`` answers 200; ``stop`` ends it by its PID (SIGTERM, then SIGKILL)."""
+    ``health`` answers 200; ``stop`` ends it by its PID (SIGTERM, then SIGKILL). Its output
+    is read as it comes (its last lines kept in ``output``): an unread pipe fills and
+    blocks a server that logs."""
 
     def __init__(
         self,
@@ -49,10 +52,15 @@ class ChunkserveProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
+        self.output: collections.deque[str] = collections.deque(maxlen=500)
+        reader = threading.Thread(target=self.output.extend, args=(self.proc.stdout,))
+        reader.daemon = True
+        reader.start()
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{command} exited:\n" + self.proc.stdout.read())
+                reader.join(10)
+                raise RuntimeError(f"{command} exited:\n" + "".join(self.output))
             try:
                 if httpx.get(self.base + health, timeout=1).status_code == 200:
                     return
