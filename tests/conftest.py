@@ -3,6 +3,8 @@ HF safetensors directory, which also exercises our safetensors loader), prompts.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import random
@@ -209,6 +211,33 @@ def preemption_reference() -> list[list[int]]:
     assert engine.core.scheduler.num_preemptions == 0
     assert_no_blocks_in_use(engine)
     return tokens
+
+
+def _release_freed_memory() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``). A test
+    module's engines and models are freed when its fixtures end, but glibc keeps most of
+    those pages: after tests/test_invariance.py a process held 5.8 GB, 5.4 GB after
+    ``gc.collect()`` and 1.0 GB after the trim. Two test workers growing like that filled
+    this 24 GB machine."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (glibc only; musl and macOS lack it)
+except (OSError, AttributeError):
+    _LIBC = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test module's last test, once its module-scoped fixtures have ended."""
+    result = yield
+    if nextitem is None or getattr(nextitem, "module", None) is not item.module:
+        _release_freed_memory()
+    return result
 
 
 @pytest.fixture(autouse=True)

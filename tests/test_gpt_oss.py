@@ -555,6 +555,31 @@ def test_norms_multiply_by_their_weight_in_fp32_as_transformers() -> None:
     assert not torch.equal(llama(x), want)
 
 
+def test_sinks_are_kept_in_fp32_so_the_triton_kernel_reads_them_without_a_copy(
+    gpt_oss_dir,
+) -> None:
+    """A bf16 model's sink logits load into fp32 parameters (exactly: bf16 values are fp32
+    values) and the Triton backend hands that very tensor to its kernel; a bf16 copy would
+    be converted in every layer of every step."""
+    from safetensors import safe_open
+
+    from chunkserve.attention.triton_paged import _fp32
+    from chunkserve.model.loader import hf_model_config, iter_hf_weights
+    from chunkserve.model.registry import build_model
+
+    config = hf_model_config(gpt_oss_dir)
+    model = build_model(config, torch.bfloat16, torch.device("cpu"), max_positions=64)
+    model.load_weights(iter_hf_weights(gpt_oss_dir, torch.bfloat16))
+    sinks = [m.sinks for m in model.modules() if getattr(m, "sinks", None) is not None]
+    assert len(sinks) == config.num_layers
+    with safe_open(gpt_oss_dir / "model.safetensors", "pt") as f:
+        want = f.get_tensor("model.layers.0.self_attn.sinks").to(torch.bfloat16).float()
+    assert all(s.dtype == torch.float32 for s in sinks)
+    assert torch.equal(sinks[0], want)
+    assert _fp32(sinks[0]) is sinks[0]
+    assert torch.equal(_fp32(sinks[0].to(torch.bfloat16)), want)
+
+
 # openai/gpt-oss-20b's config.json as published (transformers 4.55: rope_scaling beside
 # rope_theta, no rope_parameters; MXFP4 experts).
 GPT_OSS_20B = {

@@ -329,7 +329,7 @@ class TritonAttentionBackend(AttentionBackend):
             DOT_FP32=dot_fp32,
             window=window or 0,
             softcap=cap or 1.0,
-            sinks_ptr=None if sinks is None else sinks.to(q.device, torch.float32).contiguous(),
+            sinks_ptr=None if sinks is None else _fp32(sinks),
             HAS_WINDOW=window is not None,
             HAS_SOFTCAP=cap is not None,
             HAS_SINKS=sinks is not None,
@@ -374,3 +374,11 @@ class TritonAttentionBackend(AttentionBackend):
                 num_stages=2,
             )
         return out
+
+
+def _fp32(sinks: torch.Tensor) -> torch.Tensor:
+    """The sink logits as the kernel reads them: the model keeps them in fp32 already (no copy
+    per layer and step); other callers' are converted."""
+    if sinks.dtype == torch.float32 and sinks.is_contiguous():
+        return sinks
+    return sinks.float().contiguous()

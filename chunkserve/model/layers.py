@@ -597,7 +597,10 @@ class Attention(nn.Module):
         self.q_heads, self.total_heads = shard.q_heads, config.num_heads
         self.sinks = None
         if spec is not None and spec.sinks:
-            self.sinks = _param(self.num_heads, dtype=dtype, device=device)
+            # fp32 whatever the model's dtype: every backend adds the sink to an fp32 running
+            # maximum and denominator, so a bf16 copy would be converted every layer, every
+            # step (checkpoints store sinks in bf16 or fp32: both load exactly).
+            self.sinks = _param(self.num_heads, dtype=torch.float32, device=device)
         self.qk_norm = qk_norm
         self.q_norm = self.k_norm = None
         eps = config.rms_norm_eps
