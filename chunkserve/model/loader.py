@@ -367,7 +367,7 @@ def iter_gguf_weights(
     applying the family's ``GGUFSpec`` (splits, Q/K permutation, norm offset)."""
     from gguf import GGMLQuantizationType
 
-    from chunkserve.model.dequant import dequantize
+    from chunkserve.quant.formats import dequantize
 
     _, spec = gguf_spec(_field(reader, "general.architecture"))
     for t in reader.tensors:
