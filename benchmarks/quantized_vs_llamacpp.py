@@ -17,7 +17,9 @@ file and server, one after the other (never both at once):
 
 One warm-up request runs before the measurements. KV capacity is the same on both sides:
 llama.cpp gets ``--streams`` slots of ``--slot-ctx`` tokens, chunkserve the bytes of that
-many tokens in its KV dtype.
+many tokens in its KV dtype. llama.cpp reads the file into memory (``--no-mmap``), as
+chunkserve does, unless ``--mmap``: on this shared machine, short of memory, the page cache
+evicted llama.cpp's mapped weights mid-run (4 prefill tok/s on the 1B Q4_0).
 
 Files (``--models``, comma-separated):
 
@@ -44,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,7 +61,7 @@ from chunkserve.provenance import git_commit
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "quantized_vs_llamacpp"
 PEER = ROOT / "benchmarks" / "peers" / "llamacpp_server.py"
-MODELS = ("llama1b-q4_0", "llama1b-q8_0", "embedded", "gemma3-270m")
+MODELS = ("embedded", "gemma3-270m", "llama1b-q4_0", "llama1b-q8_0")
 
 # The ~1B Llama shape (TinyLlama-1.1B's, with the embedded model's vocabulary).
 LLAMA1B = dict(hidden=2048, layers=22, heads=32, kv_heads=8, ffn=5632, vocab=49152)
@@ -216,6 +219,7 @@ def server_command(side: str, path: Path, args: argparse.Namespace) -> list[str]
         return [
             sys.executable, str(PEER), "--model", str(path), "--threads", str(args.threads),
             "--n-parallel", str(args.streams), "--ctx-size", str(tokens),
+            *([] if args.mmap else ["--no-mmap"]),
         ]  # fmt: skip
     kv = tokens * kv_bytes_per_token(path, args.kv_elem_bytes)
     return [
@@ -297,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kv-elem-bytes", type=int, default=2, help="bytes per KV value on chunkserve's side"
     )
+    ap.add_argument(
+        "--mmap",
+        action="store_true",
+        help="let llama.cpp map the file (default: read into memory, as chunkserve does: on "
+        "a machine short of memory the page cache evicts mapped weights mid-run)",
+    )
     ap.add_argument("--chunkserve-args", default="")
     ap.add_argument("--cache-dir", default=str(ROOT / ".cache" / "bench-gguf"))
     ap.add_argument("--gemma-path", default=None)
@@ -305,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="the commit run (default: this checkout's)")
     ap.add_argument("--out", default=None, help="JSON path (default results/<label>.json)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     for name in names:
         if name not in MODELS:
