@@ -51,7 +51,13 @@ from chunkserve.distributed.launch import (
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
 from chunkserve.model.layers import DETERMINISTIC_TILING
-from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
+from chunkserve.model.loader import (
+    ModelSource,
+    iter_weights,
+    keep_quantized,
+    load_model_config,
+    resolve_model,
+)
 from chunkserve.model.registry import (
     CausalLM,
     attention_specs,
@@ -348,10 +354,15 @@ class Worker:
             shard=self.shard,
             group=self.group,
         )
+        quantized = keep_quantized(source, self.device, config.gguf_dequantize)
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
         else:
-            self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
+            self.model.load_weights(
+                iter_weights(source, model_config, reader, self.dtype, quantized)
+            )
+        # The quantized types the weights are held in, or None (the profile is per format).
+        self.weights_format: str | None = getattr(self.model, "weights_format", lambda: None)()
         self.load_time = time.perf_counter() - t0
         if config.deterministic:
             self.model.set_row_tiling(DETERMINISTIC_TILING)
@@ -421,6 +432,7 @@ class Worker:
                 attention_backend=config.attention_backend,
                 seed=config.seed,
                 dummy_weights=config.load_format == "dummy",
+                quantized=keep_quantized(self._draft_source, self.device, config.gguf_dequantize),
             )
             self._draft_reader = None
         hybrid = self.kv_groups.num_groups > 1
