@@ -1,4 +1,4 @@
-"""Our GGUF decoding against gguf-py's: the dequantiser (chunkserve.model.dequant) bit for
+"""Our GGUF decoding against gguf-py's: the dequantiser (chunkserve.quant.formats) bit for
 bit, on the embedded file's own tensors and on blocks gguf-py's ``quantize`` writes for
 every type we decode ourselves (other types go to gguf-py); the reader
 (chunkserve.model.gguf_reader) field for field and tensor for tensor."""
@@ -9,9 +9,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from chunkserve.model import dequant
 from chunkserve.model.gguf_reader import GGUFReader
 from chunkserve.model.loader import open_gguf
+from chunkserve.quant import formats
 
 OURS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16]
 
@@ -41,8 +41,8 @@ def awkward_rows() -> np.ndarray:
 @pytest.mark.parametrize("qtype", OURS, ids=lambda q: q.name)
 def test_blocks_written_by_gguf_py(qtype):
     data = gguf_quantize(awkward_rows(), qtype)
-    assert dequant.supported(qtype)
-    assert_same_bits(dequant.dequantize(data, qtype), gguf_dequantize(data, qtype))
+    assert formats.supported(qtype)
+    assert_same_bits(formats.dequantize(data, qtype), gguf_dequantize(data, qtype))
 
 
 def test_every_type_in_the_embedded_file(gguf_path):
@@ -53,23 +53,23 @@ def test_every_type_in_the_embedded_file(gguf_path):
         if t.tensor_type == T.F32 or t.tensor_type in seen:
             continue
         seen.add(t.tensor_type)
-        assert dequant.supported(t.tensor_type), t.tensor_type.name
+        assert formats.supported(t.tensor_type), t.tensor_type.name
         rows = t.data[:64]
         assert_same_bits(
-            dequant.dequantize(rows, t.tensor_type), gguf_dequantize(rows, t.tensor_type)
+            formats.dequantize(rows, t.tensor_type), gguf_dequantize(rows, t.tensor_type)
         )
     assert {T.Q4_1, T.Q8_0} <= seen
 
 
 def test_other_types_go_to_gguf_py():
     data = gguf_quantize(awkward_rows(), T.BF16)
-    assert not dequant.supported(T.BF16)
-    assert_same_bits(dequant.dequantize(data, T.BF16), gguf_dequantize(data, T.BF16))
+    assert not formats.supported(T.BF16)
+    assert_same_bits(formats.dequantize(data, T.BF16), gguf_dequantize(data, T.BF16))
 
 
 def test_rows_of_partial_blocks_are_refused():
     with pytest.raises(ValueError, match="Q4_1"):
-        dequant.dequantize(np.zeros((2, 30), np.uint8), T.Q4_1)
+        formats.dequantize(np.zeros((2, 30), np.uint8), T.Q4_1)
 
 
 def test_reader_reads_what_gguf_py_reads(gguf_path):

@@ -1,0 +1,215 @@
+"""Weights kept in their quantized bits, behind one protocol the model's layers call.
+
+A ``QuantizedWeight`` is an [out_features, in_features] weight (HF's [out, in]) that never
+exists in full as floats: ``matmul`` multiplies by it, ``embedding`` dequantizes only the
+rows asked for, and the edits loading needs (row ranges for tensor-parallel shards and fused
+parts, column ranges at block boundaries, llama.cpp's Q/K row permutation, concatenation of
+parts) happen on the quantized bits. Every edit returns a new weight owning its own bytes,
+so a shard never keeps the whole tensor alive.
+
+``GGUFWeight`` holds GGML block rows as the file stores them (uint8 [out, row_bytes], a row
+being ``in / block_values`` blocks); ``formats`` describes each format. ``matmul`` runs the
+C kernels of ``kernels`` when they are built, else the reference here: dequantize (bit for
+bit as gguf-py) to float32, cast to x's dtype, ``F.linear``: the very arithmetic of a model
+dequantized at load, so the two agree exactly.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from chunkserve.quant import formats
+
+# The reference dequantizes at most this many values at a time (64 MiB of float32), so a
+# large tied embedding used as the head never exists in full as floats.
+REFERENCE_TILE_VALUES = 1 << 24
+
+
+class QuantizedWeight(abc.ABC):
+    """An [out, in] weight kept quantized. Invariants: ``shape`` is (out_features,
+    in_features); ``matmul(x)`` equals ``x @ dequantize(x.dtype).T`` within the kernel's
+    stated tolerance; every edit (``rows``, ``cols``, ``permute_rows``) returns a new weight
+    of the same class and qtype owning its own storage."""
+
+    qtype: str
+    shape: tuple[int, int]
+    name: str
+
+    @abc.abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] (bf16 or fp32) -> [..., out] in x's dtype."""
+
+    @abc.abstractmethod
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` (any shape of int64) dequantized: [*ids.shape, in] in ``dtype``."""
+
+    @abc.abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight as floats, [out, in]."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Resident bytes (everything this weight keeps alive)."""
+
+    @abc.abstractmethod
+    def rows(self, first: int, end: int) -> QuantizedWeight:
+        """Rows ``first .. end - 1`` (a tensor-parallel column shard, a fused part)."""
+
+    @abc.abstractmethod
+    def cols(self, first: int, end: int) -> QuantizedWeight:
+        """Columns ``first .. end - 1``; a ValueError naming the weight and the block size
+        when a bound cuts a block."""
+
+    @abc.abstractmethod
+    def permute_rows(self, index: np.ndarray | torch.Tensor) -> QuantizedWeight:
+        """Row ``i`` of the result is row ``index[i]`` of this weight."""
+
+    @classmethod
+    def _concat_rows(cls, parts: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
+        """``parts`` (all of this class and qtype, same in_features) stacked by rows, or
+        None where this class cannot stack them (e.g. different group sizes)."""
+        return None
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.qtype}, shape={self.shape})"
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.shape[1]:
+            raise ValueError(
+                f"{self.name}: input of {x.shape[-1]} features for a weight of "
+                f"{self.shape[1]} in_features"
+            )
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{self.name}: input dtype {x.dtype} (takes float32/bfloat16)")
+
+    def _check_range(self, what: str, first: int, end: int, size: int) -> None:
+        if not 0 <= first < end <= size:
+            raise ValueError(f"{self.name}: {what} {first}:{end} outside 0:{size}")
+
+
+def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
+    """``parts`` stacked by rows as one weight when they all share class and qtype (and the
+    class can stack them), else None (the caller runs one matmul per part and concatenates)."""
+    if not parts:
+        raise ValueError("concat_rows: no parts")
+    first = parts[0]
+    if any(p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError(
+            f"concat_rows: parts of different in_features {[(p.name, p.shape[1]) for p in parts]}"
+        )
+    if any(type(p) is not type(first) or p.qtype != first.qtype for p in parts):
+        return None
+    return type(first)._concat_rows(parts)
+
+
+class GGUFWeight(QuantizedWeight):
+    """GGML block rows (``formats``): ``data`` uint8 [out, in / block_values * block_bytes],
+    row r being the blocks of output channel r in file order."""
+
+    def __init__(self, data: torch.Tensor, fmt: formats.Format, name: str) -> None:
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.device.type != "cpu":
+            raise ValueError(f"{name}: {fmt.name} data must be a CPU uint8 [rows, row_bytes]")
+        if data.shape[1] % fmt.block_bytes or data.shape[1] == 0:
+            raise ValueError(
+                f"{name}: {fmt.name} rows of {data.shape[1]} bytes are not whole "
+                f"{fmt.block_bytes}-byte blocks"
+            )
+        self.data = data.contiguous()
+        self.format = fmt
+        self.qtype = fmt.name
+        self.name = name
+        self.shape = (data.shape[0], data.shape[1] // fmt.block_bytes * fmt.block_values)
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, code: int, name: str) -> GGUFWeight:
+        """A weight from a GGUF tensor's raw data (uint8 [rows, row_bytes] as ``GGUFReader``
+        gives it, possibly a read-only memory map: copied). ``code``: its
+        GGMLQuantizationType, one of ``formats.FORMATS`` (else a ValueError naming it)."""
+        fmt = formats.get(code)
+        arr = np.asarray(raw)
+        if arr.dtype != np.uint8 or arr.ndim != 2:
+            raise ValueError(
+                f"{name}: GGUF {fmt.name} data must be uint8 [rows, row_bytes], got "
+                f"{arr.dtype} {arr.shape}"
+            )
+        return cls(torch.from_numpy(np.array(arr, copy=True)), fmt, name)
+
+    def _like(self, data: torch.Tensor) -> GGUFWeight:
+        return GGUFWeight(data, self.format, self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = formats.dequantize(self.data.numpy(), self.format.code)
+        return torch.from_numpy(values).to(dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise ValueError(f"{self.name}: row ids outside 0:{self.shape[0]}")
+        rows = self._like(self.data.index_select(0, flat))
+        return rows.dequantize(dtype).reshape(*ids.shape, self.shape[1])
+
+    def rows(self, first: int, end: int) -> GGUFWeight:
+        self._check_range("rows", first, end, self.shape[0])
+        return self._like(self.data[first:end].clone())
+
+    def cols(self, first: int, end: int) -> GGUFWeight:
+        self._check_range("columns", first, end, self.shape[1])
+        values, size = self.format.block_values, self.format.block_bytes
+        if first % values or end % values:
+            raise ValueError(
+                f"{self.name}: columns {first}:{end} cut a {self.qtype} block of {values} "
+                f"values (a split must fall on a multiple of {values})"
+            )
+        return self._like(self.data[:, first // values * size : end // values * size].clone())
+
+    def permute_rows(self, index: np.ndarray | torch.Tensor) -> GGUFWeight:
+        idx = torch.as_tensor(np.asarray(index), dtype=torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
+            raise ValueError(f"{self.name}: row index outside 0:{self.shape[0]}")
+        return self._like(self.data.index_select(0, idx))
+
+    @classmethod
+    def _concat_rows(cls, parts: Sequence[QuantizedWeight]) -> GGUFWeight:
+        first = parts[0]
+        assert isinstance(first, GGUFWeight)
+        data = torch.cat([p.data for p in parts if isinstance(p, GGUFWeight)])
+        return GGUFWeight(data, first.format, "+".join(p.name for p in parts))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_x(x)
+        return reference_matmul(self, x)
+
+
+def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` with w dequantized to float32 and cast to x's dtype, in row tiles
+    of at most ``REFERENCE_TILE_VALUES`` values: the arithmetic of a model dequantized at
+    load (tests/test_quant.py checks the tiles give the untiled product bit for bit)."""
+    out_features, in_features = weight.shape
+    x2 = x.reshape(-1, in_features)
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)  # [T, out]
+    tile = max(1, REFERENCE_TILE_VALUES // in_features)
+    if tile >= out_features:
+        out = F.linear(x2, weight.dequantize(x.dtype))
+    else:
+        for r0 in range(0, out_features, tile):
+            r1 = min(r0 + tile, out_features)
+            out[:, r0:r1] = F.linear(x2, weight.rows(r0, r1).dequantize(x.dtype))
+    return out.reshape(*x.shape[:-1], out_features)
