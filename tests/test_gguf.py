@@ -81,8 +81,9 @@ def write_gguf(
     hf_dir: Path, out: Path, quant: str | None = None, extra: dict | None = None, edit=None
 ):
     """The HF directory as llama.cpp's ``convert_hf_to_gguf.py`` writes it (F32, or Q8_0
-    matrices, stacked experts' too, with ``quant="Q8_0"``; any type gguf-py quantizes), with the embedded model's tokenizer. ``extra``: more
-    metadata (key -> value) to write; ``edit``: changes the GGUF-named tensors (a dict)."""
+    matrices, stacked experts' too, with ``quant="Q8_0"``; any type gguf-py quantizes),
+    with the embedded model's tokenizer. ``extra``: more metadata (key -> value) to write;
+    ``edit``: changes the GGUF-named tensors (a dict)."""
     import gguf
     from safetensors.torch import load_file
 

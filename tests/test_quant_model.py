@@ -89,9 +89,11 @@ def test_embedded_weights_stay_in_their_bits(embedded, gguf_path) -> None:
     assert quantized.core.worker.weights_format == "Q4_1+Q8_0"
     assert dequantized.core.worker.weights_format is None
     held = held_weights(model)
-    assert len(held) == 30 * 4 + 2  # qkv, o, gate_up, down a layer; the embedding; the head
+    assert len(held) == 30 * 4 + 1  # qkv, o, gate_up, down a layer; the embedding
     assert all(isinstance(w, QuantizedWeight) for w in held)
     assert model.lm_head.qweight is model.embed_tokens.qweight  # tied: one copy
+    assert model.lm_head.weight is None
+    assert model.weights_format() == quantized.core.worker.weights_format
     file_bytes = file_tensor_bytes(gguf_path)
     assert model.weight_bytes() <= 1.1 * file_bytes
     # The dequantized model: fp32 weights, more than 5x the file.
@@ -231,3 +233,25 @@ def test_a_column_cut_inside_a_block_is_refused(tmp_path, hf_dir) -> None:
             model.load_weights(iter_weights(source, config, reader, torch.float32, True))
         model = build_model(config, torch.float32, torch.device("cpu"), 64, shard=shard)
         model.load_weights(iter_weights(source, config, reader, torch.float32, False))
+
+
+def test_step_time_profiles_are_kept_per_weight_format(tmp_path, monkeypatch) -> None:
+    """A model kept quantized steps at other costs than the same file dequantized: its
+    profile has its own name (``chunkserve profile`` saves it there, the engine looks
+    there)."""
+    from chunkserve.scheduling.costmodel import default_profile_path, find_profile
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    plain = default_profile_path(str(model), "cpu", "float32", 2)
+    quant = default_profile_path(str(model), "cpu", "float32", 2, "Q4_1+Q8_0")
+    assert plain.name == "m.gguf.cpu-float32-t2.profile.json"
+    assert quant.name == "m.gguf.cpu-float32-Q4_1+Q8_0-t2.profile.json"
+    quant.write_text("{}")
+    assert find_profile(str(model), "cpu", "float32", 2, "Q4_1+Q8_0") == quant
+    assert find_profile(str(model), "cpu", "float32", 2) is None
+    asked = []
+    monkeypatch.setattr("chunkserve.engine.core.find_profile", lambda *args: asked.append(args[-1]))
+    for dequantize, expected in ((False, "Q4_1+Q8_0"), (True, None)):
+        Engine(**BASE, gguf_dequantize=dequantize).shutdown()
+        assert asked[-1] == expected

@@ -846,6 +846,23 @@ def keep_quantized(source: ModelSource, device: torch.device, dequantize: bool) 
     return True
 
 
+def weight_format(source: ModelSource, reader: Any, quantized: bool) -> str | None:
+    """The quantized types a model's weights are held in ("Q4_1+Q8_0": the block formats of
+    the file's matrices, when ``quantized``), or None for float weights; known before the
+    weights load (the step-time profile is looked up by it)."""
+    if not quantized or source.kind != "gguf":
+        return None
+    from chunkserve.quant.formats import FORMATS
+
+    reader = reader if reader is not None else open_gguf(source.path)
+    kinds = {
+        FORMATS[int(t.tensor_type)].name
+        for t in reader.tensors
+        if int(t.tensor_type) in FORMATS and len(t.shape) >= 2
+    }
+    return "+".join(sorted(kinds)) or None
+
+
 def iter_weights(
     source: ModelSource,
     config: ModelConfig,

@@ -57,6 +57,7 @@ from chunkserve.model.loader import (
     keep_quantized,
     load_model_config,
     resolve_model,
+    weight_format,
 )
 from chunkserve.model.registry import (
     CausalLM,
@@ -135,6 +136,8 @@ class Worker:
     ):
         """``rank``: a tensor-parallel rank other than 0 (None: the engine core's worker)."""
         self.config = config
+        self._keep_quantized: bool | None = None  # ``plan_weights``
+        self.weights_format: str | None = None
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.rank_spec = rank
@@ -301,6 +304,17 @@ class Worker:
 
         return parent_alive
 
+    def plan_weights(self, source: ModelSource, reader) -> bool:
+        """Whether a GGUF's quantized weights stay quantized here (``loader.keep_quantized``),
+        and ``weights_format``: the quantized types they are held in, or None (the step-time
+        profile is kept per format; known before the weights load)."""
+        if self._keep_quantized is None:
+            self._keep_quantized = keep_quantized(
+                source, self.device, self.config.gguf_dequantize
+            ) and (self.config.load_format != "dummy")
+            self.weights_format = weight_format(source, reader, self._keep_quantized)
+        return self._keep_quantized
+
     def load(self, source: ModelSource, reader, max_num_seqs: int) -> None:
         """Load the weights and allocate the KV cache, sampler and runner (tensor parallel:
         this rank's share, the other ranks loading theirs at the same time)."""
@@ -354,15 +368,13 @@ class Worker:
             shard=self.shard,
             group=self.group,
         )
-        quantized = keep_quantized(source, self.device, config.gguf_dequantize)
+        quantized = self.plan_weights(source, reader)
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
         else:
             self.model.load_weights(
                 iter_weights(source, model_config, reader, self.dtype, quantized)
             )
-        # The quantized types the weights are held in, or None (the profile is per format).
-        self.weights_format: str | None = getattr(self.model, "weights_format", lambda: None)()
         self.load_time = time.perf_counter() - t0
         if config.deterministic:
             self.model.set_row_tiling(DETERMINISTIC_TILING)
