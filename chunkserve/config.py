@@ -901,6 +901,15 @@ class EngineConfig:
     """auto: read the weights from the model; dummy: random weights of the model's shapes,
     made on the device (benchmarks of shapes whose weights are not at hand; a directory with
     only config.json and a tokenizer is then enough)."""
+    gguf_dequantize: bool = _flag(
+        False,
+        "GGUF files: dequantize the weights at load instead of keeping them in their "
+        "quantized bits (CPU; on CUDA they are always dequantized)",
+    )
+    """A GGUF file's quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
+    kept in their bits on a CPU (about the file's size in memory; the matmuls read the
+    blocks) unless this is set: then they are dequantized to ``dtype`` at load (as on CUDA,
+    always). Other tensor types are dequantized either way."""
     enforce_eager: bool = _flag(False, "never use CUDA graphs (CUDA only)")
     """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
     padded batch sizes)."""

@@ -81,8 +81,9 @@ def write_gguf(
     hf_dir: Path, out: Path, quant: str | None = None, extra: dict | None = None, edit=None
 ):
     """The HF directory as llama.cpp's ``convert_hf_to_gguf.py`` writes it (F32, or Q8_0
-    matrices with ``quant="Q8_0"``), with the embedded model's tokenizer. ``extra``: more
-    metadata (key -> value) to write; ``edit``: changes the GGUF-named tensors (a dict)."""
+    matrices, stacked experts' too, with ``quant="Q8_0"``; any type gguf-py quantizes),
+    with the embedded model's tokenizer. ``extra``: more metadata (key -> value) to write;
+    ``edit``: changes the GGUF-named tensors (a dict)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -179,7 +180,7 @@ def write_gguf(
     if edit is not None:
         edit(tensors)
     for gguf_name, data in tensors.items():
-        if quant and data.ndim == 2:
+        if quant and data.ndim >= 2:  # matrices and stacked experts' matrices
             qtype = gguf.GGMLQuantizationType[quant]
             w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

@@ -23,6 +23,7 @@ multipliers) can run the fused elementwise kernels of ``fused_ops`` (``fused_ops
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -41,12 +42,19 @@ from chunkserve.model.layers import (
     RowTiling,
     Target,
     VocabParallelEmbedding,
+    WeightSlot,
+    take_quantized,
+    weight_format,
+    weight_nbytes,
 )
 from chunkserve.model.moe import MOE_NAMES, SparseMoE
 from chunkserve.model.registry import KVLayout, layer_spec
+from chunkserve.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -356,11 +364,37 @@ class DecoderLM(nn.Module):
             )
         return targets
 
+    def weight_slots(self) -> list[WeightSlot]:
+        """The weights that may be kept quantized (``layers.WeightSlot``)."""
+        return [m.slot for m in self.modules() if getattr(m, "slot", None) is not None]
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the model's weights: float parameters and quantized weights."""
+        seen: set[int] = set()
+        total = 0
+        for module in self.modules():
+            for w in (getattr(module, "qweight", None), *module._parameters.values()):
+                if w is not None and id(w) not in seen:
+                    seen.add(id(w))
+                    total += weight_nbytes(w)
+        return total
+
+    def weights_format(self) -> str | None:
+        """The quantized types the weights are held in ("Q4_1+Q8_0"), or None when every
+        weight is float: the step-time profile of a model is kept per format."""
+        kinds: set[str] = set()
+        for module in self.modules():
+            kinds |= weight_format(getattr(module, "qweight", None))
+        return "+".join(sorted(kinds)) or None
+
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shapes, drawn on the model's device (``load_format
         dummy``): norms 1 (0 for a ``1 + w`` norm), biases 0, the rest N(0, 0.02) as HF
         initialises Llama."""
+        for slot in self.weight_slots():
+            slot.materialize()
+        self.lm_head.tie()
         gen = torch.Generator(device=self.embed_tokens.weight.device)
         gen.manual_seed(seed + self.shard.rank)
         norms = {id(m.weight): m.offset for m in self.modules() if isinstance(m, RMSNorm)}
@@ -377,8 +411,15 @@ class DecoderLM(nn.Module):
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this
         rank's (fused) parameters as they stream in, so peak memory is the model plus one
         tensor. A missing tensor, an unexpected one or a wrong shape is a ValueError naming
-        it."""
+        it.
+
+        A tensor may arrive quantized (a ``QuantizedWeight``, from a GGUF file): a linear
+        layer, the embedding and the LM head keep it so (their rank's rows or columns of it;
+        a column cut inside a quantization block is a ValueError naming the tensor), and no
+        float copy of it is made; anything else (norms, MoE experts and routers, a weight
+        its family reads as floats) takes it dequantized, with a log line naming them."""
         targets = self.weight_targets()
+        dequantized: set[str] = set()
         for name, tensor in weights:
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq") or (
@@ -387,13 +428,30 @@ class DecoderLM(nn.Module):
                     continue  # derived, or a copy of the tied embedding
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
             entry = targets.pop(name)
-            for dst, part, expected in entry if isinstance(entry, list) else [entry]:
+            for dst, part, expected, slot, index in entry if isinstance(entry, list) else [entry]:
                 if tuple(tensor.shape) != expected:
                     raise ValueError(
                         f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
                         f"expected {expected}"
                     )
+                if isinstance(tensor, QuantizedWeight):
+                    if slot is not None and slot.accepts_quantized:
+                        slot.put(index, take_quantized(tensor, part, name))
+                        continue
+                    dequantized.add(tensor.qtype)
+                    tensor = tensor.dequantize(self.dtype)
+                if slot is not None:
+                    dst = slot.float_part(index)
                 dst.copy_(tensor[part])
+        for slot in self.weight_slots():
+            slot.finish()
+        self.lm_head.tie()
+        if dequantized:
+            logger.info(
+                "model: quantized weights of layers without quantized kernels (norms, MoE "
+                "experts, routers) dequantized at load: %s",
+                ", ".join(sorted(dequantized)),
+            )
         if targets:
             missing = sorted(targets)
             raise ValueError(
