@@ -85,8 +85,11 @@ def main() -> int:
         "shape": [n, k],
         "group_size": args.group_size,
         "thresholds": {
-            "INT8_KERNEL_ROWS": weight_only.INT8_KERNEL_ROWS,
-            "INT4_KERNEL_ROWS": weight_only.INT4_KERNEL_ROWS,
+            name: {str(k).removeprefix("torch."): v for k, v in rows.items()}
+            for name, rows in (
+                ("INT8_KERNEL_ROWS", weight_only.INT8_KERNEL_ROWS),
+                ("INT4_KERNEL_ROWS", weight_only.INT4_KERNEL_ROWS),
+            )
         },
         "results": table,
     }

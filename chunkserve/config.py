@@ -20,6 +20,7 @@ DISAGGREGATION_MODES = (None, "prefill", "decode")
 KV_CONNECTORS = ("shm", "torch")
 PREFILL_ORDERS = ("shortest", "arrival")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 # Default KV-cache budget on CPU. The embedded model needs 23,040 bytes per token in bf16,
@@ -910,6 +911,19 @@ class EngineConfig:
     kept in their bits on a CPU (about the file's size in memory; the matmuls read the
     blocks) unless this is set: then they are dequantized to ``dtype`` at load (as on CUDA,
     always). Other tensor types are dequantized either way."""
+    quantization: str | None = _flag(
+        None,
+        "float (HF) checkpoints: quantize the linear layers' weights at load, weight-only "
+        "(int8: per-channel scales; int4: per-group of 128 columns) (CPU)",
+        choices=QUANTIZATIONS,
+    )
+    """Weight-only quantization of a float (bf16/fp32 HF safetensors) checkpoint at load:
+    each linear layer's weight is quantized as it streams in (``quant.weight_only``: int8 with
+    one scale per output channel; int4 in groups of 128 input columns, or 64/32 where the
+    columns are not a multiple of 128, asymmetric), activations stay in ``dtype``. The
+    embedding, the LM head, norms, MoE experts and routers stay float. A GGUF file (already
+    quantized) or an HF checkpoint with its own ``quantization_config`` is refused, as vLLM
+    does; CPU only."""
     enforce_eager: bool = _flag(False, "never use CUDA graphs (CUDA only)")
     """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
     padded batch sizes)."""
@@ -1023,6 +1037,11 @@ class EngineConfig:
             self.load_format in LOAD_FORMATS,
             "load_format",
             f"must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        _require(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS[1:]} (or None), got {self.quantization!r}",
         )
         _require(
             self.attention_backend in ATTENTION_BACKENDS,

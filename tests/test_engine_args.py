@@ -78,6 +78,7 @@ ENGINE_FLAGS: list[tuple[tuple[str, ...], bool, list[str] | None]] = [
     (("--deterministic",), False, None),
     (("--load-format",), True, ["auto", "dummy"]),
     (("--gguf-dequantize",), False, None),
+    (("--quantization",), True, ["int8", "int4"]),
     (("--enforce-eager",), False, None),
     (("--no-fused-ops",), False, None),
     (("--speculative-config",), True, None),
@@ -144,6 +145,8 @@ PARSED: list[tuple[list[str], dict[str, object]]] = [
     (["--deterministic"], {"deterministic": True}),
     (["--load-format", "dummy"], {"load_format": "dummy"}),
     (["--gguf-dequantize"], {"gguf_dequantize": True}),
+    (["--quantization", "int8"], {"quantization": "int8"}),
+    (["--quantization", "int4"], {"quantization": "int4"}),
     (["--enforce-eager"], {"enforce_eager": True}),
     (["--no-fused-ops"], {"fused_ops": False}),
     (["--speculative-config", SPEC], {"speculative_config": SpeculativeConfig.parse(SPEC)}),
@@ -171,6 +174,7 @@ ERRORS: list[tuple[list[str], str]] = [
     (["--tp", "two"], "argument --tensor-parallel-size/--tp: invalid int value: 'two'"),
     (["--no-fused-ops=1"], "argument --no-fused-ops: ignored explicit argument '1'"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--quantization", "fp8"], "argument --quantization: invalid choice: 'fp8'"),
 ]
 
 

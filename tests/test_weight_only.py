@@ -75,8 +75,8 @@ def test_storage_is_what_the_format_says(weight):
     assert q.qtype == kind.split("-")[0].rstrip("s")
     if isinstance(q, Int4Weight):  # torch's packed copy (rows padded to 48) is counted
         before = q.nbytes
-        q.matmul(torch.zeros(1, IN))
-        assert q.nbytes == before + 48 * IN // 2 + 2 * 4 * 48 * (IN // q.group_size)
+        q.matmul(torch.zeros(1, IN, dtype=torch.bfloat16))
+        assert q.nbytes == before + 48 * IN // 2 + 2 * 2 * 48 * (IN // q.group_size)
 
 
 @pytest.mark.parametrize("m", ROWS_M)
@@ -102,12 +102,13 @@ def test_both_paths_are_taken_and_agree(kind, monkeypatch):
     calls = []
     real = weight_only._tiled
     monkeypatch.setattr(weight_only, "_tiled", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(weight_only, "INT8_KERNEL_ROWS", 64)
-    monkeypatch.setattr(weight_only, "INT4_KERNEL_ROWS", 64)
+    always = {torch.float32: 64, torch.bfloat16: 64}
+    monkeypatch.setattr(weight_only, "INT8_KERNEL_ROWS", always)
+    monkeypatch.setattr(weight_only, "INT4_KERNEL_ROWS", always)
     kernel = q.matmul(x)
     assert not calls  # torch's kernel
-    monkeypatch.setattr(weight_only, "INT8_KERNEL_ROWS", 0)
-    monkeypatch.setattr(weight_only, "INT4_KERNEL_ROWS", 0)
+    monkeypatch.setattr(weight_only, "INT8_KERNEL_ROWS", {})
+    monkeypatch.setattr(weight_only, "INT4_KERNEL_ROWS", {})
     tiled = q.matmul(x)
     assert calls  # the second product went the dequantizing way
     torch.testing.assert_close(kernel, tiled, rtol=1e-5, atol=1e-5)

@@ -35,10 +35,12 @@ from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import ShardPlan, plan_shards
 from chunkserve.model.layers import (
     Attention,
+    ColumnParallelLinear,
     GatedMLP,
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     RowTiling,
     Target,
     VocabParallelEmbedding,
@@ -50,6 +52,7 @@ from chunkserve.model.layers import (
 from chunkserve.model.moe import MOE_NAMES, SparseMoE
 from chunkserve.model.registry import KVLayout, layer_spec
 from chunkserve.quant.weight import QuantizedWeight
+from chunkserve.quant.weight_only import load_group_size, quantize_weight
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
@@ -407,7 +410,20 @@ class DecoderLM(nn.Module):
                 param.normal_(0.0, 0.02, generator=gen)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def quantize_linear(self, method: str) -> None:
+        """Quantize the float weights of the linear layers in place (``--quantization`` on
+        weights made here rather than loaded: ``load_format dummy``)."""
+        for slot in self.weight_slots():
+            w = slot.module.weight
+            if _quantizable(slot) and w is not None and not w.is_meta:
+                q = _quantize_part(w, method, type(slot.module).__name__)
+                if q is not None:
+                    slot.module.qweight, slot.module.weight = q, None
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None
+    ) -> None:
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this
         rank's (fused) parameters as they stream in, so peak memory is the model plus one
         tensor. A missing tensor, an unexpected one or a wrong shape is a ValueError naming
@@ -417,9 +433,15 @@ class DecoderLM(nn.Module):
         layer, the embedding and the LM head keep it so (their rank's rows or columns of it;
         a column cut inside a quantization block is a ValueError naming the tensor), and no
         float copy of it is made; anything else (norms, MoE experts and routers, a weight
-        its family reads as floats) takes it dequantized, with a log line naming them."""
+        its family reads as floats) takes it dequantized, with a log line naming them.
+
+        ``quantization`` ("int8" / "int4", ``--quantization``): each float weight of a linear
+        layer (not the embedding, the LM head, MoE experts or routers) is quantized as it
+        arrives, this rank's part of it (``quant.weight_only``); an int4 weight whose columns
+        are not a multiple of 32 stays float, with a log line."""
         targets = self.weight_targets()
         dequantized: set[str] = set()
+        kept_float: list[str] = []
         for name, tensor in weights:
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq") or (
@@ -440,12 +462,26 @@ class DecoderLM(nn.Module):
                         continue
                     dequantized.add(tensor.qtype)
                     tensor = tensor.dequantize(self.dtype)
+                elif quantization and slot is not None and _quantizable(slot):
+                    q = _quantize_part(tensor[part], quantization, name)
+                    if q is not None:
+                        slot.put(index, q)
+                        continue
+                    kept_float.append(name)
                 if slot is not None:
                     dst = slot.float_part(index)
                 dst.copy_(tensor[part])
         for slot in self.weight_slots():
             slot.finish()
         self.lm_head.tie()
+        if kept_float:
+            logger.info(
+                "model: --quantization %s: %d weight(s) kept float (columns not a multiple "
+                "of 32), e.g. %s",
+                quantization,
+                len(kept_float),
+                kept_float[:3],
+            )
         if dequantized:
             logger.info(
                 "model: quantized weights of layers without quantized kernels (norms, MoE "
@@ -457,3 +493,21 @@ class DecoderLM(nn.Module):
             raise ValueError(
                 f"model: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}"
             )
+
+
+def _quantizable(slot: WeightSlot) -> bool:
+    """Whether ``--quantization`` quantizes this slot's weight: a linear layer's whose maths
+    take a quantized weight (not the embedding or the LM head)."""
+    return slot.accepts_quantized and isinstance(
+        slot.module, (ColumnParallelLinear, RowParallelLinear)
+    )
+
+
+def _quantize_part(tensor: torch.Tensor, method: str, name: str) -> QuantizedWeight | None:
+    """A float weight part quantized by ``method`` (None: an int4 weight no group fits)."""
+    if method == "int4":
+        group = load_group_size(tensor.shape[-1])
+        if group is None:
+            return None
+        return quantize_weight(tensor, method, name, group)
+    return quantize_weight(tensor, method, name)

@@ -846,6 +846,35 @@ def keep_quantized(source: ModelSource, device: torch.device, dequantize: bool) 
     return True
 
 
+def check_quantization(source: ModelSource, method: str | None, device: torch.device) -> None:
+    """``--quantization`` (weight-only int8/int4 at load) is for float checkpoints on a CPU:
+    a GGUF file (quantized already) or an HF checkpoint with its own
+    ``quantization_config`` is a ValueError naming the flag, as vLLM refuses a
+    ``--quantization`` that differs from the checkpoint's; so is a CUDA device."""
+    if method is None:
+        return
+    if source.kind == "gguf":
+        raise ValueError(
+            f"quantization: {method} quantizes float (HF safetensors) checkpoints at load; "
+            f"{source.name} is a GGUF file, already quantized (its weights stay in their own "
+            f"bits on a CPU; --gguf-dequantize loads them as floats)"
+        )
+    try:
+        cfg = json.loads((source.path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    own = quant_method(cfg) if isinstance(cfg, dict) else None
+    if own is not None:
+        raise ValueError(
+            f"quantization: {method} differs from the checkpoint's own quantization "
+            f"({own}, in config.json's quantization_config); drop --quantization"
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization: {method} weight-only kernels run on CPUs, not {device.type}"
+        )
+
+
 def weight_format(source: ModelSource, reader: Any, quantized: bool) -> str | None:
     """The quantized types a model's weights are held in ("Q4_1+Q8_0": the block formats of
     the file's matrices, when ``quantized``), or None for float weights; known before the

@@ -15,10 +15,11 @@
 Kernels (``matmul``): torch's own weight-only CPU kernels, ``torch._weight_int8pack_mm``
 (int8 weight, per-channel scales) and ``torch._weight_int4pack_mm_for_cpu`` (int4 packed by
 ``torch._convert_weight_to_int4pack_for_cpu``, per-group scales and zeros) where they
-measured faster than dequantizing and multiplying: on few rows (decode). On many rows
-(prefill) the weight is dequantized in row tiles to x's dtype and multiplied by ``F.linear``
-(torch's kernels cost about a full pass per row there: ``benchmarks/weight_only_kernels.py``
-measured). The thresholds are ``INT8_KERNEL_ROWS`` and ``INT4_KERNEL_ROWS``.
+measured faster than dequantizing and multiplying: on few rows (decode) in bf16. On many
+rows (prefill), and in fp32 (torch's fp32 kernels are slow), the weight is dequantized in
+row tiles straight to x's dtype and multiplied by ``F.linear`` (torch's kernels cost about a
+pass over the weight per row: ``benchmarks/weight_only_kernels.py`` measured). The
+thresholds are ``INT8_KERNEL_ROWS`` and ``INT4_KERNEL_ROWS``.
 
 The int4 kernel's packed layout interleaves rows and columns, so the nibble storage above
 stays the canonical form (``rows`` / ``cols`` / ``permute_rows`` / ``concat_rows`` edit it);
@@ -36,13 +37,16 @@ import torch.nn.functional as F
 from chunkserve.quant.weight import QuantizedWeight
 
 INT4_GROUP_SIZES = (32, 64, 128)
-# Rows of x up to which torch's weight-only kernels beat dequantize + F.linear here.
-INT8_KERNEL_ROWS = 8
-INT4_KERNEL_ROWS = 16
+# Rows of x up to which torch's weight-only kernels beat dequantize + F.linear here, per
+# x dtype (benchmarks/weight_only_kernels.py, 2-core Xeon, 1 thread, [5632 x 2048]): in bf16
+# the kernels read the small weight once per row (int4 at M=1: 0.7 ms, 1/4 of the bf16
+# matmul's), in fp32 torch's kernels are scalar loops (int4: 250 ms at M=1; never used).
+INT8_KERNEL_ROWS = {torch.bfloat16: 16, torch.float32: 1}
+INT4_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: 0}
 # torch's int4 packing takes a multiple of this many rows (the kernel's copy is padded).
 KERNEL_ROW_MULTIPLE = 16
-# The dequantizing path works on row tiles of at most this many values (64 MiB of fp32).
-TILE_VALUES = 1 << 24
+# The dequantizing path works on row tiles of about this many values (2 MiB in bf16).
+TILE_VALUES = 1 << 20
 METHODS = ("int8", "int4")
 
 
@@ -63,16 +67,18 @@ def _index(index: np.ndarray | torch.Tensor, n: int, name: str) -> torch.Tensor:
     return idx
 
 
-def _tiled(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x2, w)`` with w dequantized to x's dtype in row tiles (x2 [T, in])."""
+def _tiled(weight: Int8Weight | Int4Weight, x: torch.Tensor) -> torch.Tensor:
+    """The dequantizing path: ``x @ w.T`` (x [T, in]) over row tiles of the weight, each
+    dequantized straight into x's dtype (``_tile_linear``): a tile small enough to stay in
+    cache between its dequantization and its product."""
     out_features, in_features = weight.shape
     tile = max(1, TILE_VALUES // in_features)
     if tile >= out_features:
-        return F.linear(x, weight.dequantize(x.dtype))
+        return weight._tile_linear(x, 0, out_features)
     out = x.new_empty(x.shape[0], out_features)
     for r0 in range(0, out_features, tile):
         r1 = min(r0 + tile, out_features)
-        out[:, r0:r1] = F.linear(x, weight.rows(r0, r1).dequantize(x.dtype))
+        out[:, r0:r1] = weight._tile_linear(x, r0, r1)
     return out
 
 
@@ -103,7 +109,9 @@ class Int8Weight(QuantizedWeight):
 
     @property
     def nbytes(self) -> int:
-        extra = sum(s.numel() * s.element_size() for s in self._scales.values())
+        extra = sum(
+            s.numel() * s.element_size() for s in self._scales.values() if s is not self.scale
+        )
         return self.q.numel() + 4 * self.scale.numel() + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -136,13 +144,22 @@ class Int8Weight(QuantizedWeight):
             "+".join(p.name for p in ws),
         )
 
+    def _scale_as(self, dtype: torch.dtype) -> torch.Tensor:
+        scale = self._scales.get(dtype)
+        if scale is None:
+            scale = self._scales[dtype] = self.scale.to(dtype)
+        return scale
+
+    def _tile_linear(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        # The scale is per output channel: x @ (q * s).T = (x @ q.T) * s (int8 values are
+        # exact in bf16).
+        return F.linear(x, self.q[r0:r1].to(x.dtype)) * self._scale_as(x.dtype)[r0:r1]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_x(x)
         x2 = x.reshape(-1, self.shape[1])
-        if x2.shape[0] <= INT8_KERNEL_ROWS:
-            scale = self._scales.get(x.dtype)
-            if scale is None:
-                scale = self._scales[x.dtype] = self.scale.to(x.dtype)
+        if x2.shape[0] <= INT8_KERNEL_ROWS.get(x.dtype, 0):
+            scale = self._scale_as(x.dtype)
             y = torch._weight_int8pack_mm(x2.contiguous(), self.q, scale)
         else:
             y = _tiled(self, x2)
@@ -181,6 +198,7 @@ class Int4Weight(QuantizedWeight):
         self.shape = (out, in_features)
         self._kernel: torch.Tensor | None = None  # torch's packed layout, made on first use
         self._zeros: dict[torch.dtype, torch.Tensor] = {}  # [in / g, out, 2] scales and zeros
+        self._group_params: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def quantize(
@@ -228,6 +246,11 @@ class Int4Weight(QuantizedWeight):
     def nbytes(self) -> int:
         extra = 0 if self._kernel is None else self._kernel.numel()
         extra += sum(z.numel() * z.element_size() for z in self._zeros.values())
+        extra += sum(
+            2 * s.numel() * s.element_size()
+            for s, _ in self._group_params.values()
+            if s is not self.scale
+        )
         return self.packed.numel() + 4 * (self.scale.numel() + self.low.numel()) + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -288,6 +311,21 @@ class Int4Weight(QuantizedWeight):
             "+".join(p.name for p in ws),
         )
 
+    def _groups_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scale`` and ``low`` in ``dtype`` (cached per dtype)."""
+        pair = self._group_params.get(dtype)
+        if pair is None:
+            pair = self._group_params[dtype] = (self.scale.to(dtype), self.low.to(dtype))
+        return pair
+
+    def _tile_linear(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        packed = self.packed[r0:r1]
+        values = torch.stack((packed & 15, packed >> 4), dim=-1).to(x.dtype)
+        scale, low = self._groups_as(x.dtype)
+        w = values.view(r1 - r0, -1, self.group_size)
+        w = torch.addcmul(low[r0:r1, :, None], w, scale[r0:r1, :, None])
+        return F.linear(x, w.view(r1 - r0, self.shape[1]))
+
     def _kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's packed values and its [in / g, rows, 2] scales and zeros, ``rows`` padded
         to a multiple of ``KERNEL_ROW_MULTIPLE`` (the packing's requirement) with zero rows."""
@@ -306,7 +344,7 @@ class Int4Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_x(x)
         x2 = x.reshape(-1, self.shape[1])
-        if x2.shape[0] <= INT4_KERNEL_ROWS and x.dtype in (torch.bfloat16, torch.float32):
+        if x2.shape[0] <= INT4_KERNEL_ROWS.get(x.dtype, 0):
             packed, zeros = self._kernel_args(x.dtype)
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, self.group_size, zeros)
             y = y[:, : self.shape[0]]
@@ -327,11 +365,20 @@ def check_group_size(group_size: object, name: str = "weight") -> int:
     return group_size
 
 
+def load_group_size(in_features: int, preferred: int = 128) -> int | None:
+    """The int4 group for a weight of ``in_features`` columns quantized at load: the largest
+    of ``INT4_GROUP_SIZES`` up to ``preferred`` that divides the columns (SmolLM2's 576 =
+    9 x 64), None when none does."""
+    check_group_size(preferred)
+    fits = [g for g in INT4_GROUP_SIZES if g <= preferred and in_features % g == 0]
+    return max(fits) if fits else None
+
+
 def quantize_weight(
     w: torch.Tensor, method: str, name: str = "weight", group_size: int = 128
 ) -> QuantizedWeight:
-    """``w`` [out, in] quantized by ``method`` ("int8" or "int4"); a ValueError naming
-    ``quantization`` for another method."""
+    """``w`` [out, in] quantized by ``method`` ("int8" or "int4", in groups of
+    ``group_size``); a ValueError naming ``quantization`` for another method."""
     if method == "int8":
         return Int8Weight.quantize(w, name)
     if method == "int4":

@@ -53,6 +53,7 @@ from chunkserve.memory import release_free_heap
 from chunkserve.model.layers import DETERMINISTIC_TILING
 from chunkserve.model.loader import (
     ModelSource,
+    check_quantization,
     iter_weights,
     keep_quantized,
     load_model_config,
@@ -309,10 +310,13 @@ class Worker:
         and ``weights_format``: the quantized types they are held in, or None (the step-time
         profile is kept per format; known before the weights load)."""
         if self._keep_quantized is None:
+            check_quantization(source, self.config.quantization, self.device)
             self._keep_quantized = keep_quantized(
                 source, self.device, self.config.gguf_dequantize
             ) and (self.config.load_format != "dummy")
-            self.weights_format = weight_format(source, reader, self._keep_quantized)
+            self.weights_format = self.config.quantization or weight_format(
+                source, reader, self._keep_quantized
+            )
         return self._keep_quantized
 
     def load(self, source: ModelSource, reader, max_num_seqs: int) -> None:
@@ -371,9 +375,12 @@ class Worker:
         quantized = self.plan_weights(source, reader)
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
+            if config.quantization:
+                self.model.quantize_linear(config.quantization)
         else:
             self.model.load_weights(
-                iter_weights(source, model_config, reader, self.dtype, quantized)
+                iter_weights(source, model_config, reader, self.dtype, quantized),
+                quantization=config.quantization,
             )
         self.load_time = time.perf_counter() - t0
         if config.deterministic:
