@@ -38,11 +38,13 @@ from chunkserve.quant.weight import QuantizedWeight
 
 INT4_GROUP_SIZES = (32, 64, 128)
 # Rows of x up to which torch's weight-only kernels beat dequantize + F.linear here, per
-# x dtype (benchmarks/weight_only_kernels.py, 2-core Xeon, 1 thread, [5632 x 2048]): in bf16
-# the kernels read the small weight once per row (int4 at M=1: 0.7 ms, 1/4 of the bf16
-# matmul's), in fp32 torch's kernels are scalar loops (int4: 250 ms at M=1; never used).
+# x dtype (benchmarks/weight_only_kernels.py, 2-core Xeon, 1 thread, [5632 x 2048], a busy
+# machine): in bf16 the int4 kernel takes 0.7 ms at M=1 (the bf16 matmul ~3 ms), 46 ms at
+# M=16 (dequantizing: ~400 ms), 580 ms at M=256 (dequantizing: 370 ms); int8's 2.4 ms at
+# M=1, 70 ms at M=16 (dequantizing: 77 ms). In fp32 torch's kernels are scalar loops (int4:
+# 250 ms at M=1 against 110 ms dequantizing; never used).
 INT8_KERNEL_ROWS = {torch.bfloat16: 16, torch.float32: 1}
-INT4_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: 0}
+INT4_KERNEL_ROWS = {torch.bfloat16: 64, torch.float32: 0}
 # torch's int4 packing takes a multiple of this many rows (the kernel's copy is padded).
 KERNEL_ROW_MULTIPLE = 16
 # The dequantizing path works on row tiles of about this many values (2 MiB in bf16).
