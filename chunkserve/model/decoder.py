@@ -366,25 +366,21 @@ class DecoderLM(nn.Module):
 
     def weight_slots(self) -> list[WeightSlot]:
         """The weights that may be kept quantized (``layers.WeightSlot``)."""
-        return [m.slot for m in self.modules() if getattr(m, "slot", None) is not None]
+        return [slot for m in self.modules() for slot in getattr(m, "slots", ())]
 
     def weight_bytes(self) -> int:
         """Resident bytes of the model's weights: float parameters and quantized weights."""
-        seen: set[int] = set()
-        total = 0
-        for module in self.modules():
-            for w in (getattr(module, "qweight", None), *module._parameters.values()):
-                if w is not None and id(w) not in seen:
-                    seen.add(id(w))
-                    total += weight_nbytes(w)
-        return total
+        held = {id(p): p for p in self.parameters()}
+        for slot in self.weight_slots():
+            held[id(slot.qweight)] = slot.qweight
+        return sum(weight_nbytes(w) for w in held.values())
 
     def weights_format(self) -> str | None:
         """The quantized types the weights are held in ("Q4_1+Q8_0"), or None when every
-        weight is float: the step-time profile of a model is kept per format."""
+        weight is float."""
         kinds: set[str] = set()
-        for module in self.modules():
-            kinds |= weight_format(getattr(module, "qweight", None))
+        for slot in self.weight_slots():
+            kinds |= weight_format(slot.qweight)
         return "+".join(sorted(kinds)) or None
 
     @torch.no_grad()
@@ -417,7 +413,9 @@ class DecoderLM(nn.Module):
         layer, the embedding and the LM head keep it so (their rank's rows or columns of it;
         a column cut inside a quantization block is a ValueError naming the tensor), and no
         float copy of it is made; anything else (norms, MoE experts and routers, a weight
-        its family reads as floats) takes it dequantized, with a log line naming them."""
+        its family reads as floats) takes it dequantized, with a log line naming them.
+        Mixture-of-experts layers keep their experts' (and shared expert's) weights
+        quantized too, one weight per expert."""
         targets = self.weight_targets()
         dequantized: set[str] = set()
         for name, tensor in weights:
@@ -434,22 +432,23 @@ class DecoderLM(nn.Module):
                         f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
                         f"expected {expected}"
                     )
+                target = Target(dst, part, expected, slot, index)
                 if isinstance(tensor, QuantizedWeight):
                     if slot is not None and slot.accepts_quantized:
                         slot.put(index, take_quantized(tensor, part, name))
                         continue
+                    if slot is None and dst.numel() == 0:
+                        continue  # another rank's (expert parallel): nothing kept here
                     dequantized.add(tensor.qtype)
                     tensor = tensor.dequantize(self.dtype)
-                if slot is not None:
-                    dst = slot.float_part(index)
-                dst.copy_(tensor[part])
+                target.take(tensor)
         for slot in self.weight_slots():
             slot.finish()
         self.lm_head.tie()
         if dequantized:
             logger.info(
                 "model: quantized weights of layers without quantized kernels (norms, MoE "
-                "experts, routers) dequantized at load: %s",
+                "routers, GPT-OSS's fused experts, DeepSeek's kv_b) dequantized at load: %s",
                 ", ".join(sorted(dequantized)),
             )
         if targets:
