@@ -54,12 +54,13 @@ def file_tensor_bytes(path: Path) -> int:
 
 
 def held_weights(model) -> list:
-    """Every linear layer's, the embedding's and the LM head's weight as held."""
-    return [
-        m.qweight if m.qweight is not None else m.weight
-        for m in model.modules()
-        if getattr(m, "slot", None) is not None
-    ]
+    """Every linear layer's, the embedding's, the LM head's and the experts' weights as held
+    (a stack of experts: one weight each)."""
+    out = []
+    for slot in model.weight_slots():
+        held = slot.weight if slot.qweight is None else slot.qweight
+        out += held if slot.stack is not None and isinstance(held, list) else [held]
+    return out
 
 
 def generate(engine: Engine, token_ids: list[list[int]], params=GREEDY):
@@ -163,15 +164,17 @@ def tiny_files(tiny_dirs, tmp_path_factory) -> dict[tuple[str, str], Path]:
 @pytest.mark.parametrize("family", TINY)
 def test_tiny_gguf_kept_quantized_matches_its_dequantized_load(tiny_files, family, quant) -> None:
     """Llama (Q/K rows permuted), Gemma 3 (tied embedding, windows), Phi-3 (fused Q/K/V and
-    gate/up split on the blocks), Mixtral (an untied head; stacked experts cut into experts
-    on the blocks, then dequantized: the MoE layer has no quantized kernels)."""
+    gate/up split on the blocks), Mixtral (an untied head; stacked experts cut into one
+    quantized weight per expert)."""
     path = tiny_files[family, quant]
     got, want = make_engine(path), make_engine(path, gguf_dequantize=True)
     assert got.core.worker.weights_format == quant
     assert want.core.worker.weights_format is None
-    assert all(isinstance(w, QuantizedWeight) for w in held_weights(got.core.worker.model))
-    if family not in MOE_FAMILIES:  # (experts: dequantized)
-        assert got.core.worker.model.weight_bytes() <= 1.1 * file_tensor_bytes(path)
+    held = held_weights(got.core.worker.model)
+    assert all(isinstance(w, QuantizedWeight) for w in held)
+    if family in MOE_FAMILIES:
+        assert len(held) == 2 * (2 + 2 * 8) + 2  # qkv, o, 8 experts' w13 and w2; embed, head
+    assert got.core.worker.model.weight_bytes() <= 1.1 * file_tensor_bytes(path)
     for ids in prompts():
         a = all_row_logits(got, ids, 10_000)
         b = all_row_logits(want, ids, 10_000)

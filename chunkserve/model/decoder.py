@@ -369,25 +369,21 @@ class DecoderLM(nn.Module):
 
     def weight_slots(self) -> list[WeightSlot]:
         """The weights that may be kept quantized (``layers.WeightSlot``)."""
-        return [m.slot for m in self.modules() if getattr(m, "slot", None) is not None]
+        return [slot for m in self.modules() for slot in getattr(m, "slots", ())]
 
     def weight_bytes(self) -> int:
         """Resident bytes of the model's weights: float parameters and quantized weights."""
-        seen: set[int] = set()
-        total = 0
-        for module in self.modules():
-            for w in (getattr(module, "qweight", None), *module._parameters.values()):
-                if w is not None and id(w) not in seen:
-                    seen.add(id(w))
-                    total += weight_nbytes(w)
-        return total
+        held = {id(p): p for p in self.parameters()}
+        for slot in self.weight_slots():
+            held[id(slot.qweight)] = slot.qweight
+        return sum(weight_nbytes(w) for w in held.values())
 
     def weights_format(self) -> str | None:
         """The quantized types the weights are held in ("Q4_1+Q8_0"), or None when every
-        weight is float: the step-time profile of a model is kept per format."""
+        weight is float."""
         kinds: set[str] = set()
-        for module in self.modules():
-            kinds |= weight_format(getattr(module, "qweight", None))
+        for slot in self.weight_slots():
+            kinds |= weight_format(slot.qweight)
         return "+".join(sorted(kinds)) or None
 
     @torch.no_grad()
@@ -414,11 +410,12 @@ class DecoderLM(nn.Module):
         """Quantize the float weights of the linear layers in place (``--quantization`` on
         weights made here rather than loaded: ``load_format dummy``)."""
         for slot in self.weight_slots():
-            w = slot.module.weight
+            w = slot.weight
             if _quantizable(slot) and w is not None and not w.is_meta:
                 q = _quantize_part(w, method, type(slot.module).__name__)
                 if q is not None:
-                    slot.module.qweight, slot.module.weight = q, None
+                    setattr(slot.module, slot.qattr, q)
+                    setattr(slot.module, slot.attr, None)
 
     @torch.no_grad()
     def load_weights(
@@ -434,6 +431,8 @@ class DecoderLM(nn.Module):
         a column cut inside a quantization block is a ValueError naming the tensor), and no
         float copy of it is made; anything else (norms, MoE experts and routers, a weight
         its family reads as floats) takes it dequantized, with a log line naming them.
+        Mixture-of-experts layers keep their experts' (and shared expert's) weights
+        quantized too, one weight per expert.
 
         ``quantization`` ("int8" / "int4", ``--quantization``): each float weight of a linear
         layer (not the embedding, the LM head, MoE experts or routers) is quantized as it
@@ -456,10 +455,13 @@ class DecoderLM(nn.Module):
                         f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
                         f"expected {expected}"
                     )
+                target = Target(dst, part, expected, slot, index)
                 if isinstance(tensor, QuantizedWeight):
                     if slot is not None and slot.accepts_quantized:
                         slot.put(index, take_quantized(tensor, part, name))
                         continue
+                    if slot is None and dst.numel() == 0:
+                        continue  # another rank's (expert parallel): nothing kept here
                     dequantized.add(tensor.qtype)
                     tensor = tensor.dequantize(self.dtype)
                 elif quantization and slot is not None and _quantizable(slot):
@@ -468,9 +470,7 @@ class DecoderLM(nn.Module):
                         slot.put(index, q)
                         continue
                     kept_float.append(name)
-                if slot is not None:
-                    dst = slot.float_part(index)
-                dst.copy_(tensor[part])
+                target.take(tensor)
         for slot in self.weight_slots():
             slot.finish()
         self.lm_head.tie()
@@ -485,7 +485,7 @@ class DecoderLM(nn.Module):
         if dequantized:
             logger.info(
                 "model: quantized weights of layers without quantized kernels (norms, MoE "
-                "experts, routers) dequantized at load: %s",
+                "routers, GPT-OSS's fused experts, DeepSeek's kv_b) dequantized at load: %s",
                 ", ".join(sorted(dequantized)),
             )
         if targets:
@@ -498,8 +498,10 @@ class DecoderLM(nn.Module):
 def _quantizable(slot: WeightSlot) -> bool:
     """Whether ``--quantization`` quantizes this slot's weight: a linear layer's whose maths
     take a quantized weight (not the embedding or the LM head)."""
-    return slot.accepts_quantized and isinstance(
-        slot.module, (ColumnParallelLinear, RowParallelLinear)
+    return (
+        slot.accepts_quantized
+        and slot.stack is None
+        and isinstance(slot.module, (ColumnParallelLinear, RowParallelLinear))
     )
 
 

@@ -52,6 +52,13 @@ class Target(NamedTuple):
     slot: WeightSlot | None = None
     part: int = 0
 
+    def take(self, tensor: torch.Tensor) -> None:
+        """Copy the float tensor's ``tensor[src]`` into place (allocating a deferred weight)."""
+        dst = self.dst if self.slot is None else self.slot.float_part(self.part)
+        if dst.is_meta and dst.numel():
+            raise RuntimeError("model: a float weight copied into an unallocated parameter")
+        dst.copy_(tensor[self.src])
+
 
 WHOLE = (slice(None),)
 
@@ -68,9 +75,11 @@ Weight = torch.Tensor | QuantizedWeight | list[QuantizedWeight]
 
 
 class WeightSlot:
-    """The weight of a layer (``module.weight``, ``module.qweight``) that the checkpoint
-    may give quantized, in ``sizes`` row parts (fused Q/K/V, gate/up; one part otherwise)
-    of ``cols`` columns.
+    """The weight of a layer (``module.weight``, ``module.qweight``; other attribute names
+    ``attr`` / ``qattr``) that the checkpoint may give quantized, in ``sizes`` row parts
+    (fused Q/K/V, gate/up; one part otherwise) of ``cols`` columns. ``stack``: the weight is
+    a stack of that many matrices [stack, rows / stack, cols] (a mixture's experts), the
+    parts running through them in order, and its quantized form one weight per matrix.
 
     The model is built before the weights stream in, so the float parameter is not
     allocated then: it is a meta tensor (its views say the targets' shapes) until a float
@@ -92,33 +101,46 @@ class WeightSlot:
         *,
         rows: int | None = None,
         zeros: bool = False,
+        attr: str = "weight",
+        qattr: str = "qweight",
+        stack: int | None = None,
     ) -> None:
         self.module, self.sizes, self.cols = module, sizes, cols
         self.rows = sum(sizes) if rows is None else rows  # padded rows (a vocabulary shard)
         self.dtype, self.device, self.zeros = dtype, device, zeros
+        self.attr, self.qattr, self.stack = attr, qattr, stack
+        self.shape = (self.rows, cols) if stack is None else (stack, self.rows // stack, cols)
         self.quantized: dict[int, QuantizedWeight] = {}
         self.has_float = False
         # A layer whose weight is read as a float tensor by its family's maths (DeepSeek's
         # kv_b, absorbed into the queries) sets this False: quantized parts are dequantized.
         self.accepts_quantized = True
-        module.weight = nn.Parameter(
-            torch.empty(self.rows, cols, dtype=dtype, device="meta"), requires_grad=False
+        setattr(
+            module,
+            attr,
+            nn.Parameter(torch.empty(self.shape, dtype=dtype, device="meta"), requires_grad=False),
         )
-        module.qweight = None
+        setattr(module, qattr, None)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.module, self.attr)
+
+    @property
+    def qweight(self) -> Weight | None:
+        return getattr(self.module, self.qattr)
 
     @property
     def deferred(self) -> bool:
-        return self.module.weight is not None and self.module.weight.is_meta
+        return self.weight is not None and self.weight.is_meta
 
     def materialize(self) -> torch.Tensor:
         """The float weight, allocated on first use."""
         if self.deferred:
             make = torch.zeros if self.zeros else torch.empty
-            self.module.weight = nn.Parameter(
-                make(self.rows, self.cols, dtype=self.dtype, device=self.device),
-                requires_grad=False,
-            )
-        return self.module.weight
+            param = make(self.shape, dtype=self.dtype, device=self.device)
+            setattr(self.module, self.attr, nn.Parameter(param, requires_grad=False))
+        return self.weight
 
     def _part_rows(self, part: int) -> slice:
         first = sum(self.sizes[:part])
@@ -127,7 +149,7 @@ class WeightSlot:
     def float_part(self, part: int) -> torch.Tensor:
         """Where part ``part`` goes when it arrives as a float tensor."""
         self.has_float = True
-        return self.materialize()[self._part_rows(part)]
+        return self.materialize().view(-1, self.cols)[self._part_rows(part)]
 
     def put(self, part: int, weight: QuantizedWeight) -> None:
         if tuple(weight.shape) != (self.sizes[part], self.cols):
@@ -148,15 +170,27 @@ class WeightSlot:
                 type(self.module).__name__,
                 ", ".join(sorted({p.qtype for p in parts})),
             )
-            weight = self.materialize()
+            weight = self.materialize().view(-1, self.cols)
             for i, q in self.quantized.items():
                 weight[self._part_rows(i)].copy_(q.dequantize(self.dtype))
             self.quantized.clear()
             return
-        whole: Weight | None = parts[0] if len(parts) == 1 else concat_rows(parts)
-        self.module.qweight = parts if whole is None else whole
-        self.module.weight = None
+        if self.stack is None:
+            held: Weight | list[Weight] = _joined(parts)
+        else:
+            per = len(parts) // self.stack
+            held = [_joined(parts[i : i + per]) for i in range(0, len(parts), per)]
+        setattr(self.module, self.qattr, held)
+        setattr(self.module, self.attr, None)
         self.quantized.clear()
+
+
+def _joined(parts: list[QuantizedWeight]) -> Weight:
+    """Parts stacked by rows as one weight where they share a type, else the list."""
+    if len(parts) == 1:
+        return parts[0]
+    whole = concat_rows(parts)
+    return parts if whole is None else whole
 
 
 def take_quantized(weight: QuantizedWeight, src: tuple[slice, ...], name: str) -> QuantizedWeight:
@@ -189,8 +223,8 @@ def weight_nbytes(weight: Weight | None) -> int:
     """Resident bytes of a layer's weight (0 for a float weight not yet allocated)."""
     if weight is None:
         return 0
-    if isinstance(weight, list):
-        return sum(w.nbytes for w in weight)
+    if isinstance(weight, list):  # parts, or a stack's matrices
+        return sum(weight_nbytes(w) for w in weight)
     if isinstance(weight, QuantizedWeight):
         return weight.nbytes
     return 0 if weight.is_meta else weight.nbytes
@@ -199,7 +233,7 @@ def weight_nbytes(weight: Weight | None) -> int:
 def weight_format(weight: Weight | None) -> set[str]:
     """The quantized types of a layer's weight (empty for a float one)."""
     if isinstance(weight, list):
-        return {w.qtype for w in weight}
+        return set().union(*(weight_format(w) for w in weight))
     if isinstance(weight, QuantizedWeight):
         return {weight.qtype}
     return set()
@@ -497,6 +531,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight: nn.Parameter | None
         self.qweight: QuantizedWeight | list[QuantizedWeight] | None
         self.slot = WeightSlot(self, self.sizes, in_features, dtype, device)
+        self.slots = [self.slot]
         self.bias = _param(out, dtype=dtype, device=device) if bias else None
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
@@ -564,6 +599,7 @@ class RowParallelLinear(nn.Module):
         self.weight: nn.Parameter | None
         self.qweight: QuantizedWeight | list[QuantizedWeight] | None
         self.slot = WeightSlot(self, [out_features], cols[1] - cols[0], dtype, device)
+        self.slots = [self.slot]
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.group = group
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
@@ -616,6 +652,7 @@ class VocabParallelEmbedding(nn.Module):
         self.slot = WeightSlot(
             self, [v1 - v0], config.hidden_size, dtype, device, rows=shard.vocab_shard, zeros=True
         )
+        self.slots = [self.slot]
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
@@ -662,6 +699,7 @@ class ParallelLMHead(nn.Module):
         self.qweight: QuantizedWeight | None
         self._embedding = (embedding,)  # a tuple: not registered as a submodule twice
         self.slot: WeightSlot | None = None
+        self.slots: list[WeightSlot] = []  # tied: the embedding's
         if self.tied:
             self.tie()
         else:
@@ -670,6 +708,7 @@ class ParallelLMHead(nn.Module):
                 self, [v1 - v0], self.hidden, dtype, device, rows=self.shard.vocab_shard,
                 zeros=True,
             )  # fmt: skip
+            self.slots = [self.slot]
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def tie(self) -> None:
