@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry[side] = {"error": f"{type(exc).__name__}: {exc}"}
             print(json.dumps(entry[side]), flush=True)
             out_json.write_text(json.dumps(doc, indent=2) + "\n")
-    write_markdown(doc, out_json.with_suffix(".md"))
+            write_markdown(doc, out_json.with_suffix(".md"))  # partial results kept too
     print(out_json.with_suffix(".md").read_text())
     return 0
 

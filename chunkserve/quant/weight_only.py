@@ -367,11 +367,15 @@ def check_group_size(group_size: object, name: str = "weight") -> int:
     return group_size
 
 
-def load_group_size(in_features: int, preferred: int = 128) -> int | None:
+# The int4 group ``--quantization int4`` prefers (quality: benchmarks/quant_quality.py).
+LOAD_GROUP_SIZE = 128
+
+
+def load_group_size(in_features: int, preferred: int | None = None) -> int | None:
     """The int4 group for a weight of ``in_features`` columns quantized at load: the largest
-    of ``INT4_GROUP_SIZES`` up to ``preferred`` that divides the columns (SmolLM2's 576 =
-    9 x 64), None when none does."""
-    check_group_size(preferred)
+    of ``INT4_GROUP_SIZES`` up to ``preferred`` (default ``LOAD_GROUP_SIZE``) that divides
+    the columns (SmolLM2's 576 = 9 x 64), None when none does."""
+    preferred = check_group_size(LOAD_GROUP_SIZE if preferred is None else preferred)
     fits = [g for g in INT4_GROUP_SIZES if g <= preferred and in_features % g == 0]
     return max(fits) if fits else None
 
