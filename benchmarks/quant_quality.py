@@ -115,6 +115,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out-name", default="quant_quality", help="results/<name>.json and .md")
     ap.add_argument("--note", default="2 cores shared with other work during the run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -188,7 +189,7 @@ def main() -> int:
         "results": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quant_quality.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (RESULTS / f"{args.out_name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [
         "# Weight-only int8 / int4 quality (perplexity on the shipped prose)",
         "",
@@ -204,7 +205,7 @@ def main() -> int:
             f"{r['top1_agreement'] if r['top1_agreement'] is not None else '-'} | "
             f"{r['mean_kl'] if r['mean_kl'] is not None else '-'} | {r['linear_weight_mib']} |"
         )
-    (RESULTS / "quant_quality.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.out_name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
