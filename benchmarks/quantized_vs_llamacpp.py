@@ -6,8 +6,10 @@ Both servers run as subprocesses (chunkserve: ``python -m chunkserve serve``; ll
 streaming load generator (``chunkserve.bench.loadgen``) with prompts sent as token ids. Per
 file and server, one after the other (never both at once):
 
-- **RSS after load**: the server process's resident memory once ``/health`` answers, before
-  any request (``VmRSS`` of ``/proc/PID/status``), and its peak (``VmHWM``) at the end;
+- **RSS after load**: the server's resident memory once ``/health`` answers, before any
+  request (``VmRSS`` of ``/proc/PID/status`` summed over the server process and its children:
+  chunkserve's engine core is a child process), and the sum of their peaks (``VmHWM``) at the
+  end;
 - **prefill tok/s**: one request of ``--prefill-len`` prompt tokens and one output token,
   prompt tokens / TTFT (best of ``--repeats``);
 - **batch-1 decode tok/s**: one request, a short prompt, ``--decode-len`` output tokens:
@@ -43,6 +45,7 @@ than the absolute numbers, and the results say so."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -167,11 +170,29 @@ def model_file(name: str, args: argparse.Namespace) -> Path:
 
 
 # ---- measuring one server -------------------------------------------------------------------
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (chunkserve's engine core runs in a child process)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
 def _status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
+    """``key`` (VmRSS, VmHWM) of ``/proc/PID/status`` summed over the process tree (the
+    peak: the sum of each process's own peak)."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:
+            continue
+        total += next((int(x.split()[1]) for x in lines if x.startswith(key + ":")), 0)
+    return total
 
 
 def kv_bytes_per_token(path: Path, elem_bytes: int) -> int:
@@ -188,7 +209,10 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 def measure(server: ServerProcess, args: argparse.Namespace, rng: random.Random) -> dict:
     url = server.base_url + "/v1"
     quiet = dict(progress=False, ignore_eos=True)
-    out: dict = {"rss_after_load_mib": round(_status_kib(server.proc.pid, "VmRSS") / 1024, 1)}
+    out: dict = {
+        "rss_after_load_mib": round(_status_kib(server.proc.pid, "VmRSS") / 1024, 1),
+        "rss_scope": "process tree",
+    }
     run(url, [BenchRequest(_ids(rng, 16), 8, 0.0)], **quiet)  # warm-up
     prefill, decode = [], []
     for _ in range(args.repeats):
