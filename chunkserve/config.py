@@ -20,6 +20,7 @@ DISAGGREGATION_MODES = (None, "prefill", "decode")
 KV_CONNECTORS = ("shm", "torch")
 PREFILL_ORDERS = ("shortest", "arrival")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 # Default KV-cache budget on CPU. The embedded model needs 23,040 bytes per token in bf16,
@@ -901,6 +902,28 @@ class EngineConfig:
     """auto: read the weights from the model; dummy: random weights of the model's shapes,
     made on the device (benchmarks of shapes whose weights are not at hand; a directory with
     only config.json and a tokenizer is then enough)."""
+    gguf_dequantize: bool = _flag(
+        False,
+        "GGUF files: dequantize the weights at load instead of keeping them in their "
+        "quantized bits (CPU; on CUDA they are always dequantized)",
+    )
+    """A GGUF file's quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
+    kept in their bits on a CPU (about the file's size in memory; the matmuls read the
+    blocks) unless this is set: then they are dequantized to ``dtype`` at load (as on CUDA,
+    always). Other tensor types are dequantized either way."""
+    quantization: str | None = _flag(
+        None,
+        "float (HF) checkpoints: quantize the linear layers' weights at load, weight-only "
+        "(int8: per-channel scales; int4: per-group of 128 columns) (CPU)",
+        choices=QUANTIZATIONS,
+    )
+    """Weight-only quantization of a float (bf16/fp32 HF safetensors) checkpoint at load:
+    each linear layer's weight is quantized as it streams in (``quant.weight_only``: int8 with
+    one scale per output channel; int4 in groups of 128 input columns, or 64/32 where the
+    columns are not a multiple of 128, asymmetric), activations stay in ``dtype``. The
+    embedding, the LM head, norms, MoE experts and routers stay float. A GGUF file (already
+    quantized) or an HF checkpoint with its own ``quantization_config`` is refused, as vLLM
+    does; CPU only."""
     enforce_eager: bool = _flag(False, "never use CUDA graphs (CUDA only)")
     """Never use CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at
     padded batch sizes)."""
@@ -1014,6 +1037,11 @@ class EngineConfig:
             self.load_format in LOAD_FORMATS,
             "load_format",
             f"must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        _require(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS[1:]} (or None), got {self.quantization!r}",
         )
         _require(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -163,8 +163,10 @@ def no_weight_loading(monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def _embedded_weights_once():
-    """The embedded model's weights dequantised once per dtype for the whole session: every
-    in-process engine otherwise spends seconds in gguf-py's dequantiser for the same bytes.
+    """The embedded model's weights decoded once per dtype (and kept quantized or not) for
+    the whole session: every in-process engine otherwise spends seconds in the dequantiser
+    (or copying the blocks) for the same bytes (quantized weights are never modified in
+    place: engines may share them).
     Loading still goes through ``load_weights`` (names, shapes, the copy into our fused
     layout); only the file's decoding is shared. Other files are read as usual."""
     import chunkserve.worker.draft_model as draft_model
@@ -179,12 +181,12 @@ def _embedded_weights_once():
     decoded: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     original = loader.iter_weights
 
-    def iter_weights(source, config, reader, dtype):
+    def iter_weights(source, config, reader, dtype, quantized=False):
         if source.kind != "gguf" or Path(source.path).resolve() != embedded:
-            return original(source, config, reader, dtype)
-        key = (dtype, repr(config))
+            return original(source, config, reader, dtype, quantized)
+        key = (dtype, repr(config), quantized)
         if key not in decoded:
-            decoded[key] = list(original(source, config, reader, dtype))
+            decoded[key] = list(original(source, config, reader, dtype, quantized))
         return iter(decoded[key])
 
     patch = pytest.MonkeyPatch()

@@ -77,6 +77,8 @@ ENGINE_FLAGS: list[tuple[tuple[str, ...], bool, list[str] | None]] = [
     (("--attention-backend",), True, ["auto", "cpu", "torch", "triton"]),
     (("--deterministic",), False, None),
     (("--load-format",), True, ["auto", "dummy"]),
+    (("--gguf-dequantize",), False, None),
+    (("--quantization",), True, ["int8", "int4"]),
     (("--enforce-eager",), False, None),
     (("--no-fused-ops",), False, None),
     (("--speculative-config",), True, None),
@@ -142,6 +144,9 @@ PARSED: list[tuple[list[str], dict[str, object]]] = [
     (["--attention-backend", "torch"], {"attention_backend": "torch"}),
     (["--deterministic"], {"deterministic": True}),
     (["--load-format", "dummy"], {"load_format": "dummy"}),
+    (["--gguf-dequantize"], {"gguf_dequantize": True}),
+    (["--quantization", "int8"], {"quantization": "int8"}),
+    (["--quantization", "int4"], {"quantization": "int4"}),
     (["--enforce-eager"], {"enforce_eager": True}),
     (["--no-fused-ops"], {"fused_ops": False}),
     (["--speculative-config", SPEC], {"speculative_config": SpeculativeConfig.parse(SPEC)}),
@@ -169,6 +174,7 @@ ERRORS: list[tuple[list[str], str]] = [
     (["--tp", "two"], "argument --tensor-parallel-size/--tp: invalid int value: 'two'"),
     (["--no-fused-ops=1"], "argument --no-fused-ops: ignored explicit argument '1'"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--quantization", "fp8"], "argument --quantization: invalid choice: 'fp8'"),
 ]
 
 

@@ -88,11 +88,12 @@ def write_gguf(
     split_kv_b: bool = False,
 ):
     """The HF directory as llama.cpp's ``convert_hf_to_gguf.py`` writes it (F32, or Q8_0
-    matrices with ``quant="Q8_0"``), with the embedded model's tokenizer. ``extra``: more
-    metadata (key -> value) to write; ``edit``: changes the GGUF-named tensors (a dict).
-    DeepSeek-V2: ``split_kv_b`` as newer converters write ``kv_b_proj`` (attn_k_b, attn_v_b).
-    GPT-OSS: experts as the converter splits them; a directory with MXFP4 experts
-    (``*_blocks``, ``*_scales``) gives GGUF MXFP4 tensors of the same codes."""
+    matrices, stacked experts' too, with ``quant="Q8_0"``; any type gguf-py quantizes),
+    with the embedded model's tokenizer. ``extra``: more metadata (key -> value) to write;
+    ``edit``: changes the GGUF-named tensors (a dict). DeepSeek-V2: ``split_kv_b`` as newer
+    converters write ``kv_b_proj`` (attn_k_b, attn_v_b). GPT-OSS: experts as the converter
+    splits them; a directory with MXFP4 experts (``*_blocks``, ``*_scales``) gives GGUF MXFP4
+    tensors of the same codes."""
     import gguf
     from safetensors.torch import load_file
 
@@ -208,7 +209,7 @@ def write_gguf(
     for gguf_name, (data, qtype) in raw.items():
         w.add_tensor(gguf_name, data, raw_dtype=qtype)
     for gguf_name, data in tensors.items():
-        if quant and data.ndim == 2:
+        if quant and data.ndim >= 2:  # matrices and stacked experts' matrices
             qtype = gguf.GGMLQuantizationType[quant]
             w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

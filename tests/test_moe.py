@@ -186,9 +186,9 @@ def build_layer(config: ModelConfig, weights, size: int = 1, rank: int = 0, ep: 
     layer = SparseMoE(config, shard, torch.float32, torch.device("cpu"), None)
     targets = layer.targets("", MOE_NAMES)
     assert set(targets) == set(weights)  # another rank's experts' too (checked, not kept)
-    for name, (dst, src, shape) in targets.items():
-        assert tuple(weights[name].shape) == shape
-        dst.copy_(weights[name][src])
+    for name, target in targets.items():
+        assert tuple(weights[name].shape) == target.shape
+        target.take(weights[name])
     return layer
 
 

@@ -116,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds between SSE keep-alive pings (llama-server default 30)",
     )
     ap.add_argument(
+        "--no-mmap",
+        action="store_true",
+        help="read the weights into memory instead of mapping the file (a busy machine's "
+        "page cache may evict mapped weights: every step then reads them from disk)",
+    )
+    ap.add_argument(
         "--verbosity",
         type=int,
         default=2,
@@ -160,6 +166,8 @@ def build_params(args: argparse.Namespace):
     p.verbosity = args.verbosity
     p.sse_ping_interval = args.sse_ping_interval
     p.warmup = True
+    if args.no_mmap:
+        p.load_mode = xlc.llama_load_mode.LLAMA_LOAD_MODE_NONE
     p.endpoint_slots = True  # GET /slots, used to check for in-flight work at shutdown
     if args.served_model_name:
         p.model_alias = {args.served_model_name}
@@ -189,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         f"n_parallel={args.n_parallel} "
         f"n_batch={args.n_batch} n_ubatch={args.n_ubatch} ctx_size={args.ctx_size} "
         f"(per slot {args.ctx_size // args.n_parallel}) cont_batching=True "
-        f"cache_prompt={bool(args.cache_prompt)} served_model_name={args.served_model_name or '-'}",
+        f"cache_prompt={bool(args.cache_prompt)} mmap={not args.no_mmap} "
+        f"served_model_name={args.served_model_name or '-'}",
         flush=True,
     )
 

@@ -168,6 +168,7 @@ class EngineCore:
         self.scheduler_config = sched_config = config.scheduler_config(max_model_len)
         self.budget_policy = config.budget_policy(max_model_len)
         self.worker = Worker(config, model_config, max_model_len)
+        self.worker.plan_weights(source, reader)  # (the profile is per weight format)
         # The cost profile: primes the online controller, and with it every step's
         # predicted time is logged beside the measured one (``StepStats.predicted_time``).
         self.profile, profile_path = self._load_profile(str(source.path))
@@ -255,12 +256,12 @@ class EngineCore:
     # ---- setup -----------------------------------------------------------------------------
     def _load_profile(self, model_path: str) -> tuple[CostModel | None, Path | None]:
         """The cost profile named by ``cost_profile``, else (with an online budget) the one
-        saved for this model, device, dtype and thread count, if any."""
+        saved for this model, device, dtype, weight format and thread count, if any."""
         path = self.config.cost_profile
         if path is None and self.budget_policy.is_online:
             w = self.worker
             dtype = str(w.dtype).removeprefix("torch.")
-            path = find_profile(model_path, w.device.type, dtype, w.num_threads)
+            path = find_profile(model_path, w.device.type, dtype, w.num_threads, w.weights_format)
         if path is None:
             return None, None
         try:

@@ -23,6 +23,7 @@ multipliers) can run the fused elementwise kernels of ``fused_ops`` (``fused_ops
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -34,19 +35,29 @@ from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import ShardPlan, plan_shards
 from chunkserve.model.layers import (
     Attention,
+    ColumnParallelLinear,
     GatedMLP,
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     RowTiling,
     Target,
     VocabParallelEmbedding,
+    WeightSlot,
+    take_quantized,
+    weight_format,
+    weight_nbytes,
 )
 from chunkserve.model.moe import MOE_NAMES, SparseMoE
 from chunkserve.model.registry import KVLayout, layer_spec
+from chunkserve.quant.weight import QuantizedWeight
+from chunkserve.quant.weight_only import load_group_size, quantize_weight
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -356,11 +367,33 @@ class DecoderLM(nn.Module):
             )
         return targets
 
+    def weight_slots(self) -> list[WeightSlot]:
+        """The weights that may be kept quantized (``layers.WeightSlot``)."""
+        return [slot for m in self.modules() for slot in getattr(m, "slots", ())]
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the model's weights: float parameters and quantized weights."""
+        held = {id(p): p for p in self.parameters()}
+        for slot in self.weight_slots():
+            held[id(slot.qweight)] = slot.qweight
+        return sum(weight_nbytes(w) for w in held.values())
+
+    def weights_format(self) -> str | None:
+        """The quantized types the weights are held in ("Q4_1+Q8_0"), or None when every
+        weight is float."""
+        kinds: set[str] = set()
+        for slot in self.weight_slots():
+            kinds |= weight_format(slot.qweight)
+        return "+".join(sorted(kinds)) or None
+
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shapes, drawn on the model's device (``load_format
         dummy``): norms 1 (0 for a ``1 + w`` norm), biases 0, the rest N(0, 0.02) as HF
         initialises Llama."""
+        for slot in self.weight_slots():
+            slot.materialize()
+        self.lm_head.tie()
         gen = torch.Generator(device=self.embed_tokens.weight.device)
         gen.manual_seed(seed + self.shard.rank)
         norms = {id(m.weight): m.offset for m in self.modules() if isinstance(m, RMSNorm)}
@@ -373,12 +406,41 @@ class DecoderLM(nn.Module):
                 param.normal_(0.0, 0.02, generator=gen)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def quantize_linear(self, method: str) -> None:
+        """Quantize the float weights of the linear layers in place (``--quantization`` on
+        weights made here rather than loaded: ``load_format dummy``)."""
+        for slot in self.weight_slots():
+            w = slot.weight
+            if _quantizable(slot) and w is not None and not w.is_meta:
+                q = _quantize_part(w, method, type(slot.module).__name__)
+                if q is not None:
+                    setattr(slot.module, slot.qattr, q)
+                    setattr(slot.module, slot.attr, None)
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None
+    ) -> None:
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this
         rank's (fused) parameters as they stream in, so peak memory is the model plus one
         tensor. A missing tensor, an unexpected one or a wrong shape is a ValueError naming
-        it."""
+        it.
+
+        A tensor may arrive quantized (a ``QuantizedWeight``, from a GGUF file): a linear
+        layer, the embedding and the LM head keep it so (their rank's rows or columns of it;
+        a column cut inside a quantization block is a ValueError naming the tensor), and no
+        float copy of it is made; anything else (norms, MoE experts and routers, a weight
+        its family reads as floats) takes it dequantized, with a log line naming them.
+        Mixture-of-experts layers keep their experts' (and shared expert's) weights
+        quantized too, one weight per expert.
+
+        ``quantization`` ("int8" / "int4", ``--quantization``): each float weight of a linear
+        layer (not the embedding, the LM head, MoE experts or routers) is quantized as it
+        arrives, this rank's part of it (``quant.weight_only``); an int4 weight whose columns
+        are not a multiple of 32 stays float, with a log line."""
         targets = self.weight_targets()
+        dequantized: set[str] = set()
+        kept_float: list[str] = []
         for name, tensor in weights:
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq") or (
@@ -387,15 +449,67 @@ class DecoderLM(nn.Module):
                     continue  # derived, or a copy of the tied embedding
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
             entry = targets.pop(name)
-            for dst, part, expected in entry if isinstance(entry, list) else [entry]:
+            for dst, part, expected, slot, index in entry if isinstance(entry, list) else [entry]:
                 if tuple(tensor.shape) != expected:
                     raise ValueError(
                         f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
                         f"expected {expected}"
                     )
-                dst.copy_(tensor[part])
+                target = Target(dst, part, expected, slot, index)
+                if isinstance(tensor, QuantizedWeight):
+                    if slot is not None and slot.accepts_quantized:
+                        slot.put(index, take_quantized(tensor, part, name))
+                        continue
+                    if slot is None and dst.numel() == 0:
+                        continue  # another rank's (expert parallel): nothing kept here
+                    dequantized.add(tensor.qtype)
+                    tensor = tensor.dequantize(self.dtype)
+                elif quantization and slot is not None and _quantizable(slot):
+                    q = _quantize_part(tensor[part], quantization, name)
+                    if q is not None:
+                        slot.put(index, q)
+                        continue
+                    kept_float.append(name)
+                target.take(tensor)
+        for slot in self.weight_slots():
+            slot.finish()
+        self.lm_head.tie()
+        if kept_float:
+            logger.info(
+                "model: --quantization %s: %d weight(s) kept float (columns not a multiple "
+                "of 32), e.g. %s",
+                quantization,
+                len(kept_float),
+                kept_float[:3],
+            )
+        if dequantized:
+            logger.info(
+                "model: quantized weights of layers without quantized kernels (norms, MoE "
+                "routers, GPT-OSS's fused experts, DeepSeek's kv_b) dequantized at load: %s",
+                ", ".join(sorted(dequantized)),
+            )
         if targets:
             missing = sorted(targets)
             raise ValueError(
                 f"model: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}"
             )
+
+
+def _quantizable(slot: WeightSlot) -> bool:
+    """Whether ``--quantization`` quantizes this slot's weight: a linear layer's whose maths
+    take a quantized weight (not the embedding or the LM head)."""
+    return (
+        slot.accepts_quantized
+        and slot.stack is None
+        and isinstance(slot.module, (ColumnParallelLinear, RowParallelLinear))
+    )
+
+
+def _quantize_part(tensor: torch.Tensor, method: str, name: str) -> QuantizedWeight | None:
+    """A float weight part quantized by ``method`` (None: an int4 weight no group fits)."""
+    if method == "int4":
+        group = load_group_size(tensor.shape[-1])
+        if group is None:
+            return None
+        return quantize_weight(tensor, method, name, group)
+    return quantize_weight(tensor, method, name)

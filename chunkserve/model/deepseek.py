@@ -149,6 +149,7 @@ class LatentAttention(nn.Module):
         self.kv_b = ColumnParallelLinear(
             self.rank_dim, [(full * kv, (h0 * kv, h1 * kv))], False, dtype, device
         )
+        self.kv_b.slot.accepts_quantized = False  # read as floats: absorbed into the queries
         self.o = RowParallelLinear(
             full * self.v_dim, h, (h0 * self.v_dim, h1 * self.v_dim), bias, dtype, device, group
         )

@@ -19,6 +19,7 @@ whose sum of squares is summed over the ranks.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -30,19 +31,33 @@ from torch import nn
 from chunkserve.attention.base import AttentionSpec
 from chunkserve.config import HIDDEN_ACTS, ROPE_TYPES, ModelConfig, rope_type
 from chunkserve.distributed.shard import ShardPlan
+from chunkserve.quant.weight import QuantizedWeight, concat_rows
 
 if TYPE_CHECKING:
     from chunkserve.attention.base import AttentionBackend, BatchLayout
     from chunkserve.distributed.group import TPGroup
 
+logger = logging.getLogger(__name__)
+
 
 class Target(NamedTuple):
     """Where one checkpoint tensor goes: ``dst`` (a parameter or a view of one) takes
-    ``tensor[src]``; ``shape`` is the tensor's full shape in the checkpoint."""
+    ``tensor[src]``; ``shape`` is the tensor's full shape in the checkpoint. ``slot``: the
+    layer's weight when it may arrive quantized (``WeightSlot``; ``dst`` is then a view of a
+    weight not yet allocated, and the slot takes part ``part``, quantized or not)."""
 
     dst: torch.Tensor
     src: tuple[slice, ...]
     shape: tuple[int, ...]
+    slot: WeightSlot | None = None
+    part: int = 0
+
+    def take(self, tensor: torch.Tensor) -> None:
+        """Copy the float tensor's ``tensor[src]`` into place (allocating a deferred weight)."""
+        dst = self.dst if self.slot is None else self.slot.float_part(self.part)
+        if dst.is_meta and dst.numel():
+            raise RuntimeError("model: a float weight copied into an unallocated parameter")
+        dst.copy_(tensor[self.src])
 
 
 WHOLE = (slice(None),)
@@ -50,6 +65,189 @@ WHOLE = (slice(None),)
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# ---- weights that may stay quantized -------------------------------------------------------
+# A weight of a linear layer, the embedding or the LM head [out, in]: a float tensor, a
+# ``QuantizedWeight`` (kept in the checkpoint's bits), or a list of those (a fused layer whose
+# parts arrived in different quantized types: one matmul per part, then a concat).
+Weight = torch.Tensor | QuantizedWeight | list[QuantizedWeight]
+
+
+class WeightSlot:
+    """The weight of a layer (``module.weight``, ``module.qweight``; other attribute names
+    ``attr`` / ``qattr``) that the checkpoint may give quantized, in ``sizes`` row parts
+    (fused Q/K/V, gate/up; one part otherwise) of ``cols`` columns. ``stack``: the weight is
+    a stack of that many matrices [stack, rows / stack, cols] (a mixture's experts), the
+    parts running through them in order, and its quantized form one weight per matrix.
+
+    The model is built before the weights stream in, so the float parameter is not
+    allocated then: it is a meta tensor (its views say the targets' shapes) until a float
+    part arrives (``float_part``: the parameter is allocated, ``zeros`` for the padded
+    vocabulary rows of an embedding) or the model gets random weights (``materialize``).
+    Quantized parts are kept as they come (``put``); when the load ends (``finish``) a layer
+    whose parts all came quantized holds them as ``qweight`` (one weight, or one per part
+    when their types differ) and no float weight at all; parts of both kinds (rare: a file
+    mixing float and quantized parts of one fused layer) are dequantized into the float
+    weight, with a log line."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sizes: list[int],
+        cols: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        rows: int | None = None,
+        zeros: bool = False,
+        attr: str = "weight",
+        qattr: str = "qweight",
+        stack: int | None = None,
+    ) -> None:
+        self.module, self.sizes, self.cols = module, sizes, cols
+        self.rows = sum(sizes) if rows is None else rows  # padded rows (a vocabulary shard)
+        self.dtype, self.device, self.zeros = dtype, device, zeros
+        self.attr, self.qattr, self.stack = attr, qattr, stack
+        self.shape = (self.rows, cols) if stack is None else (stack, self.rows // stack, cols)
+        self.quantized: dict[int, QuantizedWeight] = {}
+        self.has_float = False
+        # A layer whose weight is read as a float tensor by its family's maths (DeepSeek's
+        # kv_b, absorbed into the queries) sets this False: quantized parts are dequantized.
+        self.accepts_quantized = True
+        setattr(
+            module,
+            attr,
+            nn.Parameter(torch.empty(self.shape, dtype=dtype, device="meta"), requires_grad=False),
+        )
+        setattr(module, qattr, None)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.module, self.attr)
+
+    @property
+    def qweight(self) -> Weight | None:
+        return getattr(self.module, self.qattr)
+
+    @property
+    def deferred(self) -> bool:
+        return self.weight is not None and self.weight.is_meta
+
+    def materialize(self) -> torch.Tensor:
+        """The float weight, allocated on first use."""
+        if self.deferred:
+            make = torch.zeros if self.zeros else torch.empty
+            param = make(self.shape, dtype=self.dtype, device=self.device)
+            setattr(self.module, self.attr, nn.Parameter(param, requires_grad=False))
+        return self.weight
+
+    def _part_rows(self, part: int) -> slice:
+        first = sum(self.sizes[:part])
+        return slice(first, first + self.sizes[part])
+
+    def float_part(self, part: int) -> torch.Tensor:
+        """Where part ``part`` goes when it arrives as a float tensor."""
+        self.has_float = True
+        return self.materialize().view(-1, self.cols)[self._part_rows(part)]
+
+    def put(self, part: int, weight: QuantizedWeight) -> None:
+        if tuple(weight.shape) != (self.sizes[part], self.cols):
+            raise ValueError(
+                f"model: a quantized part of shape {tuple(weight.shape)} for a weight part of "
+                f"{(self.sizes[part], self.cols)}"
+            )
+        self.quantized[part] = weight
+
+    def finish(self) -> None:
+        """After the load: hold the quantized parts (see the class docstring)."""
+        if not self.quantized:
+            return
+        parts = [self.quantized[i] for i in range(len(self.sizes)) if i in self.quantized]
+        if self.has_float or len(parts) != len(self.sizes):
+            logger.info(
+                "model: %s has float and quantized parts: dequantized (%s)",
+                type(self.module).__name__,
+                ", ".join(sorted({p.qtype for p in parts})),
+            )
+            weight = self.materialize().view(-1, self.cols)
+            for i, q in self.quantized.items():
+                weight[self._part_rows(i)].copy_(q.dequantize(self.dtype))
+            self.quantized.clear()
+            return
+        if self.stack is None:
+            held: Weight | list[Weight] = _joined(parts)
+        else:
+            per = len(parts) // self.stack
+            held = [_joined(parts[i : i + per]) for i in range(0, len(parts), per)]
+        setattr(self.module, self.qattr, held)
+        setattr(self.module, self.attr, None)
+        self.quantized.clear()
+
+
+def _joined(parts: list[QuantizedWeight]) -> Weight:
+    """Parts stacked by rows as one weight where they share a type, else the list."""
+    if len(parts) == 1:
+        return parts[0]
+    whole = concat_rows(parts)
+    return parts if whole is None else whole
+
+
+def take_quantized(weight: QuantizedWeight, src: tuple[slice, ...], name: str) -> QuantizedWeight:
+    """``weight[src]`` of a quantized checkpoint tensor, ``src`` a target's (a row range:
+    a column-parallel rank's rows, a fused part; a column range: a row-parallel rank's
+    columns, which must fall on the quantization blocks' boundaries: else a ValueError
+    naming ``name`` and the block size)."""
+    for axis, cut in enumerate(src):
+        if cut.step not in (None, 1):
+            raise ValueError(f"model: weight {name!r}: a strided cut of a quantized weight")
+        n = weight.shape[axis]
+        first, end, _ = cut.indices(n)
+        if (first, end) == (0, n):
+            continue
+        if axis == 0:
+            weight = weight.rows(first, end)
+            continue
+        try:
+            weight = weight.cols(first, end)
+        except ValueError as exc:
+            raise ValueError(
+                f"model: weight {name!r}: this tensor-parallel rank's columns {first}..{end} "
+                f"cut its {weight.qtype} blocks ({exc}); use another tensor_parallel_size or "
+                f"dequantize the file's weights at load"
+            ) from None
+    return weight
+
+
+def weight_nbytes(weight: Weight | None) -> int:
+    """Resident bytes of a layer's weight (0 for a float weight not yet allocated)."""
+    if weight is None:
+        return 0
+    if isinstance(weight, list):  # parts, or a stack's matrices
+        return sum(weight_nbytes(w) for w in weight)
+    if isinstance(weight, QuantizedWeight):
+        return weight.nbytes
+    return 0 if weight.is_meta else weight.nbytes
+
+
+def weight_format(weight: Weight | None) -> set[str]:
+    """The quantized types of a layer's weight (empty for a float one)."""
+    if isinstance(weight, list):
+        return set().union(*(weight_format(w) for w in weight))
+    if isinstance(weight, QuantizedWeight):
+        return {weight.qtype}
+    return set()
+
+
+def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for a float, quantized or per-part quantized weight."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    if isinstance(weight, list):
+        y = torch.cat([w.matmul(x) for w in weight], dim=-1)
+    else:
+        y = weight.matmul(x)
+    return y if bias is None else y + bias
 
 
 # ---- norms ---------------------------------------------------------------------------------
@@ -287,23 +485,27 @@ DETERMINISTIC_TILING = RowTiling(multiple=64, most=64)
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     bias: torch.Tensor | None = None,
     tiling: RowTiling | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` over x's rows [T, in]; with ``tiling`` batch-invariant
-    (see ``RowTiling``)."""
+    """``F.linear(x, weight, bias)`` over x's rows [T, in] (``weight`` float or quantized:
+    ``Weight``); with ``tiling`` batch-invariant (see ``RowTiling``: a quantized weight's
+    kernel, too, then always runs on calls of the same number of rows, each row's result
+    computed from that row alone)."""
     if tiling is None:
-        return F.linear(x, weight, bias)
+        return _matmul(x, weight, bias)
     t = x.shape[0]
     padded = -(-t // tiling.multiple) * tiling.multiple
     if padded != t:
         x = torch.cat((x, x.new_zeros(padded - t, x.shape[1])))
     if padded <= tiling.most:
-        return F.linear(x, weight, bias)[:t]
-    out = x.new_empty(padded, weight.shape[0])
-    for r0 in range(0, padded, tiling.most):
-        out[r0 : r0 + tiling.most] = F.linear(x[r0 : r0 + tiling.most], weight, bias)
+        return _matmul(x, weight, bias)[:t]
+    first = _matmul(x[: tiling.most], weight, bias)
+    out = x.new_empty(padded, first.shape[1])
+    out[: tiling.most] = first
+    for r0 in range(tiling.most, padded, tiling.most):
+        out[r0 : r0 + tiling.most] = _matmul(x[r0 : r0 + tiling.most], weight, bias)
     return out[:t]
 
 
@@ -326,21 +528,27 @@ class ColumnParallelLinear(nn.Module):
         self.parts = parts
         self.sizes = [end - first for _, (first, end) in parts]
         out = sum(self.sizes)
-        self.weight = _param(out, in_features, dtype=dtype, device=device)
+        self.weight: nn.Parameter | None
+        self.qweight: QuantizedWeight | list[QuantizedWeight] | None
+        self.slot = WeightSlot(self, self.sizes, in_features, dtype, device)
+        self.slots = [self.slot]
         self.bias = _param(out, dtype=dtype, device=device) if bias else None
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.tiling)
+        w = self.weight if self.qweight is None else self.qweight
+        return linear(x, w, self.bias, self.tiling)
 
     def targets(self, names: list[str]) -> dict[str, Target]:
         """``names``: each part's checkpoint name without ``.weight`` / ``.bias``."""
         out: dict[str, Target] = {}
         row = 0
-        for name, size, (rows, (first, end)) in zip(names, self.sizes, self.parts, strict=True):
+        for i, (name, size, (rows, (first, end))) in enumerate(
+            zip(names, self.sizes, self.parts, strict=True)
+        ):
             src = (slice(first, end),)
             out[name + ".weight"] = Target(
-                self.weight[row : row + size], src, (rows, self.in_features)
+                self.weight[row : row + size], src, (rows, self.in_features), self.slot, i
             )
             if self.bias is not None:
                 out[name + ".bias"] = Target(self.bias[row : row + size], src, (rows,))
@@ -356,9 +564,11 @@ class ColumnParallelLinear(nn.Module):
         weights: list[Target] = []
         biases: list[Target] = []
         row = offset = 0
-        for size, (rows, (first, end)) in zip(self.sizes, self.parts, strict=True):
+        for i, (size, (rows, (first, end))) in enumerate(zip(self.sizes, self.parts, strict=True)):
             src = (slice(offset + first, offset + end),)
-            weights.append(Target(self.weight[row : row + size], src, (total, self.in_features)))
+            weights.append(
+                Target(self.weight[row : row + size], src, (total, self.in_features), self.slot, i)
+            )
             if self.bias is not None:
                 biases.append(Target(self.bias[row : row + size], src, (total,)))
             row += size
@@ -386,13 +596,21 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.cols = in_features, out_features, cols
-        self.weight = _param(out_features, cols[1] - cols[0], dtype=dtype, device=device)
+        self.weight: nn.Parameter | None
+        self.qweight: QuantizedWeight | list[QuantizedWeight] | None
+        self.slot = WeightSlot(self, [out_features], cols[1] - cols[0], dtype, device)
+        self.slots = [self.slot]
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.group = group
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, without the all-reduce or the bias."""
+        w = self.weight if self.qweight is None else self.qweight
+        return linear(x, w, tiling=self.tiling)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, tiling=self.tiling)
+        y = self.matmul(x)
         if self.group is not None:
             y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -400,7 +618,10 @@ class RowParallelLinear(nn.Module):
     def targets(self, name: str) -> dict[str, Target]:
         out = {
             name + ".weight": Target(
-                self.weight, (slice(None), slice(*self.cols)), (self.out_features, self.in_features)
+                self.weight,
+                (slice(None), slice(*self.cols)),
+                (self.out_features, self.in_features),
+                self.slot,
             )
         }
         if self.bias is not None:
@@ -423,24 +644,38 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size, self.hidden = config.vocab_size, config.hidden_size
-        self.shard, self.group = shard, group
-        self.weight = nn.Parameter(
-            torch.zeros(shard.vocab_shard, config.hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
+        self.shard, self.group, self.dtype = shard, group, dtype
+        v0, v1 = shard.vocab
+        # A quantized shard holds its real rows only (no token id reaches the padding).
+        self.weight: nn.Parameter | None
+        self.qweight: QuantizedWeight | None
+        self.slot = WeightSlot(
+            self, [v1 - v0], config.hidden_size, dtype, device, rows=shard.vocab_shard, zeros=True
         )
+        self.slots = [self.slot]
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return F.embedding(ids, self.weight)
+        return self.qweight.embedding(ids, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.shard.vocab_start
         outside = (local < 0) | (local >= self.shard.vocab_shard)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self._lookup(local.masked_fill(outside, 0))
         return self.group.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def targets(self, name: str) -> dict[str, Target]:
         v0, v1 = self.shard.vocab
         return {
-            name: Target(self.weight[: v1 - v0], (slice(v0, v1),), (self.vocab_size, self.hidden))
+            name: Target(
+                self.weight[: v1 - v0],
+                (slice(v0, v1),),
+                (self.vocab_size, self.hidden),
+                self.slot,
+            )
         }
 
 
@@ -460,19 +695,35 @@ class ParallelLMHead(nn.Module):
         self.tied = config.tie_word_embeddings
         self.vocab_size, self.hidden = config.vocab_size, config.hidden_size
         self.shard, self.group = embedding.shard, group
-        self.weight = (
-            embedding.weight
-            if self.tied
-            else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
-        )
+        self.weight: nn.Parameter | None
+        self.qweight: QuantizedWeight | None
+        self._embedding = (embedding,)  # a tuple: not registered as a submodule twice
+        self.slot: WeightSlot | None = None
+        self.slots: list[WeightSlot] = []  # tied: the embedding's
+        if self.tied:
+            self.tie()
+        else:
+            v0, v1 = self.shard.vocab
+            self.slot = WeightSlot(
+                self, [v1 - v0], self.hidden, dtype, device, rows=self.shard.vocab_shard,
+                zeros=True,
+            )  # fmt: skip
+            self.slots = [self.slot]
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
+    def tie(self) -> None:
+        """A tied head: the embedding's weight, float or quantized (again after loading)."""
+        if self.tied:
+            embedding = self._embedding[0]
+            self.weight, self.qweight = embedding.weight, embedding.qweight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = linear(
-            x, self.weight, tiling=self.tiling
-        ).float()  # [S, V], or [S, V / N] on a rank
+        w = self.weight if self.qweight is None else self.qweight
+        logits = linear(x, w, tiling=self.tiling).float()  # [S, V], or [S, V / N] on a rank
         if self.group is None:
             return logits
+        if logits.shape[1] < self.shard.vocab_shard:  # a quantized shard: no padding rows
+            logits = F.pad(logits, (0, self.shard.vocab_shard - logits.shape[1]))
         return self.group.gather_vocab(logits, self.vocab_size)
 
     def targets(self, name: str) -> dict[str, Target]:
@@ -480,7 +731,12 @@ class ParallelLMHead(nn.Module):
             return {}
         v0, v1 = self.shard.vocab
         return {
-            name: Target(self.weight[: v1 - v0], (slice(v0, v1),), (self.vocab_size, self.hidden))
+            name: Target(
+                self.weight[: v1 - v0],
+                (slice(v0, v1),),
+                (self.vocab_size, self.hidden),
+                self.slot,
+            )
         }
 
 
@@ -527,9 +783,8 @@ class GatedMLP(nn.Module):
             return self.down.forward(self._inner(x))
         out = torch.empty_like(x)
         for r0 in range(0, t, MLP_SLICE_ROWS):
-            out[r0 : r0 + MLP_SLICE_ROWS] = F.linear(
-                self._inner(x[r0 : r0 + MLP_SLICE_ROWS]), self.down.weight
-            )
+            rows = slice(r0, r0 + MLP_SLICE_ROWS)
+            out[rows] = self.down.matmul(self._inner(x[rows]))
         if self.down.group is not None:
             out = self.down.group.all_reduce(out)
         return out if self.down.bias is None else out + self.down.bias

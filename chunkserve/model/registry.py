@@ -131,8 +131,10 @@ class CausalLM(Protocol):
       as ``kv_layout`` describes) through the attention backend;
     - ``compute_logits(hidden)``: fp32 logits [S, vocab] of the rows that sample (on
       tensor-parallel rank 0; None on the others);
-    - ``load_weights(iter of (HF name, tensor))``: a ValueError naming a missing, unexpected
-      or misshapen tensor; ``init_dummy_weights(seed)``: random weights of the right shapes;
+    - ``load_weights(iter of (HF name, tensor), quantization)``: a ValueError naming a
+      missing, unexpected or misshapen tensor (``quantization`` "int8"/"int4": the linear
+      layers' float weights quantized as they arrive); ``init_dummy_weights(seed)``: random
+      weights of the right shapes;
     - ``fused_ops`` / ``supports_fused_ops``: the GPU's fused elementwise kernels;
     - ``supports_cuda_graphs`` (optional, default True): False where a step cannot be
       captured in a CUDA graph (a mixture of experts' host-side loop over its experts).
@@ -153,7 +155,9 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None
+    ) -> None: ...
 
     def init_dummy_weights(self, seed: int = 0) -> None: ...
 

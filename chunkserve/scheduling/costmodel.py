@@ -391,11 +391,17 @@ class OnlineCostModel(CostModel):
 DEFAULT_PRIOR = (0.02, 4e-3, 1e-3, 1e-3, 0.05, 1e-3, 5e-3, 5e-3, 1e-3, 0.0)
 
 
-def default_profile_path(model_path: str, device: str, dtype: str, num_threads: int) -> Path:
+def default_profile_path(
+    model_path: str, device: str, dtype: str, num_threads: int, weight_format: str | None = None
+) -> Path:
     """``<model>.<device>-<dtype>-t<threads>.profile.json`` beside the model file, or the
     same name under ~/.cache/chunkserve/profiles when the model's folder is read-only or is
-    a hub cache's snapshot (huggingface_hub owns those folders: nothing of ours goes there)."""
-    name = f"{Path(model_path).name}.{device}-{dtype}-t{num_threads}.profile.json"
+    a hub cache's snapshot (huggingface_hub owns those folders: nothing of ours goes there).
+    ``weight_format``: the quantized types the weights are held in ("Q4_1+Q8_0"; None for
+    float weights): ``<device>-<dtype>-<format>-t<threads>``, since a model kept quantized
+    steps at other costs than the same file dequantized."""
+    kind = dtype if weight_format is None else f"{dtype}-{weight_format}"
+    name = f"{Path(model_path).name}.{device}-{kind}-t{num_threads}.profile.json"
     beside = Path(model_path).parent
     parts = beside.resolve().parts if beside.exists() else beside.parts
     in_hub_cache = any(
@@ -406,9 +412,12 @@ def default_profile_path(model_path: str, device: str, dtype: str, num_threads: 
     return Path.home() / ".cache" / "chunkserve" / "profiles" / name
 
 
-def find_profile(model_path: str, device: str, dtype: str, num_threads: int) -> Path | None:
-    """The profile saved for this model, device, dtype and thread count, if any."""
-    path = default_profile_path(model_path, device, dtype, num_threads)
+def find_profile(
+    model_path: str, device: str, dtype: str, num_threads: int, weight_format: str | None = None
+) -> Path | None:
+    """The profile saved for this model, device, dtype, weight format and thread count, if
+    any."""
+    path = default_profile_path(model_path, device, dtype, num_threads, weight_format)
     for candidate in (path, Path.home() / ".cache" / "chunkserve" / "profiles" / path.name):
         if candidate.is_file():
             return candidate

@@ -77,6 +77,7 @@ def _profile(args: argparse.Namespace) -> int:
             engine.core.worker.device.type,
             str(engine.core.worker.dtype).removeprefix("torch."),
             engine.core.worker.num_threads,
+            engine.core.worker.weights_format,
         )
     )
     save_profile(doc, path)

@@ -5,7 +5,8 @@ A shape is built directly as a SchedulerOutput (fabricated requests whose earlie
 taken as already computed), run through the engine's ModelRunner, and timed (median of
 repeats). The fit is checked on held-out shapes. The result is saved as JSON next to the model
 (or under ``~/.cache/chunkserve/profiles`` if that folder is not writable), named by device,
-dtype and threads, which is where ``--itl-slo-ms`` looks for it.
+dtype, weight format (a GGUF kept quantized: its types) and threads, which is where
+``--itl-slo-ms`` looks for it.
 """
 
 from __future__ import annotations
@@ -277,6 +278,8 @@ def run_profile(
         "device": engine.core.worker.device.type,
         "hardware": hardware_description(engine.core.worker.device),
         "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
+        # The quantized types the weights are held in (a quantized model is profiled apart).
+        "weight_format": engine.core.worker.weights_format or "float",
         "threads": torch.get_num_threads(),
         "block_size": engine.core.worker.block_size,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -387,6 +390,7 @@ def profile_summary(doc: dict[str, Any]) -> str:
         )
     return (
         f"{f['num_shapes']} shapes on {doc['hardware']} ({doc['device']}, {doc['dtype']}, "
+        f"{doc.get('weight_format', 'float')} weights, "
         f"{doc['threads']} threads); held-out {f['heldout_shapes']} shapes: mean error "
         f"{100 * f['heldout_mean_rel_error']:.1f}%, max {100 * f['heldout_max_rel_error']:.1f}%"
         f"{moe}; weights {json.dumps([round(w, 7) for w in doc['weights']])}"

@@ -62,6 +62,7 @@ class DraftModel:
         attention_backend: str,
         seed: int,
         dummy_weights: bool = False,
+        quantized: bool = False,
     ) -> None:
         self.model_config = model_config
         # The target's choice (``auto``: the C kernel's backend, else torch's where the
@@ -87,7 +88,7 @@ class DraftModel:
         if dummy_weights:
             self.model.init_dummy_weights(seed)
         else:
-            self.model.load_weights(iter_weights(source, model_config, reader, dtype))
+            self.model.load_weights(iter_weights(source, model_config, reader, dtype, quantized))
         kv_caches = allocate_kv_caches(
             model_config.num_layers,
             num_blocks,

@@ -51,7 +51,15 @@ from chunkserve.distributed.launch import (
 from chunkserve.distributed.shard import plan_shards
 from chunkserve.memory import release_free_heap
 from chunkserve.model.layers import DETERMINISTIC_TILING
-from chunkserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model
+from chunkserve.model.loader import (
+    ModelSource,
+    check_quantization,
+    iter_weights,
+    keep_quantized,
+    load_model_config,
+    resolve_model,
+    weight_format,
+)
 from chunkserve.model.registry import (
     CausalLM,
     attention_specs,
@@ -129,6 +137,8 @@ class Worker:
     ):
         """``rank``: a tensor-parallel rank other than 0 (None: the engine core's worker)."""
         self.config = config
+        self._keep_quantized: bool | None = None  # ``plan_weights``
+        self.weights_format: str | None = None
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.rank_spec = rank
@@ -295,6 +305,20 @@ class Worker:
 
         return parent_alive
 
+    def plan_weights(self, source: ModelSource, reader) -> bool:
+        """Whether a GGUF's quantized weights stay quantized here (``loader.keep_quantized``),
+        and ``weights_format``: the quantized types they are held in, or None (the step-time
+        profile is kept per format; known before the weights load)."""
+        if self._keep_quantized is None:
+            check_quantization(source, self.config.quantization, self.device)
+            self._keep_quantized = keep_quantized(
+                source, self.device, self.config.gguf_dequantize
+            ) and (self.config.load_format != "dummy")
+            self.weights_format = self.config.quantization or weight_format(
+                source, reader, self._keep_quantized
+            )
+        return self._keep_quantized
+
     def load(self, source: ModelSource, reader, max_num_seqs: int) -> None:
         """Load the weights and allocate the KV cache, sampler and runner (tensor parallel:
         this rank's share, the other ranks loading theirs at the same time)."""
@@ -336,10 +360,16 @@ class Worker:
             shard=self.shard,
             group=self.group,
         )
+        quantized = self.plan_weights(source, reader)
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
+            if config.quantization:
+                self.model.quantize_linear(config.quantization)
         else:
-            self.model.load_weights(iter_weights(source, model_config, reader, self.dtype))
+            self.model.load_weights(
+                iter_weights(source, model_config, reader, self.dtype, quantized),
+                quantization=config.quantization,
+            )
         self.load_time = time.perf_counter() - t0
         if config.deterministic:
             self.model.set_row_tiling(DETERMINISTIC_TILING)
@@ -409,6 +439,7 @@ class Worker:
                 attention_backend=config.attention_backend,
                 seed=config.seed,
                 dummy_weights=config.load_format == "dummy",
+                quantized=keep_quantized(self._draft_source, self.device, config.gguf_dequantize),
             )
             self._draft_reader = None
         hybrid = self.kv_groups.num_groups > 1

@@ -1,0 +1,98 @@
+"""``--quantization int8|int4`` on a float HF checkpoint (a tiny random Llama): the linear
+layers hold ``Int8Weight`` / ``Int4Weight`` (the embedding and the LM head stay float), the
+model computes what the same model with those weights dequantized computes, close to the
+unquantized model; a GGUF file, an HF checkpoint with its own quantization and a bad value
+are refused naming the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkserve.engine.engine import Engine
+from chunkserve.quant.weight_only import Int4Weight, Int8Weight
+from tests.test_model_families import hf_config, write_model
+from tests.test_model_parity import all_row_logits
+
+BASE = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+PROMPT = [5, 900, 17, 4321, 77, 2000, 31, 12, 600, 41, 9000, 3]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, hf_dir: Path) -> Path:
+    # hidden 96 = 3 x 32: int4 falls back from group 128 to 32 on q/k/v/gate/up;
+    # intermediate 128 (down_proj) takes group 128.
+    cfg = hf_config("llama", hidden_size=96, num_attention_heads=4, num_key_value_heads=2)
+    return write_model(tmp_path_factory.mktemp("wo") / "llama", cfg, hf_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    engine = Engine(model=str(llama_dir), **BASE)
+    yield engine
+    engine.shutdown()
+
+
+def linear_modules(model) -> list:
+    from chunkserve.model.layers import ColumnParallelLinear, RowParallelLinear
+
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+@pytest.mark.parametrize(("method", "cls"), [("int8", Int8Weight), ("int4", Int4Weight)])
+def test_linear_layers_quantized_at_load(llama_dir, plain, method, cls):
+    engine = Engine(model=str(llama_dir), quantization=method, **BASE)
+    try:
+        model = engine.core.worker.model
+        assert engine.core.worker.weights_format == method
+        linears = linear_modules(model)
+        assert len(linears) == 2 * 4  # qkv, o, gate_up, down
+        assert all(isinstance(m.qweight, cls) and m.weight is None for m in linears)
+        assert model.embed_tokens.qweight is None and model.embed_tokens.weight is not None
+        if method == "int4":
+            groups = {m.qweight.shape[1]: m.qweight.group_size for m in linears}
+            assert groups == {96: 32, 128: 128}
+        assert model.weight_bytes() < plain.core.worker.model.weight_bytes()
+        got = all_row_logits(engine, PROMPT, 5)
+        want = all_row_logits(plain, PROMPT, 5)
+        rel = float((got - want).norm() / want.norm())
+        print(f"{method}: relative logit difference to the unquantized model {rel:.2e}")
+        assert 0 < rel < (0.02 if method == "int8" else 0.15)
+        # The same model with the quantized weights dequantized into float layers.
+        for m in linears:
+            m.weight = torch.nn.Parameter(m.qweight.dequantize(torch.float32), False)
+            m.qweight = None
+        twin = all_row_logits(engine, PROMPT, 5)
+        torch.testing.assert_close(got, twin, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.shutdown()
+
+
+def test_dummy_weights_are_quantized_too(llama_dir):
+    engine = Engine(model=str(llama_dir), quantization="int8", load_format="dummy", **BASE)
+    try:
+        assert all(
+            isinstance(m.qweight, Int8Weight) for m in linear_modules(engine.core.worker.model)
+        )
+    finally:
+        engine.shutdown()
+
+
+def test_refused_by_name(llama_dir, gguf_path, tmp_path):
+    with pytest.raises(ValueError, match="quantization: must be one of"):
+        Engine(model=str(llama_dir), quantization="int3", **BASE)
+    with pytest.raises(ValueError, match="quantization: int8 .* is a GGUF file"):
+        Engine(model=str(gguf_path), quantization="int8", **{**BASE, "kv_cache_memory": 32 << 20})
+    own = tmp_path / "fp8"
+    own.mkdir()
+    for f in llama_dir.iterdir():
+        (own / f.name).symlink_to(f)
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (own / "config.json").unlink()
+    (own / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantization: int4 differs .*fp8"):
+        Engine(model=str(own), quantization="int4", **BASE)
