@@ -8,11 +8,8 @@ own blocks once, in place (measured at 2 threads on the 2-core EPYC, batch 64, t
 model's 30 layers: context 256, 118 -> 45 ms fp32 and 51 -> 29 ms bf16; context 1,024,
 541 -> 240 ms fp32, near this VM's read bandwidth).
 
-Built with ``-O3 -march=native`` for the CPU it runs on, so the cache key holds the source,
-the compiler, the flags and the CPU's model and flags: a home directory shared between
-machines never hands one a library built for another. The kernel threads with OpenMP and
-links the OpenMP runtime torch has already loaded (the same ``libgomp``), so its threads are
-torch's threads, not a second pool spinning beside them.
+Built, cached and loaded by ``chunkserve.cbuild`` (``-O3 -march=native`` for the CPU it
+runs on; threads on torch's own OpenMP runtime).
 
 No compiler, or a failed build, is not an error: ``load()`` returns None (the reason in
 ``load_error()``) and the engine runs the torch backend.
@@ -21,17 +18,13 @@ No compiler, or a failed build, is not an error: ``load()`` returns None (the re
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from chunkserve import cbuild
 
 logger = logging.getLogger("chunkserve.attention")
 
@@ -39,7 +32,6 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
 # -ffast-math lets the compiler vectorise the reductions; finite math stays on (the
 # kernel's running maximum starts at -inf).
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-fopenmp")
-BUILD_TIMEOUT_S = 120
 # What the C side refuses (it returns a code and the caller falls back to torch).
 MAX_BLOCK_SIZE = 64
 MAX_HEAD_DIM = 256
@@ -153,80 +145,5 @@ def load_error() -> str | None:
 
 
 def _load() -> PagedAttentionKernel:
-    if platform.system() != "Linux":
-        raise RuntimeError("built only on Linux")
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not compiler:
-        raise RuntimeError("no C compiler (gcc or cc, or $CC)")
-    gomp = _loaded_openmp()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30
-    ).stdout.splitlines()[:1]
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), *(s.encode() for s in version)):
-        key.update(part)
-    for part in (*CFLAGS, gomp or "-", platform.machine(), _cpu_description()):
-        key.update(part.encode())
-    path = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        _build(compiler, gomp, path)
-    lib = ctypes.CDLL(str(path))
+    lib, path = cbuild.load_library(SOURCE, CFLAGS)
     return PagedAttentionKernel(lib, path)
-
-
-def _build(compiler: str, gomp: str | None, path: Path) -> None:
-    """Compile to an object, link it against the OpenMP runtime torch loaded, and move the
-    library into place atomically (engine cores and ranks may build at the same time)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / path.name
-        _run([compiler, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)])
-        openmp = [gomp] if gomp else ["-fopenmp"]
-        _run([compiler, "-shared", str(obj), "-o", str(lib), *openmp, "-lm"])
-        os.replace(lib, path)
-    logger.info("built the CPU attention kernel: %s", path)
-
-
-def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-
-
-def _loaded_openmp() -> str | None:
-    """The path of the OpenMP runtime this process has loaded (torch's libgomp), if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                name = line.rsplit(maxsplit=1)[-1]
-                if "/libgomp" in name and ".so" in name:
-                    return name
-    except OSError:
-        pass
-    return None
-
-
-def _cpu_description() -> str:
-    """The CPU's model name and flags (the library is built for them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("CHUNKSERVE_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    directory = base / "chunkserve" / "kernels"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"chunkserve-kernels-{os.getuid()}"

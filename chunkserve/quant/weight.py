@@ -11,19 +11,21 @@ so a shard never keeps the whole tensor alive.
 being ``in / block_values`` blocks); ``formats`` describes each format. ``matmul`` runs the
 C kernels of ``kernels`` when they are built, else the reference here: dequantize (bit for
 bit as gguf-py) to float32, cast to x's dtype, ``F.linear``: the very arithmetic of a model
-dequantized at load, so the two agree exactly.
+dequantized at load, so the two agree exactly. The file's block layout is kept as it is and
+the kernels read it in place, so the edits above stay byte copies (a repacked layout, e.g.
+scales apart from quants, has not been tried yet).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunkserve.quant import formats
+from chunkserve.quant import formats, kernels
 
 # The reference dequantizes at most this many values at a time (64 MiB of float32), so a
 # large tied embedding used as the head never exists in full as floats.
@@ -194,22 +196,55 @@ class GGUFWeight(QuantizedWeight):
         return GGUFWeight(data, first.format, "+".join(p.name for p in parts))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode rows (up to ``kernels.DECODE_MAX_ROWS``): the integer kernel (int8
+        activations, ~0.5% error); more rows: row tiles dequantized by the kernel exactly as
+        the reference does, multiplied in torch (equal to the reference). No kernel (no
+        compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``): the reference."""
         self._check_x(x)
-        return reference_matmul(self, x)
+        k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
+        if k is None or x.numel() == 0:
+            return reference_matmul(self, x)
+        x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
+        code = self.format.code
+        if x2.shape[0] <= kernels.DECODE_MAX_ROWS:
+            out = k.gemm(code, self.data, x2)
+        else:
+            out = _tiled(
+                self.shape[0],
+                self.shape[1],
+                x2,
+                lambda r0, r1: k.dequantize(code, self.data[r0:r1], self.shape[1], x.dtype),
+            )
+        return out.reshape(*x.shape[:-1], self.shape[0])
 
 
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` with w dequantized to float32 and cast to x's dtype, in row tiles
     of at most ``REFERENCE_TILE_VALUES`` values: the arithmetic of a model dequantized at
-    load (tests/test_quant.py checks the tiles give the untiled product bit for bit)."""
+    load, bit for bit for weights within one tile (a GEMM may block a tile differently from
+    the whole weight, so larger ones, e.g. a tied embedding as the head, can differ in the
+    last bits)."""
     out_features, in_features = weight.shape
     x2 = x.reshape(-1, in_features)
-    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)  # [T, out]
+    out = _tiled(
+        out_features, in_features, x2, lambda r0, r1: weight.rows(r0, r1).dequantize(x.dtype)
+    )
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _tiled(
+    out_features: int,
+    in_features: int,
+    x2: torch.Tensor,
+    rows: Callable[[int, int], torch.Tensor],
+) -> torch.Tensor:
+    """``F.linear(x2, w)`` with w's rows r0:r1 given by ``rows(r0, r1)`` (in x2's dtype), at
+    most ``REFERENCE_TILE_VALUES`` values at a time."""
     tile = max(1, REFERENCE_TILE_VALUES // in_features)
     if tile >= out_features:
-        out = F.linear(x2, weight.dequantize(x.dtype))
-    else:
-        for r0 in range(0, out_features, tile):
-            r1 = min(r0 + tile, out_features)
-            out[:, r0:r1] = F.linear(x2, weight.rows(r0, r1).dequantize(x.dtype))
-    return out.reshape(*x.shape[:-1], out_features)
+        return F.linear(x2, rows(0, out_features))
+    out = torch.empty(x2.shape[0], out_features, dtype=x2.dtype)  # [T, out]
+    for r0 in range(0, out_features, tile):
+        r1 = min(r0 + tile, out_features)
+        out[:, r0:r1] = F.linear(x2, rows(r0, r1))
+    return out

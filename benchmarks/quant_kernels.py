@@ -1,0 +1,187 @@
+"""The quantized-weight kernels (``chunkserve.quant``) against bf16 ``F.linear`` on the same
+weight dequantized: per GGML format and weight shape, the time of one product at M rows, the
+time per row ("per token"), and the rate the quantized weight's bytes are read at.
+
+The weights are random blocks (speed does not depend on the values): gguf-py's quantization of
+normal floats for the formats it writes, random bytes with small f16 scales for K-quants. Both
+quantized paths run at each M (the integer decode kernel; the weight dequantized to bf16 by
+the kernel, then torch), and the one ``GGUFWeight.matmul`` picks (the integer kernel up to
+``kernels.DECODE_MAX_ROWS`` rows) is compared with bf16. Each figure is the median (and the
+min) of ``--repeats`` calls after a warm-up; the calls take turns, so a busy machine slows
+all alike.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py --threads 1
+
+Writes ``quant_kernels_t<threads>.json`` and ``.md`` under ``--out-dir``
+(``benchmarks/results``), naming the CPU model, its bf16/VNNI/AMX flags and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize as gguf_quantize
+
+from chunkserve.provenance import cpu_description, git_commit
+from chunkserve.quant import formats, kernels
+from chunkserve.quant.weight import GGUFWeight
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+SHAPES = [(2048, 2048), (5632, 2048)]  # (out, in)
+
+
+def random_weight(name: str, out_features: int, in_features: int) -> GGUFWeight:
+    fmt = formats.get(name)
+    rng = np.random.default_rng(0)
+    if fmt.block_values == 32:
+        w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.02
+        raw = gguf_quantize(w, T(fmt.code))
+    else:
+        raw = rng.integers(0, 256, (out_features, in_features // 256 * fmt.block_bytes), np.uint8)
+        blocks = raw.reshape(-1, fmt.block_bytes)
+        for off in (208,) if name == "Q6_K" else (0, 2):
+            scale = (rng.random((blocks.shape[0], 1)) * 1e-3).astype(np.float16)
+            blocks[:, off : off + 2] = scale.view(np.uint8)
+    return GGUFWeight.from_gguf(raw, fmt.code, name)
+
+
+def cpu_flags() -> list[str]:
+    want = {"avx2", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return sorted(want & set(line.split(":", 1)[1].split()))
+    return []
+
+
+@torch.inference_mode()
+def time_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call over ``repeats`` rounds, the calls taking turns in each round."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def paths(k: kernels.QuantKernels, w: GGUFWeight, dense_w: torch.Tensor, x: torch.Tensor):
+    """The two quantized paths and the bf16 baseline, as calls."""
+    code, k_in = w.format.code, w.in_features
+    return {
+        "int8_kernel": lambda: k.gemm(code, w.data, x),
+        "dequant_tiles": lambda: F.linear(x, k.dequantize(code, w.data, k_in, x.dtype)),
+        "bf16_linear": lambda: F.linear(x, dense_w),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 300])
+    ap.add_argument("--formats", nargs="+", default=FORMATS)
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    k = kernels.load()
+    if k is None:
+        sys.exit(f"the quant kernels did not build: {kernels.load_error()}")
+    rows: list[dict[str, Any]] = []
+    for name in args.formats:
+        for out_features, in_features in SHAPES:
+            w = random_weight(name, out_features, in_features)
+            dense_w = w.dequantize(torch.bfloat16)
+            for m in args.rows:
+                x = torch.randn(m, in_features).bfloat16()
+                times = time_turns(paths(k, w, dense_w, x), args.repeats)
+                med = {p: statistics.median(t) for p, t in times.items()}
+                best = {p: min(t) for p, t in times.items()}
+                picked = "int8_kernel" if m <= kernels.DECODE_MAX_ROWS else "dequant_tiles"
+                tq, tb = med[picked], med["bf16_linear"]
+                row = {
+                    "format": name,
+                    "shape": [out_features, in_features],
+                    "rows": m,
+                    "matmul_picks": picked,
+                    "weight_bytes": w.nbytes,
+                    "median_ms": {p: v * 1e3 for p, v in med.items()},
+                    "min_ms": {p: v * 1e3 for p, v in best.items()},
+                    "picked_ms_per_row": tq * 1e3 / m,
+                    "picked_weight_gb_s": w.nbytes / tq / 1e9,
+                    "bf16_weight_gb_s": dense_w.numel() * 2 / tb / 1e9,
+                    "speedup_vs_bf16": tb / tq,
+                }
+                rows.append(row)
+                print(
+                    f"{name} {out_features}x{in_features} M={m}: "
+                    + ", ".join(f"{p} {v * 1e3:.3f} ms" for p, v in med.items())
+                    + f" (median; picked {picked}: {tb / tq:.2f}x bf16)",
+                    flush=True,
+                )
+    result = {
+        "benchmark": "quant_kernels",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": cpu_description(),
+        "cpu_flags": cpu_flags(),
+        "kernel_simd": k.simd,
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "load_average_at_end": os.getloadavg(),
+        "note": "machine shared with other jobs (2 cores); the calls take turns, so load "
+        "slows all alike",
+        "command": " ".join(["benchmarks/quant_kernels.py", *sys.argv[1:]]),
+        "commit": git_commit(),
+        "results": rows,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"quant_kernels_t{args.threads}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"# Quantized-weight kernels vs bf16 F.linear ({result['date']})",
+        "",
+        f"- machine: {result['machine']}; flags: {', '.join(result['cpu_flags'])}",
+        f"- kernel: {result['kernel_simd']}; torch {result['torch']}; {args.threads} thread(s)",
+        f"- {result['note']}; load average at the end: "
+        + ", ".join(f"{v:.2f}" for v in result["load_average_at_end"]),
+        f"- command: `{result['command']}` at commit {result['commit']}",
+        "",
+        "Median (min) ms of one product; `int8 kernel`: activations quantized to int8, "
+        "integer dot products; `dequant tiles`: the weight dequantized to bf16 by the kernel, "
+        "then torch; GB/s: the quantized weight's bytes over the picked path's median.",
+        "",
+        "| format | out x in | M | int8 kernel | dequant tiles | bf16 F.linear | picked "
+        "ms/row | picked GB/s | bf16 GB/s | picked vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        med, best = r["median_ms"], r["min_ms"]
+        cells = [f"{med[p]:.3f} ({best[p]:.3f})" for p in med]
+        lines.append(
+            f"| {r['format']} | {r['shape'][0]}x{r['shape'][1]} | {r['rows']} | "
+            + " | ".join(cells)
+            + f" | {r['picked_ms_per_row']:.3f} | {r['picked_weight_gb_s']:.2f} | "
+            f"{r['bf16_weight_gb_s']:.2f} | {r['speedup_vs_bf16']:.2f}x |"
+        )
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

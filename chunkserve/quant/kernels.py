@@ -1,0 +1,126 @@
+"""CPU kernels for GGML block-quantized weights (``csrc/quant_gemm.c``), built on first use
+and cached by ``chunkserve.cbuild``, called through ctypes.
+
+- ``gemm``: decode rows (M up to ``DECODE_MAX_ROWS``). The activations are quantized to int8
+  per 32 values and dotted with the weight's blocks in integer arithmetic (AVX512-VNNI here,
+  AVX2 or portable C elsewhere), each weight byte read once per call, threaded over output rows on
+  torch's OpenMP runtime. Error: that of the int8 activations, ~0.5% of the output's norm.
+- ``dequantize``: rows of the weight to float32 or bfloat16, bit for bit as gguf-py (and
+  ``formats.dequantize``), for prefill chunks: tiles dequantized here, multiplied in torch.
+
+No compiler, or a failed build, is not an error: ``load()`` returns None (the reason in
+``load_error()``, logged once) and ``GGUFWeight.matmul`` runs its torch reference.
+``CHUNKSERVE_QUANT_KERNELS=0`` turns the kernels off (the reference everywhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from chunkserve import cbuild
+
+logger = logging.getLogger("chunkserve.quant")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemm.c"
+# No fast-math and no contraction: ``quant_dequant`` must round exactly as gguf-py does.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-fopenmp")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Up to this many rows a product runs the integer kernel; more rows dequantize tiles and
+# multiply in torch. Measured at 1 thread (benchmarks/results/quant_kernels_t1.md): the
+# kernel wins clearly at 4 and 8 rows, the two are about even at 16 (the kernel's float work
+# per row and pair of blocks grows with M while the dequantized weight's bf16 GEMM stays
+# bound by reading it).
+DECODE_MAX_ROWS = 8
+SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
+
+_lock = threading.Lock()
+_kernels: QuantKernels | None = None
+_error: str | None = None
+_tried = False
+
+
+class QuantKernels:
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        gemm_args = [i32, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
+        for fn in (lib.quant_gemm, lib.quant_gemm_portable):
+            fn.argtypes, fn.restype = gemm_args, i32
+        for fn in (lib.quant_dequant, lib.quant_dequant_portable):
+            fn.argtypes, fn.restype = [i32, ptr, i64, i64, i64, ptr, i32, i32], i32
+        lib.quant_gemm_simd.restype = i32
+        self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
+        self._dequant, self._dequant_portable = lib.quant_dequant, lib.quant_dequant_portable
+        # The decode path this build runs (what the compiler targets with -march=native).
+        self.simd = SIMD_PATHS[lib.quant_gemm_simd()]
+
+    def gemm(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
+        """x [M, K] (contiguous float32/bf16) times the block rows ``data`` (uint8 [N,
+        row_bytes], format ``code``) transposed: [M, N] in x's dtype."""
+        n, row_bytes = data.shape
+        m, k = x.shape
+        out = torch.empty(m, n, dtype=x.dtype)  # [M, N]
+        fn = self._portable if portable else self._gemm
+        rc = fn(
+            code, data.data_ptr(), row_bytes, n, k, x.data_ptr(), DTYPES[x.dtype], m,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"quant_gemm refused its arguments (code {rc})")
+        return out
+
+    def dequantize(
+        self, code: int, data: torch.Tensor, k: int, dtype: torch.dtype, portable: bool = False
+    ):
+        """The block rows ``data`` as [N, k] floats in ``dtype`` (float32 or bf16)."""
+        n, row_bytes = data.shape
+        out = torch.empty(n, k, dtype=dtype)  # [N, K]
+        rc = (self._dequant_portable if portable else self._dequant)(
+            code, data.data_ptr(), row_bytes, n, k, out.data_ptr(), DTYPES[dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"quant_dequant refused its arguments (code {rc})")
+        return out
+
+
+def enabled() -> bool:
+    return os.environ.get("CHUNKSERVE_QUANT_KERNELS", "1") != "0"
+
+
+def load() -> QuantKernels | None:
+    """The kernels, built or taken from the cache once per process; None if they cannot be
+    built here (``load_error()`` says why) or are turned off."""
+    global _kernels, _error, _tried
+    if not enabled():
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _kernels = _load()
+            except Exception as e:  # any build or load failure: the torch reference runs
+                _error = f"{type(e).__name__}: {e}"
+                logger.warning(
+                    "quantized-weight CPU kernels unavailable (%s); using the torch "
+                    "reference (dequantize, then matmul)",
+                    _error,
+                )
+        return _kernels
+
+
+def load_error() -> str | None:
+    return _error
+
+
+def _load(extra_cflags: tuple[str, ...] = ()) -> QuantKernels:
+    """Build (or take from the cache) and load; ``extra_cflags`` builds another variant,
+    e.g. ``-mno-avx512f`` for the AVX2 path on an AVX512 machine (tests)."""
+    lib, path = cbuild.load_library(SOURCE, CFLAGS + extra_cflags)
+    return QuantKernels(lib, path)
