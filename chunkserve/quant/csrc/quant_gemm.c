@@ -798,31 +798,46 @@ static inline __attribute__((always_inline)) __m512 fquarter(const int fmt, cons
     return bf ? round_bf16_ps(v) : v;
 }
 
-/* One weight row against MT activation rows (MT constant in each instance). */
+/* One weight row against MT activation rows (MT constant in each instance). Few rows get
+ * several accumulators each (NA: one per quarter of a pair for one row), so the FMAs do not
+ * wait on one another. */
 static inline __attribute__((always_inline)) void frow_tile(const int fmt, const uint8_t *row,
                                                             int64_t chunks, int64_t K,
                                                             const float *x, const int MT,
                                                             int bf, float *res) {
-    __m512 acc[FMAX];
-    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    const int NA = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
+    __m512 acc[FMAX]; /* acc[i * NA + a]; MT * NA <= FMAX */
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++)
+        for (int a = 0; a < NA; a++) acc[i * NA + a] = _mm512_setzero_ps();
     int64_t pairs = (chunks + 1) / 2;
     for (int64_t p = 0; p < pairs; p++) {
         Pair r = decode_avx512(fmt, row, p, chunks);
         const float *xp = x + 64 * p;
         __m512 v0 = fquarter(fmt, &r, 0, bf), v1 = fquarter(fmt, &r, 1, bf);
+#pragma GCC unroll 8
         for (int i = 0; i < MT; i++) {
-            acc[i] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xp + i * K), acc[i]);
-            acc[i] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xp + i * K + 16), acc[i]);
+            acc[i * NA] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xp + i * K), acc[i * NA]);
+            acc[i * NA + 1 % NA] =
+                _mm512_fmadd_ps(v1, _mm512_loadu_ps(xp + i * K + 16), acc[i * NA + 1 % NA]);
         }
         if (2 * p + 1 < chunks) {
             __m512 v2 = fquarter(fmt, &r, 2, bf), v3 = fquarter(fmt, &r, 3, bf);
+#pragma GCC unroll 8
             for (int i = 0; i < MT; i++) {
-                acc[i] = _mm512_fmadd_ps(v2, _mm512_loadu_ps(xp + i * K + 32), acc[i]);
-                acc[i] = _mm512_fmadd_ps(v3, _mm512_loadu_ps(xp + i * K + 48), acc[i]);
+                acc[i * NA + 2 % NA] =
+                    _mm512_fmadd_ps(v2, _mm512_loadu_ps(xp + i * K + 32), acc[i * NA + 2 % NA]);
+                acc[i * NA + 3 % NA] =
+                    _mm512_fmadd_ps(v3, _mm512_loadu_ps(xp + i * K + 48), acc[i * NA + 3 % NA]);
             }
         }
     }
-    for (int i = 0; i < MT; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) {
+        __m512 s = acc[i * NA];
+        for (int a = 1; a < NA; a++) s = _mm512_add_ps(s, acc[i * NA + a]);
+        res[i] = _mm512_reduce_add_ps(s);
+    }
 }
 
 static inline __attribute__((always_inline)) void frows_avx512(
