@@ -254,8 +254,8 @@ def test_gguf_matches_the_directory(gguf_sources, gguf_files, family) -> None:
 def test_q8_0_gguf_matches_its_dequantised_directory(model_dirs, tmp_path) -> None:  # noqa: F811
     """Quantised matrices (Q8_0, Q/K permuted): the directory holds the same values
     dequantised, so the GGUF path's dequantisation, reshaping and un-permuting are exact
-    (dequantized at load; the weights kept quantized: tests/test_quant_model.py, whose
-    decode kernel's int8 activations give other numbers)."""
+    (dequantized at load, for the bits of the dequantized directory; the weights kept
+    quantized: tests/test_quant_model.py)."""
     import gguf
     from safetensors.torch import load_file, save_file
 
