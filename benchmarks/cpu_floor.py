@@ -5,7 +5,8 @@ goes.
 Measured, at the given dtype and thread count, on the embedded model's real weights:
 
 - the linear layers (every layer's QKV, output, gate/up and down projections) and the LM head,
-  timed as bare ``F.linear`` calls at 1, 64 and 512 rows: GFLOP/s, and the floor of a step
+  timed as bare matmuls (``layers.linear``: ``F.linear``, or a quantized weight's kernel for a
+  GGUF kept in its bits) at 1, 64 and 512 rows: GFLOP/s, and the floor of a step
   that multiplies that many rows;
 - batch-64 decode steps (every decode at each of ``--decode-contexts`` tokens) through the
   engine's model runner, and their ratio to the cost of their linear layers and LM head at
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from datetime import datetime, timezone
@@ -34,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from chunkserve.entrypoints.llm import LLM
 from chunkserve.model.decoder import DecoderLM as LlamaModel
+from chunkserve.model.layers import Weight, linear
 from chunkserve.provenance import cpu_description, git_commit
 from chunkserve.scheduling.costmodel import StepShape
 from chunkserve.tuning.profiler import ShapeRunner
@@ -46,15 +48,27 @@ from chunkserve.tuning.profiler import ShapeRunner
 PROFILE_ROWS = 15
 
 
-def layer_weights(layer) -> tuple[torch.Tensor, ...]:
+def held(module) -> Weight:
+    """A layer's weight as it is held: float, or quantized (a GGUF kept in its bits)."""
+    return module.weight if module.qweight is None else module.qweight
+
+
+def shape(w: Weight) -> tuple[int, int]:
+    """[out, in] of a weight (a quantized layer's parts of different types: stacked)."""
+    if isinstance(w, list):
+        return sum(p.shape[0] for p in w), w[0].shape[1]
+    return tuple(w.shape)
+
+
+def layer_weights(layer) -> tuple[Weight, ...]:
     """A block's linear weights: fused QKV, output, fused gate/up, down."""
     a, m = layer.attn, layer.mlp
-    return (a.qkv.weight, a.o.weight, m.gate_up.weight, m.down.weight)
+    return tuple(held(x) for x in (a.qkv, a.o, m.gate_up, m.down))
 
 
 def linear_macs(model: LlamaModel) -> int:
     """Multiply-accumulates of the linear layers per token (the LM head not counted)."""
-    return sum(w.numel() for layer in model.layers for w in layer_weights(layer))
+    return sum(math.prod(shape(w)) for layer in model.layers for w in layer_weights(layer))
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
@@ -88,9 +102,10 @@ def time_linears(model: LlamaModel, rows: int, head_rows: int, repeats: int) -> 
     def run() -> None:
         for layer in model.layers:
             for w in layer_weights(layer):
-                F.linear(x(w.shape[1], rows), w)
+                linear(x(shape(w)[1], rows), w)
         if head_rows:
-            F.linear(x(model.lm_head.weight.shape[1], head_rows), model.lm_head.weight)
+            head = held(model.lm_head)
+            linear(x(shape(head)[1], head_rows), head)
 
     if repeats > 1:
         run()  # warm-up (the paired timings run their step in between instead)
@@ -156,7 +171,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     runner = ShapeRunner(core)
     reps = args.repeats
     lin = linear_macs(model)
-    head = model.lm_head.weight.numel()
+    head = math.prod(shape(held(model.lm_head)))
 
     matmul = {}
     for rows in (1, 64, 512):
@@ -233,12 +248,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 @torch.inference_mode()
 def time_linears_head(model: LlamaModel, rows: int, repeats: int) -> float:
-    x = torch.randn(rows, model.lm_head.weight.shape[1], dtype=model.dtype)
-    F.linear(x, model.lm_head.weight)
+    head = held(model.lm_head)
+    x = torch.randn(rows, shape(head)[1], dtype=model.dtype)
+    linear(x, head)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        F.linear(x, model.lm_head.weight)
+        linear(x, head)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

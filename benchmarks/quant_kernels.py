@@ -4,9 +4,10 @@ time per row ("per token"), and the rate the quantized weight's bytes are read a
 
 The weights are random blocks (speed does not depend on the values): gguf-py's quantization of
 normal floats for the formats it writes, random bytes with small f16 scales for K-quants. Both
-quantized paths run at each M (the integer decode kernel; the weight dequantized to bf16 by
-the kernel, then torch), and the one ``GGUFWeight.matmul`` picks (the integer kernel up to
-``kernels.DECODE_MAX_ROWS`` rows) is compared with bf16. Each figure is the median (and the
+quantized paths run at each M (the float decode kernel, the default; the opt-in int8-activation
+decode kernel; the weight dequantized to bf16 by the kernel, then torch), and the one
+``GGUFWeight.matmul`` picks by default (the float kernel up to ``kernels.DECODE_MAX_ROWS``
+rows) is compared with bf16. Each figure is the median (and the
 min) of ``--repeats`` calls after a warm-up; the calls take turns, so a busy machine slows
 all alike.
 
@@ -81,9 +82,10 @@ def time_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str
 
 
 def paths(k: kernels.QuantKernels, w: GGUFWeight, dense_w: torch.Tensor, x: torch.Tensor):
-    """The two quantized paths and the bf16 baseline, as calls."""
+    """The quantized paths and the bf16 baseline, as calls."""
     code, k_in = w.format.code, w.in_features
     return {
+        "float_kernel": lambda: k.gemm_float(code, w.data, x),
         "int8_kernel": lambda: k.gemm(code, w.data, x),
         "dequant_tiles": lambda: F.linear(x, k.dequantize(code, w.data, k_in, x.dtype)),
         "bf16_linear": lambda: F.linear(x, dense_w),
@@ -96,6 +98,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 300])
     ap.add_argument("--formats", nargs="+", default=FORMATS)
+    ap.add_argument(
+        "--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="OUTxIN ..."
+    )
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,7 +109,8 @@ def main() -> None:
         sys.exit(f"the quant kernels did not build: {kernels.load_error()}")
     rows: list[dict[str, Any]] = []
     for name in args.formats:
-        for out_features, in_features in SHAPES:
+        for shape in args.shapes:
+            out_features, in_features = (int(v) for v in shape.split("x"))
             w = random_weight(name, out_features, in_features)
             dense_w = w.dequantize(torch.bfloat16)
             for m in args.rows:
@@ -112,7 +118,7 @@ def main() -> None:
                 times = time_turns(paths(k, w, dense_w, x), args.repeats)
                 med = {p: statistics.median(t) for p, t in times.items()}
                 best = {p: min(t) for p, t in times.items()}
-                picked = "int8_kernel" if m <= kernels.DECODE_MAX_ROWS else "dequant_tiles"
+                picked = "float_kernel" if m <= kernels.DECODE_MAX_ROWS else "dequant_tiles"
                 tq, tb = med[picked], med["bf16_linear"]
                 row = {
                     "format": name,
@@ -162,13 +168,15 @@ def main() -> None:
         + ", ".join(f"{v:.2f}" for v in result["load_average_at_end"]),
         f"- command: `{result['command']}` at commit {result['commit']}",
         "",
-        "Median (min) ms of one product; `int8 kernel`: activations quantized to int8, "
+        "Median (min) ms of one product; `float kernel` (the default for decode rows): the "
+        "weight dequantized exactly in registers, float32 products and sums; `int8 kernel` "
+        "(opt-in, CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1): activations quantized to int8, "
         "integer dot products; `dequant tiles`: the weight dequantized to bf16 by the kernel, "
         "then torch; GB/s: the quantized weight's bytes over the picked path's median.",
         "",
-        "| format | out x in | M | int8 kernel | dequant tiles | bf16 F.linear | picked "
-        "ms/row | picked GB/s | bf16 GB/s | picked vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| format | out x in | M | float kernel | int8 kernel | dequant tiles | bf16 F.linear "
+        "| picked ms/row | picked GB/s | bf16 GB/s | picked vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         med, best = r["median_ms"], r["min_ms"]

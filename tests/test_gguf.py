@@ -362,8 +362,8 @@ def gguf_files(gguf_sources, tmp_path_factory) -> dict[str, Path]:
     return {f: write_gguf(gguf_sources[f], root / f"{f}.gguf") for f in FAMILIES}
 
 
-def _compare(hf_path: Path, gguf_path: Path, tol: float) -> None:
-    want_engine, got_engine = make_engine(hf_path), make_engine(gguf_path)
+def _compare(hf_path: Path, gguf_path: Path, tol: float, **gguf_kwargs) -> None:
+    want_engine, got_engine = make_engine(hf_path), make_engine(gguf_path, **gguf_kwargs)
     worst = 0.0
     for ids in prompts():
         want = all_row_logits(want_engine, ids, 10_000)
@@ -384,7 +384,9 @@ def test_gguf_matches_the_directory(gguf_sources, gguf_files, family) -> None:
 
 def test_q8_0_gguf_matches_its_dequantised_directory(model_dirs, tmp_path) -> None:  # noqa: F811
     """Quantised matrices (Q8_0, Q/K permuted): the directory holds the same values
-    dequantised, so the GGUF path's dequantisation, reshaping and un-permuting are exact."""
+    dequantised, so the GGUF path's dequantisation, reshaping and un-permuting are exact
+    (dequantized at load, for the bits of the dequantized directory; the weights kept
+    quantized: tests/test_quant_model.py)."""
     import gguf
     from safetensors.torch import load_file, save_file
 
@@ -403,7 +405,7 @@ def test_q8_0_gguf_matches_its_dequantised_directory(model_dirs, tmp_path) -> No
         for name, t in load_file(str(src / "model.safetensors")).items()
     }
     save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
-    _compare(ref, quantised, 1e-5)
+    _compare(ref, quantised, 1e-5, gguf_dequantize=True)
 
 
 def test_config_from_llama_cpp_keys(gguf_files) -> None:

@@ -183,6 +183,62 @@ def test_decode_kernel_is_the_product_with_int8_activations(weight, m, path, req
         assert rel_err(got.double(), want) < tol
 
 
+def float_product_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``got`` is x @ w.T (x, w float32-exact values) up to float32 summation order: within
+    1e-5 of sum |x| |w| per output (the sum's own rounding scale), plus bf16 output rounding
+    when ``got`` is bf16."""
+    want = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    if got.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * want.abs()
+    return bool(((got.double() - want).abs() <= bound).all())
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
+def test_float_decode_kernel_is_the_dequantized_product(weight, path, request):
+    """The default decode kernel (its SIMD path, portable C, and a build without AVX512) is
+    the float product of gguf-py's dequantized weight (rounded to bf16 for bf16 rows, the
+    weight in x's dtype as the prefill path multiplies it) with x, up to float32 summation
+    order: every format, M = 1..8, an odd number of blocks (and 37 rows: odd thread splits).
+    The int8-activation kernel is ~1e-3 off: this bound tells them apart (checked below)."""
+    k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
+    qtype, raw, w = weight
+    ref_w = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), np.float32))
+    for m in range(1, kernels.DECODE_MAX_ROWS + 1):
+        x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(20 + m))
+        got = k.gemm_float(int(qtype), w.data, x, portable=path == "portable")
+        assert got.dtype == torch.float32 and got.shape == (m, 37)
+        assert float_product_bound(got, x, ref_w), (qtype.name, m)
+        xb = x.bfloat16()
+        got = k.gemm_float(int(qtype), w.data, xb, portable=path == "portable")
+        assert got.dtype == torch.bfloat16
+        assert float_product_bound(got, xb.float(), ref_w.bfloat16().float()), (qtype.name, m)
+    if path == "simd":  # the bound is tight enough to reject the int8 activations
+        x = torch.randn(4, w.in_features, generator=torch.Generator().manual_seed(3))
+        assert not float_product_bound(k.gemm(int(qtype), w.data, x), x, ref_w)
+
+
+@needs_kernels
+def test_decode_rows_do_not_depend_on_the_step(weight, monkeypatch):
+    """By default a row's product is the same (up to summation order) whether its step has
+    1, 8 (decode kernel) or 9+ rows (dequantized tiles): chunked == unchunked needs it. The
+    int8-activation kernel is an opt-in (``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``)."""
+    qtype, _, w = weight
+    x = torch.randn(12, w.in_features, generator=torch.Generator().manual_seed(5))
+    many = w.matmul(x)  # the prefill path: F.linear of the dequantized weight, exactly
+    assert torch.equal(many, torch.nn.functional.linear(x, w.dequantize()))
+    # Summation order only: within 2e-5 of sum |x| |w| (the scale of the sums' rounding).
+    scale = 2e-5 * (x.abs() @ w.dequantize().abs().T)
+    for rows in (x[:1], x[:8]):
+        got = w.matmul(rows)
+        assert bool(((got - many[: len(rows)]).abs() <= scale[: len(rows)]).all()), qtype.name
+    monkeypatch.setenv("CHUNKSERVE_QUANT_INT8_ACTIVATIONS", "1")
+    int8 = w.matmul(x[:8])
+    assert torch.equal(int8, kernels.load().gemm(int(qtype), w.data, x[:8]))
+    assert not bool(((int8 - many[:8]).abs() <= scale[:8]).all())
+
+
 @needs_kernels
 def test_threads_split_rows_without_changing_a_bit(weight):
     """Each output comes from one thread's rows whatever the thread count: 1 and 2 threads

@@ -1,10 +1,19 @@
 """GGUF weights kept in their bits from file to layer (issue 43, the model side): the linear
-layers, the embedding and the LM head hold ``QuantizedWeight``s (no float copy), the loader
-applies splits, the Q/K permutation and expert stacks to the blocks, and a quantized model
-gives the dequantized model's tokens: the embedded Q4_1 model, and tiny Llama / Gemma 3 /
-Phi-3 / Mixtral files written in Q8_0 and Q4_0 with gguf-py; chunked, prefix-cached,
-preempted, speculative and tensor-parallel runs of a quantized model match its plain run;
-a tensor-parallel column cut inside a block is refused naming the tensor.
+layers, the embedding, the LM head and the experts hold ``QuantizedWeight``s (no float copy),
+the loader applies splits, the Q/K permutation and expert stacks to the blocks, and a
+quantized model gives the dequantized model's tokens: the embedded Q4_1 model, and tiny
+Llama / Gemma 3 / Phi-3 / Mixtral files written in Q8_0 and Q4_0 with gguf-py; chunked,
+prefix-cached, preempted, speculative and tensor-parallel runs of a quantized model match
+its plain run; a tensor-parallel column cut inside a block is refused naming the tensor.
+
+Where a test needs the arithmetic of the dequantized model bit for bit (``exact``), the
+quantized weights multiply through the quant package's reference (dequantized tiles,
+``F.linear``). The default kernels differ from it only in the order of float sums (the float
+decode kernel, up to ``DECODE_MAX_ROWS`` rows): their greedy tokens are the dequantized
+model's (``test_embedded_greedy_tokens_with_the_decode_kernel``). The opt-in int8-activation
+decode kernel (``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``) gives other numbers, so a row's result
+then depends on how many rows its step has; its agreement is measured and bounded
+(``test_embedded_greedy_tokens_with_int8_activations``).
 """
 
 from __future__ import annotations
@@ -46,6 +55,14 @@ from tests.test_moe import MOE_FAMILIES, moe_hf_config
 from tests.test_tensor_parallel import record_logits
 
 BASE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """Quantized weights multiply as the dequantized model does (the quant reference)."""
+    monkeypatch.setattr("chunkserve.quant.kernels.load", lambda: None)
+
+
 GREEDY = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=1)
 
 
@@ -101,22 +118,50 @@ def test_embedded_weights_stay_in_their_bits(embedded, gguf_path) -> None:
     assert dequantized.core.worker.model.weight_bytes() > 5 * file_bytes
 
 
-def test_embedded_greedy_tokens_match_the_dequantized_model(embedded) -> None:
-    quantized, dequantized = embedded
-    token_ids = [quantized.tokenizer.encode(p) for p in NATURAL_PROMPTS]
-    got, want = generate(quantized, token_ids), generate(dequantized, token_ids)
-    agree = [g.token_ids == w.token_ids for g, w in zip(got, want, strict=True)]
-    worst = max(
-        abs(a.logprob - b.logprob)
-        for g, w in zip(got, want, strict=True)
-        for a, b in zip(g.logprobs, w.logprobs)
+def greedy_agreement(engine: Engine, other: Engine) -> tuple[int, int, int, int, float]:
+    """The greedy tokens of NATURAL_PROMPTS on two engines: (prompts that agree, prompts,
+    tokens before the first difference, tokens, max |logprob difference| over those)."""
+    token_ids = [engine.tokenizer.encode(p) for p in NATURAL_PROMPTS]
+    got, want = generate(engine, token_ids), generate(other, token_ids)
+    agree, same, worst = 0, 0, 0.0
+    for g, w in zip(got, want, strict=True):
+        agree += g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs):  # up to the first different token
+            worst = max(worst, abs(a.logprob - b.logprob))
+            if a.token_id != b.token_id:
+                break
+            same += 1
+    total = sum(len(w.token_ids) for w in want)
+    print(
+        f"greedy agreement {agree}/{len(want)} prompts, {same}/{total} tokens before the "
+        f"first difference; max |logprob difference| there {worst:.2e}"
     )
-    print(f"greedy agreement {sum(agree)}/{len(agree)}, max |logprob difference| {worst:.2e}")
-    assert all(agree)
+    return agree, len(want), same, total, worst
+
+
+def test_embedded_greedy_tokens_match_the_dequantized_model(embedded, exact) -> None:
+    agree, n, same, total, worst = greedy_agreement(*embedded)
+    assert (agree, same, worst) == (n, total, 0.0)
+
+
+def test_embedded_greedy_tokens_with_the_decode_kernel(embedded) -> None:
+    """The default kernels (float decode rows, dequantized prefill tiles): the dequantized
+    model's greedy tokens, logprobs within float summation-order noise."""
+    agree, n, same, total, worst = greedy_agreement(*embedded)
+    assert (agree, same) == (n, total)
     assert worst < 1e-3
 
 
-def test_speculative_decoding_on_the_quantized_model(embedded) -> None:
+def test_embedded_greedy_tokens_with_int8_activations(embedded, monkeypatch) -> None:
+    """The opt-in int8-activation decode kernel: close to the dequantized model, not equal
+    (measured: 3/6 prompts, 75/96 tokens, logprobs within 0.15 before the first difference)."""
+    monkeypatch.setenv("CHUNKSERVE_QUANT_INT8_ACTIVATIONS", "1")
+    agree, n, same, total, worst = greedy_agreement(*embedded)
+    assert agree >= n // 2 and same >= total // 2
+    assert worst < 0.5
+
+
+def test_speculative_decoding_on_the_quantized_model(embedded, exact) -> None:
     """n-gram drafts and the file drafting for itself (its draft model kept quantized too):
     the tokens of decoding without drafts."""
     quantized, _ = embedded
@@ -162,7 +207,9 @@ def tiny_files(tiny_dirs, tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
 @pytest.mark.parametrize("family", TINY)
-def test_tiny_gguf_kept_quantized_matches_its_dequantized_load(tiny_files, family, quant) -> None:
+def test_tiny_gguf_kept_quantized_matches_its_dequantized_load(
+    tiny_files, family, quant, exact
+) -> None:
     """Llama (Q/K rows permuted), Gemma 3 (tied embedding, windows), Phi-3 (fused Q/K/V and
     gate/up split on the blocks), Mixtral (an untied head; stacked experts cut into one
     quantized weight per expert)."""
@@ -183,7 +230,7 @@ def test_tiny_gguf_kept_quantized_matches_its_dequantized_load(tiny_files, famil
     assert run_all(got, prompts(), params) == run_all(want, prompts(), params)
 
 
-def test_chunked_prefix_cached_and_preempted_quantized(tiny_files) -> None:
+def test_chunked_prefix_cached_and_preempted_quantized(tiny_files, exact) -> None:
     """Gemma 3 in Q4_0 (window layers, a hybrid KV cache): chunked at 16 tokens a step, again
     from the prefix cache, and preempted: the tokens of the unchunked run."""
     path = tiny_files["gemma3_text", "Q4_0"]

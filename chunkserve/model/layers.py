@@ -11,6 +11,13 @@ where the tensor goes (a parameter, or a row slice of a fused one), which part o
 checkpoint tensor this tensor-parallel rank keeps, and the tensor's full shape in the
 checkpoint (``Target``). ``DecoderLM.load_weights`` streams the checkpoint through them.
 
+Quantized weights (a GGUF kept in its bits, ``quant``): the linear layers, the embedding,
+the LM head (and ``moe``'s experts) own a ``WeightSlot``: their float weight is not allocated
+until a float tensor arrives, and a quantized one is kept as a ``QuantizedWeight`` (its rank's
+rows, or its block-aligned columns: a cut inside a block is a ValueError naming the tensor),
+multiplied by ``linear`` through its kernel. Nothing outside the model knows, but for
+``DecoderLM.weights_format`` (the step-time profile is kept per format).
+
 Tensor parallel (``distributed.shard``): column-parallel layers hold their rank's output rows
 (its heads, its MLP columns), row-parallel ones their input columns and sum the ranks' partial
 outputs (an all-reduce); norms are replicated, except a norm over all heads' q/k (OLMo 2),

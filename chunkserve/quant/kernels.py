@@ -1,10 +1,19 @@
 """CPU kernels for GGML block-quantized weights (``csrc/quant_gemm.c``), built on first use
 and cached by ``chunkserve.cbuild``, called through ctypes.
 
-- ``gemm``: decode rows (M up to ``DECODE_MAX_ROWS``). The activations are quantized to int8
-  per 32 values and dotted with the weight's blocks in integer arithmetic (AVX512-VNNI here,
-  AVX2 or portable C elsewhere), each weight byte read once per call, threaded over output rows on
-  torch's OpenMP runtime. Error: that of the int8 activations, ~0.5% of the output's norm.
+- ``gemm_float``: decode rows (M up to ``DECODE_MAX_ROWS``), the default. Each weight block is
+  dequantized in registers with exactly ``formats.dequantize``'s float32 arithmetic (rounded to
+  bf16 when x is bf16: the weight in x's dtype, as the prefill path multiplies it) and
+  multiplied with x's rows in float32 with float32 sums (AVX512 here; portable C, which the
+  compiler vectorizes for AVX2, elsewhere), each weight byte read once per call, threaded over
+  output rows on torch's OpenMP runtime. It differs from the dequantized weight's float matmul
+  (the prefill path, and a model dequantized at load) only in the order of the sums, so a row's
+  result does not depend on how many rows its step has (chunked == unchunked, TP == one process).
+- ``gemm``: the int8-activation decode kernel, opt-in only
+  (``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``): the activations are quantized to int8 per 32 values
+  and dotted with the weight's blocks in integer arithmetic (AVX512-VNNI here, AVX2 or portable
+  C elsewhere). Faster, but its error is that of the int8 activations, ~0.5% of the output's
+  norm, and decode rows then differ from prefill rows (greedy tokens may change with chunking).
 - ``dequantize``: rows of the weight to float32 or bfloat16, bit for bit as gguf-py (and
   ``formats.dequantize``), for prefill chunks: tiles dequantized here, multiplied in torch.
 
@@ -30,13 +39,18 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemm.c"
 # No fast-math and no contraction: ``quant_dequant`` must round exactly as gguf-py does.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-fopenmp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Up to this many rows a product runs the integer kernel; more rows dequantize tiles and
-# multiply in torch. Measured at 1 thread (benchmarks/results/quant_kernels_t1.md): the
-# kernel wins clearly at 4 and 8 rows, the two are about even at 16 (the kernel's float work
-# per row and pair of blocks grows with M while the dequantized weight's bf16 GEMM stays
-# bound by reading it).
+# Up to this many rows a product runs a decode kernel (float, or int8 when opted in); more
+# rows dequantize tiles and multiply in torch. Measured at 1 thread
+# (benchmarks/results/quant_kernels_t1.md, the int8 kernel): the kernel wins clearly at 4 and
+# 8 rows, the two are about even at 16 (the kernel's float work per row and pair of blocks
+# grows with M while the dequantized weight's bf16 GEMM stays bound by reading it).
 DECODE_MAX_ROWS = 8
 SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
+
+
+def int8_activations() -> bool:
+    """``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``: decode rows take the int8-activation kernel."""
+    return os.environ.get("CHUNKSERVE_QUANT_INT8_ACTIVATIONS", "0") == "1"
 
 
 class QuantKernels:
@@ -44,23 +58,36 @@ class QuantKernels:
         self.path = path
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         gemm_args = [i32, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
-        for fn in (lib.quant_gemm, lib.quant_gemm_portable):
+        for fn in (
+            lib.quant_gemm,
+            lib.quant_gemm_portable,
+            lib.quant_gemm_f32,
+            lib.quant_gemm_f32_portable,
+        ):
             fn.argtypes, fn.restype = gemm_args, i32
         for fn in (lib.quant_dequant, lib.quant_dequant_portable):
             fn.argtypes, fn.restype = [i32, ptr, i64, i64, i64, ptr, i32, i32], i32
         lib.quant_gemm_simd.restype = i32
         self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
+        self._gemm_f32, self._f32_portable = lib.quant_gemm_f32, lib.quant_gemm_f32_portable
         self._dequant, self._dequant_portable = lib.quant_dequant, lib.quant_dequant_portable
         # The decode path this build runs (what the compiler targets with -march=native).
         self.simd = SIMD_PATHS[lib.quant_gemm_simd()]
 
     def gemm(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
         """x [M, K] (contiguous float32/bf16) times the block rows ``data`` (uint8 [N,
-        row_bytes], format ``code``) transposed: [M, N] in x's dtype."""
+        row_bytes], format ``code``) transposed: [M, N] in x's dtype, x quantized to int8."""
+        return self._call(self._portable if portable else self._gemm, code, data, x)
+
+    def gemm_float(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
+        """As ``gemm`` in float arithmetic: the weight dequantized exactly (in x's dtype), x in
+        float32, float32 sums."""
+        return self._call(self._f32_portable if portable else self._gemm_f32, code, data, x)
+
+    def _call(self, fn, code: int, data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n, row_bytes = data.shape
         m, k = x.shape
         out = torch.empty(m, n, dtype=x.dtype)  # [M, N]
-        fn = self._portable if portable else self._gemm
         rc = fn(
             code, data.data_ptr(), row_bytes, n, k, x.data_ptr(), DTYPES[x.dtype], m,
             out.data_ptr(), torch.get_num_threads(),

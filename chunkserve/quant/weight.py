@@ -196,10 +196,13 @@ class GGUFWeight(QuantizedWeight):
         return GGUFWeight(data, first.format, "+".join(p.name for p in parts))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode rows (up to ``kernels.DECODE_MAX_ROWS``): the integer kernel (int8
-        activations, ~0.5% error); more rows: row tiles dequantized by the kernel exactly as
-        the reference does, multiplied in torch (equal to the reference). No kernel (no
-        compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``): the reference."""
+        """Decode rows (up to ``kernels.DECODE_MAX_ROWS``): the float kernel (the weight
+        dequantized exactly in registers, float32 sums: the reference up to the order of the
+        sums), or the int8-activation kernel (~0.5% error) when
+        ``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``; more rows: row tiles dequantized by the
+        kernel exactly as the reference does, multiplied in torch (equal to the reference).
+        No kernel (no compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``): the
+        reference."""
         self._check_x(x)
         k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
         if k is None or x.numel() == 0:
@@ -207,7 +210,10 @@ class GGUFWeight(QuantizedWeight):
         x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
         code = self.format.code
         if x2.shape[0] <= kernels.DECODE_MAX_ROWS:
-            out = k.gemm(code, self.data, x2)
+            if kernels.int8_activations():
+                out = k.gemm(code, self.data, x2)
+            else:
+                out = k.gemm_float(code, self.data, x2)
         else:
             out = _tiled(
                 self.shape[0],

@@ -725,3 +725,201 @@ int quant_dequant_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t
                            void *out, int out_dtype, int nthreads) {
     return dequant(fmt, w, row_bytes, N, K, out, out_dtype, nthreads, 1);
 }
+
+/* ---------------------------------------------------------------- float decode rows */
+/* quant_gemm_f32: out[M, N] = x[M, K] . W[N, K]^T with W's values dequantized exactly as
+ * quant_dequant does (gguf-py's float32 arithmetic: the same products d * q, then + m), rounded
+ * to bf16 when x is bf16 (the weight in x's dtype, as the prefill path multiplies it), times x
+ * in float32 (bf16 x widened, exactly), accumulated in float32, the result in x's dtype. No
+ * activation quantization: it differs from a float matmul of the dequantized weight only in
+ * the order of the sums, so a row's result does not depend on how many rows share its step.
+ * Each thread owns a contiguous range of output rows; a weight row is decoded once per tile of
+ * up to FMAX activation rows (once per call for M <= FMAX). */
+#define FMAX 8
+
+static inline float round_bf16(float v) { return from_bf16(to_bf16(v)); }
+
+/* Portable C (the compiler vectorizes the 16 running sums; -march=native gives AVX2 where
+ * there is no AVX512). */
+static void frows_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1,
+                           int64_t K, const float *xf, int64_t M, void *out, int out_dtype,
+                           int64_t N) {
+    int bb = block_bytes(fmt), bv = block_values(fmt);
+    float v[256];
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *row = w + o * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += FMAX) {
+            int64_t mt = M - m0 < FMAX ? M - m0 : FMAX;
+            float acc[FMAX][16];
+            memset(acc, 0, sizeof acc);
+            for (int64_t blk = 0; blk < K / bv; blk++) {
+                dequant_block(fmt, row + blk * bb, v);
+                if (out_dtype == BF16)
+                    for (int j = 0; j < bv; j++) v[j] = round_bf16(v[j]);
+                for (int64_t i = 0; i < mt; i++) {
+                    const float *xr = xf + (m0 + i) * K + blk * bv;
+                    for (int j0 = 0; j0 < bv; j0 += 16)
+                        for (int l = 0; l < 16; l++) acc[i][l] += v[j0 + l] * xr[j0 + l];
+                }
+            }
+            for (int64_t i = 0; i < mt; i++) {
+                float s = 0.0f;
+                for (int l = 0; l < 16; l++) s += acc[i][l];
+                store(out, out_dtype, (m0 + i) * N + o, s);
+            }
+        }
+    }
+}
+
+#ifdef QG_AVX512
+/* Round to nearest even bf16 and widen back (the weights are finite: no NaN case). */
+static inline __m512 round_bf16_ps(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* Values 16 qi .. 16 qi + 15 of a decoded pair: ((q - OFF) * sc) [+ t], as dequant_avx512. */
+static inline __attribute__((always_inline)) __m512 fquarter(const int fmt, const Pair *r,
+                                                             const int qi, int bf) {
+    const __m512i idx = _mm512_set_epi32(4 * qi + 3, 4 * qi + 3, 4 * qi + 3, 4 * qi + 3,
+                                         4 * qi + 2, 4 * qi + 2, 4 * qi + 2, 4 * qi + 2,
+                                         4 * qi + 1, 4 * qi + 1, 4 * qi + 1, 4 * qi + 1, 4 * qi,
+                                         4 * qi, 4 * qi, 4 * qi);
+    __m128i q16 = qi == 0   ? _mm512_extracti32x4_epi32(r->q, 0)
+                  : qi == 1 ? _mm512_extracti32x4_epi32(r->q, 1)
+                  : qi == 2 ? _mm512_extracti32x4_epi32(r->q, 2)
+                            : _mm512_extracti32x4_epi32(r->q, 3);
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q16));
+    if (fmt_off(fmt)) v = _mm512_sub_ps(v, _mm512_set1_ps((float)fmt_off(fmt)));
+    v = _mm512_mul_ps(v, _mm512_permutexvar_ps(idx, r->sc));
+    if (fmt_has_t(fmt)) v = _mm512_add_ps(v, _mm512_permutexvar_ps(idx, r->t));
+    return bf ? round_bf16_ps(v) : v;
+}
+
+/* One weight row against MT activation rows (MT constant in each instance). Few rows get
+ * several accumulators each (NA: one per quarter of a pair for one row), so the FMAs do not
+ * wait on one another. */
+static inline __attribute__((always_inline)) void frow_tile(const int fmt, const uint8_t *row,
+                                                            int64_t chunks, int64_t K,
+                                                            const float *x, const int MT,
+                                                            int bf, float *res) {
+    const int NA = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
+    __m512 acc[FMAX]; /* acc[i * NA + a]; MT * NA <= FMAX */
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++)
+        for (int a = 0; a < NA; a++) acc[i * NA + a] = _mm512_setzero_ps();
+    int64_t pairs = (chunks + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        Pair r = decode_avx512(fmt, row, p, chunks);
+        const float *xp = x + 64 * p;
+        __m512 v0 = fquarter(fmt, &r, 0, bf), v1 = fquarter(fmt, &r, 1, bf);
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
+            acc[i * NA] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xp + i * K), acc[i * NA]);
+            acc[i * NA + 1 % NA] =
+                _mm512_fmadd_ps(v1, _mm512_loadu_ps(xp + i * K + 16), acc[i * NA + 1 % NA]);
+        }
+        if (2 * p + 1 < chunks) {
+            __m512 v2 = fquarter(fmt, &r, 2, bf), v3 = fquarter(fmt, &r, 3, bf);
+#pragma GCC unroll 8
+            for (int i = 0; i < MT; i++) {
+                acc[i * NA + 2 % NA] =
+                    _mm512_fmadd_ps(v2, _mm512_loadu_ps(xp + i * K + 32), acc[i * NA + 2 % NA]);
+                acc[i * NA + 3 % NA] =
+                    _mm512_fmadd_ps(v3, _mm512_loadu_ps(xp + i * K + 48), acc[i * NA + 3 % NA]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) {
+        __m512 s = acc[i * NA];
+        for (int a = 1; a < NA; a++) s = _mm512_add_ps(s, acc[i * NA + a]);
+        res[i] = _mm512_reduce_add_ps(s);
+    }
+}
+
+static inline __attribute__((always_inline)) void frows_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t K,
+    const float *xf, int64_t M, void *out, int out_dtype, int64_t N) {
+    int64_t chunks = K / 32;
+    int bf = out_dtype == BF16;
+    float res[FMAX];
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *row = w + o * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += FMAX) {
+            int64_t mt = M - m0 < FMAX ? M - m0 : FMAX;
+            const float *x = xf + m0 * K;
+            switch (mt) {
+            case 1: frow_tile(fmt, row, chunks, K, x, 1, bf, res); break;
+            case 2: frow_tile(fmt, row, chunks, K, x, 2, bf, res); break;
+            case 3: frow_tile(fmt, row, chunks, K, x, 3, bf, res); break;
+            case 4: frow_tile(fmt, row, chunks, K, x, 4, bf, res); break;
+            case 5: frow_tile(fmt, row, chunks, K, x, 5, bf, res); break;
+            case 6: frow_tile(fmt, row, chunks, K, x, 6, bf, res); break;
+            case 7: frow_tile(fmt, row, chunks, K, x, 7, bf, res); break;
+            default: frow_tile(fmt, row, chunks, K, x, 8, bf, res);
+            }
+            for (int64_t i = 0; i < mt; i++) store(out, out_dtype, (m0 + i) * N + o, res[i]);
+        }
+    }
+}
+
+#define PER_FORMAT_F(F)                                                                        \
+    static void frows_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1,         \
+                                 int64_t K, const float *xf, int64_t M, void *out, int dt,     \
+                                 int64_t N) {                                                  \
+        frows_avx512(F, w, rb, o0, o1, K, xf, M, out, dt, N);                                  \
+    }
+PER_FORMAT_F(Q4_0)
+PER_FORMAT_F(Q4_1)
+PER_FORMAT_F(Q5_0)
+PER_FORMAT_F(Q5_1)
+PER_FORMAT_F(Q8_0)
+PER_FORMAT_F(Q4_K)
+PER_FORMAT_F(Q5_K)
+PER_FORMAT_F(Q6_K)
+#endif
+
+static int gemm_f32(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                    const void *x, int x_dtype, int64_t M, void *out, int nthreads, int portable) {
+    (void)portable;
+    int bb = block_bytes(fmt);
+    if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
+    if ((x_dtype != F32 && x_dtype != BF16) || M < 1 || N < 1) return 2;
+    const float *xf = (const float *)x;
+    float *buf = NULL;
+    if (x_dtype == BF16) { /* widened once: exact */
+        buf = (float *)malloc((size_t)(M * K) * sizeof(float));
+        if (!buf) return 3;
+        for (int64_t i = 0; i < M * K; i++) buf[i] = from_bf16(((const uint16_t *)x)[i]);
+        xf = buf;
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > N) nthreads = (int)N;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t o0 = N * t / nt, o1 = N * (t + 1) / nt;
+#ifdef QG_AVX512
+        if (!portable) {
+            DISPATCH(fmt, frows_avx512, w, row_bytes, o0, o1, K, xf, M, out, x_dtype, N)
+        } else
+#endif
+            frows_portable(fmt, w, row_bytes, o0, o1, K, xf, M, out, x_dtype, N);
+    }
+    free(buf);
+    return 0;
+}
+
+/* out[M, N] (x's dtype) = x[M, K] . dequant(w[N, row_bytes])^T in float arithmetic. */
+int quant_gemm_f32(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                   const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
+    return gemm_f32(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0);
+}
+
+int quant_gemm_f32_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                            const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
+    return gemm_f32(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1);
+}
