@@ -1113,11 +1113,12 @@ def test_sigterm_drains_then_ends_streams_with_an_error() -> None:
     finishes, a long one is ended with an error event after --shutdown-timeout, and the
     process exits 0; nothing hangs. Its own server (it ends it). The core is paused while
     the server takes the signal, so both streams are in flight then whatever the machine's
-    speed; the long one asks for 4000 tokens, far more than any machine makes in the 4 s
-    the drain waits, and the short one has at most 2 left."""
+    speed; the long one asks for 4000 tokens, far more than any CPU makes in the 10 s the
+    drain waits (fp32: 400 tokens/s), and the short one has at most 2 left (2 steps took
+    over 4 s on a 2-core machine with two test workers and other jobs busy)."""
     s = Server(
         "--shutdown-timeout",
-        "4",
+        "10",
         "--max-model-len",
         "4096",
         "--kv-cache-memory",
