@@ -124,7 +124,7 @@ def test_mlp_in_row_slices_equals_the_whole(engine: Engine) -> None:
     from chunkserve.model import layers
 
     mlp = engine.core.worker.model.layers[3].mlp
-    x = torch.randn(2 * layers.MLP_SLICE_ROWS + 77, mlp.gate_up.weight.shape[1])
+    x = torch.randn(2 * layers.MLP_SLICE_ROWS + 77, mlp.gate_up.in_features)
     sliced = mlp(x)
     torch.testing.assert_close(sliced, mlp.down(mlp._inner(x)), rtol=1e-5, atol=1e-5)
     assert mlp(x[:5]).shape == (5, x.shape[1])
