@@ -89,15 +89,7 @@ def weight_block_size(cfg: dict[str, Any]) -> tuple[int, int]:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 [..., G * 32] from MXFP4 ``blocks`` [..., G, 16] and ``scales`` [..., G]."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(
-            f"MXFP4: blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}"
-        )
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(
-            f"MXFP4: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
-            f"match ([..., G, 16] and [..., G])"
-        )
+    _check_mxfp4(blocks, scales)
     lut = torch.tensor(E2M1, dtype=torch.float32)
     values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
     values = values.flatten(-2)  # [..., G, 32]: low nibble, high nibble, ...
@@ -111,14 +103,9 @@ def dequantize_fp8_blocks(
 ) -> torch.Tensor:
     """fp32 [M, N] from a float8 ``weight`` [M, N] and its per-block scales [ceil(M / bm),
     ceil(N / bn)]."""
+    _check_fp8(weight, scale_inv, block)
     bm, bn = block
     m, n = weight.shape[-2:]
-    want = (-(-m // bm), -(-n // bn))
-    if tuple(scale_inv.shape[-2:]) != want:
-        raise ValueError(
-            f"FP8: scales {tuple(scale_inv.shape)} do not match a {tuple(weight.shape)} weight "
-            f"in {bm} x {bn} blocks (expected {want})"
-        )
     s = scale_inv.float().repeat_interleave(bm, dim=-2)[..., :m, :]
     s = s.repeat_interleave(bn, dim=-1)[..., :n]
     return weight.float() * s
