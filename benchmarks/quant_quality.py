@@ -19,52 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from chunkserve.bench.embedded_hf import embedded_hf_copy
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def hf_copy(out: Path) -> Path:
-    """The embedded model as an HF directory (config.json, model.safetensors in fp32,
-    tokenizer.json, tokenizer_config.json), built once with transformers (~30 s)."""
-    if (out / "model.safetensors").is_file():
-        return out
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from chunkserve.engine.tokenizer import Tokenizer
-    from chunkserve.model.loader import embedded_model_path, open_gguf
-
-    gguf_path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(tmp / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tok = Tokenizer.from_gguf(gguf_path, open_gguf(gguf_path))
-    tok._tk.save(str(tmp / "tokenizer.json"))
-    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps({**special, "chat_template": tok.chat_template})
-    )
-    try:
-        tmp.rename(out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def row_log_probs(engine, token_ids: list[int], chunk: int) -> torch.Tensor:
@@ -126,7 +90,7 @@ def main() -> int:
     from chunkserve.provenance import git_commit
     from chunkserve.quant import weight_only
 
-    hf_dir = hf_copy(Path(args.hf_dir))
+    hf_dir = embedded_hf_copy(Path(args.hf_dir))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if methods[0] != "none":
         sys.exit("--methods: the first must be none (the reference)")

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -88,47 +86,12 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_dir(request) -> Path:
+def hf_dir() -> Path:
     """An HF-format copy of the embedded model (config.json, model.safetensors,
     tokenizer.json, tokenizer_config.json), built once from the GGUF with transformers."""
-    out = CACHE / "smollm2-hf"
-    if (out / "model.safetensors").is_file():
-        return out
-    gguf_path: Path = request.getfixturevalue("gguf_path")
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from chunkserve.bench.embedded_hf import embedded_hf_copy
 
-    from chunkserve.engine.tokenizer import Tokenizer
-    from chunkserve.model.loader import open_gguf
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    # Per process (parallel test workers may build it at once); the first rename wins.
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(tmp / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tok = Tokenizer.from_gguf(gguf_path, open_gguf(gguf_path))
-    tok._tk.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|im_start|>",
-                "eos_token": "<|im_end|>",
-                "chat_template": tok.chat_template,
-            }
-        )
-    )
-    try:
-        tmp.rename(out)
-    except OSError:  # another worker's copy landed first: the same bytes
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return embedded_hf_copy(CACHE / "smollm2-hf")
 
 
 @pytest.fixture(scope="session")
