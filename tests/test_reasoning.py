@@ -241,3 +241,70 @@ def test_reasoning_content_served_streamed_equals_non_streamed(shared_engine):
     with TestClient(plain) as client:
         msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert "reasoning_content" not in msg and msg["content"] == reasoning
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_structured_outputs_come_after_the_reasoning(shared_engine):
+    """With a reasoning parser a forced call or ``response_format`` constrains only what
+    follows the reasoning. deepseek_r1 on the embedded model (which never writes </think>):
+    the reply is free reasoning up to max_tokens, which counts it, and no call; qwen3 (no
+    <think> written: thinking off) gets the call at once."""
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    forced = {"tools": [WEATHER], "tool_choice": "required"}
+    app = build_app(
+        AsyncEngine(shared_engine), served_model_name="m", reasoning_parser="deepseek_r1"
+    )
+    with TestClient(app) as client:
+        for extra, same_prompt in (
+            (forced, {"tools": [WEATHER], "tool_choice": "auto"}),
+            ({"response_format": {"type": "json_object"}}, {}),
+        ):
+            r = client.post("/v1/chat/completions", json={**body, **same_prompt}).json()
+            free = r["choices"][0]["message"]
+            r = client.post("/v1/chat/completions", json={**body, **extra}).json()
+            choice, msg = r["choices"][0], r["choices"][0]["message"]
+            assert choice["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 8
+            # The unconstrained reply's reasoning: no grammar held its tokens.
+            assert msg["reasoning_content"] == free["reasoning_content"], msg
+            assert not msg.get("tool_calls") and not msg["content"]
+    app = build_app(AsyncEngine(shared_engine), served_model_name="m", reasoning_parser="qwen3")
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={**body, **forced, "max_tokens": 60})
+        msg = r.json()["choices"][0]["message"]
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"], msg
+        assert "city" in json.loads(msg["tool_calls"][0]["function"]["arguments"])
+
+
+def test_harmony_forced_calls_still_skip_the_reasoning(marked_tok: Tokenizer):
+    """Harmony's analysis channel is not in a forced call's grammar: its reply is read
+    without the reasoning parser (the call alone), and no reasoning precedes the grammar."""
+    state = SimpleNamespace(
+        engine=SimpleNamespace(engine=SimpleNamespace(tokenizer=marked_tok)),
+        tool_call_parser="hermes",
+        reasoning_parser="harmony",
+    )
+    h = _Handler(state)
+    forced = SimpleNamespace(forced=True, parallel=True)
+    assert h.constrained_reasoning() is None
+    assert h.reply_parser(forced).reasoning is None
+    state.reasoning_parser = "deepseek_r1"
+    assert h.constrained_reasoning() == "think"
+    assert h.reply_parser(forced).reasoning is not None
+    state.reasoning_parser = "qwen3"
+    assert h.constrained_reasoning() == "optional_think"

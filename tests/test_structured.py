@@ -136,6 +136,7 @@ def engine() -> Engine:
         ({"choice": ["a", 3]}, "structured_outputs.choice"),
         ({"json": 5}, "structured_outputs.json"),
         ({"grammar": "x" * 70_000}, "structured_outputs.grammar"),
+        ({"json_object": True, "reasoning": "analysis"}, "structured_outputs.reasoning"),
     ],
 )
 def test_bad_params_name_the_field(fields, field) -> None:
@@ -236,6 +237,65 @@ def test_drafts_stop_at_the_grammar_end_and_masks_leave_the_state(engine) -> Non
     assert (bitmask[2] == -1).all() and not (bitmask[3] == -1).all()
     assert grammar.accept(yes[0]) and not grammar.terminated  # the state was unchanged
     assert grammar.accept(eos) and grammar.terminated
+
+
+def fed(engine: Engine, reasoning: str | None, text: str) -> tuple[int, bool]:
+    """Feed ``text``'s tokens and an end of sequence to a fresh matcher of the choice
+    ``yes | no`` with ``reasoning`` before it: (tokens taken before the first refused one,
+    whether the grammar then ended)."""
+    compiled, _ = engine.core.grammars.compile(
+        StructuredOutputsParams(choice=["yes", "no"], reasoning=reasoning)
+    )
+    grammar = structured.RequestGrammar(compiled)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids.append(engine.tokenizer.eos_token_ids[0])
+    for n, token in enumerate(ids):
+        if not grammar.accept(token):
+            return n, False
+    return len(ids), grammar.terminated
+
+
+def test_the_constraint_starts_where_the_reasoning_ends(engine) -> None:
+    """With ``reasoning`` the grammar admits free text (a choice's words, half an end tag
+    included) up to ``</think>``, then only the constraint; without it the constraint holds
+    from the first token."""
+
+    def whole(text: str) -> tuple[int, bool]:  # every token and the end taken, ended
+        return len(engine.tokenizer.encode(text, add_special_tokens=False)) + 1, True
+
+    reasoning = "Hmm, yes or </thin no? no.</think>\n\n"
+    assert fed(engine, "think", reasoning + "yes") == whole(reasoning + "yes")
+    assert fed(engine, "think", "</think>no") == whole("</think>no")
+    assert fed(engine, None, reasoning + "yes") == (0, False)
+    assert fed(engine, None, "yes") == whole("yes")
+    # After the reasoning, the constraint: free text is refused there, not before.
+    refused = whole(reasoning + "maybe")[0] - 2  # its last token, "maybe"
+    assert fed(engine, "think", reasoning + "maybe") == (refused, False)
+    # Qwen3's: a <think> block or none (thinking off), but no reasoning outside one.
+    assert fed(engine, "optional_think", "yes") == whole("yes")
+    assert fed(engine, "optional_think", "<think>no?</think>\nyes") == whole(
+        "<think>no?</think>\nyes"
+    )
+    assert fed(engine, "optional_think", "Hmm.</think>yes") == (0, False)
+
+
+def test_max_tokens_counts_the_reasoning(engine) -> None:
+    """The embedded model never closes </think>: under ``think`` the reply is free text to
+    max_tokens (the choice never starts); without reasoning it is the choice."""
+    prompt = chat_ids(engine, "Classify: 'I love this film!'")
+    outs = run(
+        engine,
+        [
+            (prompt, SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=so))
+            for so in (
+                StructuredOutputsParams(choice=CHOICES, reasoning="think"),
+                StructuredOutputsParams(choice=CHOICES),
+            )
+        ],
+    )
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 6
+    assert outs[0].text not in CHOICES and "</think>" not in outs[0].text
+    assert outs[1].finish_reason == "stop" and outs[1].text in CHOICES
 
 
 # ---- the engine ------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ def _check(cond: bool, name: str, message: str) -> None:
 # Caps on a structured-output constraint (compiled once per distinct one, and cached).
 MAX_GRAMMAR_CHARS = 64 << 10
 MAX_CHOICES = 256
+# What may come before a constrained output (``StructuredOutputsParams.reasoning``).
+REASONING_FORMATS = ("think", "optional_think")
 
 
 MAX_URL_CHARS = 2048
@@ -105,6 +107,13 @@ class StructuredOutputsParams:
     json_object: bool = False
     # The request field it came from, named in errors (``response_format`` for OpenAI's).
     origin: str = "structured_outputs"
+    reasoning: str | None = None
+    """Reasoning the model writes before the constrained output, free (any text), so the
+    constraint starts where the reasoning ends: None (at the first token), ``"think"``
+    (reasoning from the first token up to ``</think>``: DeepSeek-R1, whose template opens
+    ``<think>`` in the prompt) or ``"optional_think"`` (a ``<think>...</think>`` block, or
+    none: Qwen3). Up to 4 spaces or newlines may follow ``</think>``. The server sets it
+    from ``--reasoning-parser``; ``max_tokens`` counts the reasoning's tokens too."""
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
@@ -143,6 +152,11 @@ class StructuredOutputsParams:
             + (f" (got {', '.join(given)})" if given else ""),
         )
         _check(isinstance(self.json_object, bool), self.field("json_object"), "must be a boolean")
+        _check(
+            self.reasoning is None or self.reasoning in REASONING_FORMATS,
+            self.field("reasoning"),
+            f"must be one of {', '.join(REASONING_FORMATS)} or null, got {self.reasoning!r}",
+        )
         name = self.field()
         kind = self.kind
         if kind in ("json", "regex", "grammar"):  # a schema is text by now (__post_init__)
@@ -165,14 +179,14 @@ class StructuredOutputsParams:
                 f"at most {MAX_GRAMMAR_CHARS} characters in all",
             )
 
-    def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar: (kind, its text)."""
+    def key(self) -> tuple[str, str, str | None]:
+        """What identifies the compiled grammar: (kind, its text, the reasoning before it)."""
         kind = self.kind
         if kind == "choice":
-            return kind, _json.dumps(self.choice)
+            return kind, _json.dumps(self.choice), self.reasoning
         if kind == "json_object":
-            return kind, ""
-        return kind, getattr(self, kind)
+            return kind, "", self.reasoning
+        return kind, getattr(self, kind), self.reasoning
 
 
 @dataclass

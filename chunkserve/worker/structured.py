@@ -87,13 +87,41 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _parse(kind: str, text: str) -> xgr.Grammar:
+def _parse(kind: str, text: str, reasoning: str | None = None) -> xgr.Grammar:
     """The grammar of a constraint given by its ``StructuredOutputsParams.key()``;
-    ``ValueError`` (the message without the field) if it has none.
+    ``ValueError`` (the message without the field) if it has none. With ``reasoning`` the
+    constraint follows the reasoning's free text (``_after_reasoning``).
 
     JSON (schemas and ``json_object``) is generated without free whitespace between tokens
     (``", "`` and ``": "`` separators): a small model allowed any whitespace can emit it
     forever, and the output is the same JSON."""
+    grammar = _parse_constraint(kind, text)
+    return grammar if reasoning is None else _after_reasoning(grammar, reasoning)
+
+
+def _after_reasoning(grammar: xgr.Grammar, reasoning: str) -> xgr.Grammar:
+    """``grammar`` preceded by reasoning (``StructuredOutputsParams.reasoning``): the matcher
+    runs from the first token, but up to ``</think>`` it admits any text that does not
+    contain ``</think>`` (xgrammar's structural tag ``any_text``), so the constraint applies
+    to what follows the reasoning only. Then at most 4 spaces or newlines (Qwen3 writes
+    ``</think>\n\n``; unbounded, a small model could pad forever)."""
+    block = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<think>" if reasoning == "optional_think" else "",
+            "content": {"type": "any_text"},
+            "end": "</think>",
+        },
+    }
+    gap = xgr.Grammar.from_ebnf("root ::= [ \\n]{0,4}")
+    thought = xgr.Grammar.concat(xgr.Grammar.from_structural_tag(block), gap, grammar)
+    if reasoning == "optional_think":  # thinking may be off: the output alone
+        return xgr.Grammar.union(thought, grammar)
+    return thought
+
+
+def _parse_constraint(kind: str, text: str) -> xgr.Grammar:
     try:
         if kind == "json":
             try:
@@ -130,7 +158,7 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
 
 
 @functools.lru_cache(maxsize=1024)
-def _parse_error(key: tuple[str, str]) -> str | None:
+def _parse_error(key: tuple[str, str, str | None]) -> str | None:
     try:
         _parse(*key)
     except ValueError as exc:
@@ -226,7 +254,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str | None], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self.pending: dict[str, _Pending] = {}

@@ -378,9 +378,11 @@ class _Handler:
         max_tokens: int | None,
         logprobs: int | None,
         keep_special: list[int] | None = None,
+        reasoning: str | None = None,
     ) -> list[_Choice]:
         """Check every (prompt, n) pair against the engine before anything is queued (the
-        engine queues the checked requests without checking them again)."""
+        engine queues the checked requests without checking them again). ``reasoning``:
+        what may precede a structured output (``StructuredOutputsParams.reasoning``)."""
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"{field}: not supported by this server", param=field)
@@ -397,6 +399,8 @@ class _Handler:
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
                 if keep_special:
                     params.keep_special_token_ids = list(keep_special)
+                if reasoning is not None and params.structured_outputs is not None:
+                    params.structured_outputs.reasoning = reasoning
                 checked = self.engine.inputs.check(text, ids, params, body.priority)
                 choices.append(_Choice(len(choices), p_index, checked))
         self.state.engine.check_capacity(len(choices))
@@ -411,10 +415,13 @@ class _Handler:
     def reply_parser(self, spec: ToolSpec | None) -> ReplyParser | None:
         """A fresh parser for one chat reply (None: the reply is all content). Tool calls:
         Hermes for forced calls (their grammar writes that format), else
-        ``--tool-call-parser``; reasoning: ``--reasoning-parser``, except for forced calls,
-        whose grammar lets the model write the call alone (no reasoning before it)."""
+        ``--tool-call-parser``; reasoning: ``--reasoning-parser``, except for forced calls
+        under a parser whose reasoning their grammar does not admit (``harmony``: the
+        grammar lets the model write the call alone)."""
         tools = None if spec is None else "hermes" if spec.forced else self.state.tool_call_parser
-        reasoning = None if spec is not None and spec.forced else self.state.reasoning_parser
+        reasoning = self.state.reasoning_parser
+        if spec is not None and spec.forced and self.constrained_reasoning() is None:
+            reasoning = None
         if tools is None and reasoning is None:
             return None
         if "harmony" in (tools, reasoning):  # one parser reads harmony's channels and calls
@@ -424,6 +431,12 @@ class _Handler:
             get_reasoning_parser(reasoning)() if reasoning else None,
             get_tool_parser(tools)() if tools else None,
         )
+
+    def constrained_reasoning(self) -> str | None:
+        """What a chat reply's structured output lets come before it: the reasoning of
+        ``--reasoning-parser`` (``StructuredOutputsParams.reasoning``), or None."""
+        name = self.state.reasoning_parser
+        return None if name is None else get_reasoning_parser(name).constrained_reasoning
 
     def kept_special_tokens(self, parser: ReplyParser | None) -> list[int] | None:
         """The special tokens of the parsers' formats (kept in the reply's text)."""
@@ -704,7 +717,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
         keep = h.kept_special_tokens(h.reply_parser(spec))
         choices = h.prepare(
-            prompts, body, body.resolved_max_tokens(), body.resolved_logprobs(), keep
+            prompts,
+            body,
+            body.resolved_max_tokens(),
+            body.resolved_logprobs(),
+            keep,
+            h.constrained_reasoning(),
         )
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

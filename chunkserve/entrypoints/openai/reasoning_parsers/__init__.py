@@ -8,6 +8,10 @@ content strings, the same scanner as the tool-call parsers': any cut gives the s
 - ``qwen3``: reasoning only when the reply opens with ``<think>`` (leading whitespace
   allowed), up to ``</think>``; a reply that does not is all content (thinking off).
 - ``harmony``: GPT-OSS's analysis channel (``tool_parsers/harmony.py``).
+
+A structured output (forced tool call, ``response_format``) comes after the reasoning: the
+think parsers' ``constrained_reasoning`` tells the grammar what free text precedes it
+(``StructuredOutputsParams.reasoning``); harmony's grammar has none (the call alone).
 """
 
 from __future__ import annotations

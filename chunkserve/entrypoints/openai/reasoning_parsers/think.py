@@ -47,8 +47,10 @@ class ThinkReasoningParser(ToolParser):
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     name = "deepseek_r1"
     opens_in_reasoning = True
+    constrained_reasoning = "think"
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
     name = "qwen3"
     opens_in_reasoning = False
+    constrained_reasoning = "optional_think"

@@ -86,6 +86,10 @@ class ToolParser:
     # (``SamplingParams.keep_special_token_ids``): detokenized without special tokens, as
     # chat replies are, the parser would never see them.
     markers: tuple[str, ...] = ()
+    # As a reasoning parser: what a structured output (a forced call, ``response_format``)
+    # lets come before it (``StructuredOutputsParams.reasoning``); None: the constraint
+    # starts at the first token, so there is no reasoning before it.
+    constrained_reasoning: str | None = None
 
     def __init__(self) -> None:
         self.text = ""
