@@ -218,6 +218,152 @@ def test_template_with_tools_renders_them(tok: Tokenizer):
     assert '"arguments": {"city": "Paris"}}</tool_call>' in text  # not double-encoded
 
 
+# Templates in the shape of real families' (written here, not copied): Qwen2.5's ChatML with
+# the tools in a Hermes system block and calls as <tool_call> JSON whose arguments go through
+# ``tojson``; Llama 3.1's header tokens with the tools in the first user turn, calls as
+# ``{"name", "parameters"}`` JSON (``tojson`` again) and results in an ``ipython`` turn.
+QWEN25_STYLE = """
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}
+{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- '\n\n# Tools\n\nYou may call one or more functions. Their signatures are within '
+    '<tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\n</tools>\n\nFor each call, return a JSON object with the function name and arguments '
+    'within <tool_call></tool_call> XML tags.<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{%- set fn = call.function if call.function is defined else call %}
+{{- '\n<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
+{{- fn.arguments | tojson }}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+LLAMA31_STYLE = """
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+{%- set system = messages[0].content | trim %}{%- set messages = messages[1:] %}
+{%- else %}{%- set system = '' %}{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{%- if tools %}{{- 'Environment: ipython\n' }}{%- endif %}
+{{- 'Cutting Knowledge Date: December 2023\n\n' + system + '<|eot_id|>' }}
+{%- if tools %}
+{%- if not messages or messages[0].role != 'user' %}
+{{- raise_exception('tools need a first user message to go in') }}
+{%- endif %}
+{%- set first = messages[0].content | trim %}{%- set messages = messages[1:] %}
+{{- '<|start_header_id|>user<|end_header_id|>\n\n' }}
+{{- 'Given the following functions, respond with a JSON for a function call with its proper '
+    'arguments that best answers the given prompt.\n\n' }}
+{{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+    'and its value}. Do not use variables.\n\n' }}
+{%- for tool in tools %}{{- tool | tojson(indent=4) }}{{- '\n\n' }}{%- endfor %}
+{{- first + '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- if message.tool_calls | length != 1 %}
+{{- raise_exception('this model supports one tool call at a time') }}
+{%- endif %}
+{%- set fn = message.tool_calls[0].function %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{{- '{"name": "' + fn.name + '", "parameters": ' }}{{- fn.arguments | tojson }}{{- '}<|eot_id|>' }}
+{%- elif message.role == 'tool' or message.role == 'ipython' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
+{%- if message.content is mapping %}{{- message.content | tojson }}
+{%- else %}{{- message.content }}{%- endif %}
+{{- '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' }}
+{{- message.content | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def with_template(tok: Tokenizer, template: str) -> Tokenizer:
+    out = copy.copy(tok)
+    out.__dict__.pop("_template_vars", None)
+    out.chat_template = template
+    out._compiled_template = None
+    return out
+
+
+@pytest.mark.parametrize(
+    ("template", "tools_json", "call", "result", "prompt_end"),
+    [
+        (
+            QWEN25_STYLE,
+            json.dumps(WEATHER, ensure_ascii=False),
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n",
+        ),
+        (
+            LLAMA31_STYLE,
+            json.dumps(WEATHER, ensure_ascii=False, indent=4),
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+            "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>",
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+    ],
+    ids=["qwen2.5", "llama3.1"],
+)
+def test_real_templates_render_tools_and_history(
+    tok: Tokenizer, template, tools_json, call, result, prompt_end
+):
+    """The tools (each whole, as the template writes them) and a history whose call's
+    ``arguments`` is a JSON string, as clients send it: written once as an object, never a
+    string holding JSON; the tool's result in the template's turn; the generation prompt."""
+    family = with_template(tok, template)
+    assert family.template_uses("tools")
+    messages = [{"role": "system", "content": "Be brief."}, *copy.deepcopy(HISTORY)]
+    ids = encode_chat_with_tools(family, messages, [WEATHER["function"]])
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert tools_json in text
+    assert call in text and result in text and text.endswith(prompt_end)
+    assert "Be brief." in text and "Weather in Paris?" in text
+    assert '\\"city\\"' not in text and '"{' not in text  # not double-encoded
+    assert ids == tok.encode(text, add_special_tokens=False)
+    # The client's history is left as sent (arguments still a string).
+    assert isinstance(messages[2]["tool_calls"][0]["function"]["arguments"], str)
+
+
+def test_a_templates_own_refusal_is_a_400_naming_messages(tok: Tokenizer):
+    """Llama 3.1's template takes one call per turn: two are its ``raise_exception``, a
+    ValueError naming ``messages`` (a 400), not a server error."""
+    family = with_template(tok, LLAMA31_STYLE)
+    two = copy.deepcopy(HISTORY)
+    two[1]["tool_calls"].append({**two[1]["tool_calls"][0], "id": "call_2"})
+    two.append({"role": "tool", "tool_call_id": "call_2", "content": "windy"})
+    with pytest.raises(ValueError, match="^messages: this model supports one tool call"):
+        encode_chat_with_tools(family, two, [WEATHER["function"]])
+
+
 def test_embedded_template_gets_the_fallback(tok: Tokenizer):
     ids = encode_chat_with_tools(tok, copy.deepcopy(HISTORY), [WEATHER["function"]])
     text = tok.decode(ids, skip_special_tokens=False)
