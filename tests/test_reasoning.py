@@ -291,9 +291,9 @@ def test_structured_outputs_come_after_the_reasoning(shared_engine):
         assert "city" in json.loads(msg["tool_calls"][0]["function"]["arguments"])
 
 
-def test_harmony_forced_calls_still_skip_the_reasoning(marked_tok: Tokenizer):
-    """Harmony's analysis channel is not in a forced call's grammar: its reply is read
-    without the reasoning parser (the call alone), and no reasoning precedes the grammar."""
+def test_forced_calls_keep_the_reasoning_parser(marked_tok: Tokenizer):
+    """A forced call's reply is read with the reasoning parser too (its grammar admits the
+    reasoning first), each parser telling the grammar its reasoning's format."""
     state = SimpleNamespace(
         engine=SimpleNamespace(engine=SimpleNamespace(tokenizer=marked_tok)),
         tool_call_parser="hermes",
@@ -301,10 +301,24 @@ def test_harmony_forced_calls_still_skip_the_reasoning(marked_tok: Tokenizer):
     )
     h = _Handler(state)
     forced = SimpleNamespace(forced=True, parallel=True)
-    assert h.constrained_reasoning() is None
-    assert h.reply_parser(forced).reasoning is None
-    state.reasoning_parser = "deepseek_r1"
-    assert h.constrained_reasoning() == "think"
-    assert h.reply_parser(forced).reasoning is not None
-    state.reasoning_parser = "qwen3"
-    assert h.constrained_reasoning() == "optional_think"
+    for parser, fmt in (
+        ("harmony", "harmony"),
+        ("deepseek_r1", "think"),
+        ("qwen3", "optional_think"),
+    ):
+        state.reasoning_parser = parser
+        assert h.constrained_reasoning() == fmt
+        reply = h.reply_parser(forced)
+        assert reply.reasoning.name == parser and isinstance(reply.tools, HermesToolParser)
+    state.reasoning_parser = None
+    assert h.constrained_reasoning() is None and h.reply_parser(forced).reasoning is None
+    # Harmony: the final channel's Hermes block is the call, the analysis the reasoning.
+    state.reasoning_parser = "harmony"
+    reply = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        '<|channel|>final<|message|><tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    )
+    parser = h.reply_parser(forced)
+    out = collect(parser.feed(reply) + parser.finish())
+    assert out.reasoning == "Need the weather." and [c.name for c in out.tool_calls] == ["f"]
+    assert not out.content.strip()

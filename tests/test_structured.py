@@ -4,6 +4,7 @@ speculative) and the server (streamed and not, both endpoints, the errors)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -277,6 +278,41 @@ def test_the_constraint_starts_where_the_reasoning_ends(engine) -> None:
         "<think>no?</think>\nyes"
     )
     assert fed(engine, "optional_think", "Hmm.</think>yes") == (0, False)
+
+
+def test_harmony_constraint_is_the_final_channels_body(engine) -> None:
+    """``harmony``: an optional analysis message (free text up to its ``<|end|>``), then
+    the constraint as the final channel's body; the markers are the vocabulary's special
+    tokens (added here to the embedded vocabulary, as GPT-OSS's has them)."""
+    from tokenizers import AddedToken
+
+    from chunkserve.entrypoints.openai.tool_parsers.harmony import MARKERS
+
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.backend.add_special_tokens([AddedToken(m, special=True) for m in MARKERS])
+    end = tok.special_token_id("<|return|>")
+    assert end is not None and end >= 49152
+    compiler = structured.GrammarCompiler(lambda: tok.backend, end + len(MARKERS), [end])
+    compiled, _ = compiler.compile(StructuredOutputsParams(choice=["yes"], reasoning="harmony"))
+
+    def fed(text: str) -> tuple[int, bool]:
+        grammar = structured.RequestGrammar(compiled)
+        ids = tok.encode(text, add_special_tokens=False) + [end]
+        for n, token in enumerate(ids):
+            if not grammar.accept(token):
+                return n, False
+        return len(ids), grammar.terminated
+
+    def whole(text: str) -> tuple[int, bool]:
+        return len(tok.encode(text, add_special_tokens=False)) + 1, True
+
+    final = "<|channel|>final<|message|>"
+    assert tok.encode(final, add_special_tokens=False)[0] == tok.special_token_id("<|channel|>")
+    analysis = "<|channel|>analysis<|message|>yes? no, <|mess yes.<|end|><|start|>assistant"
+    assert fed(analysis + final + "yes") == whole(analysis + final + "yes")
+    assert fed(final + "yes") == whole(final + "yes")
+    assert fed("yes") == (0, False)  # the final channel's header first
+    assert fed(analysis + final + "no") == (whole(analysis + final)[0] - 1, False)
 
 
 def test_max_tokens_counts_the_reasoning(engine) -> None:

@@ -42,7 +42,7 @@ def _check(cond: bool, name: str, message: str) -> None:
 MAX_GRAMMAR_CHARS = 64 << 10
 MAX_CHOICES = 256
 # What may come before a constrained output (``StructuredOutputsParams.reasoning``).
-REASONING_FORMATS = ("think", "optional_think")
+REASONING_FORMATS = ("think", "optional_think", "harmony")
 
 
 MAX_URL_CHARS = 2048
@@ -111,9 +111,11 @@ class StructuredOutputsParams:
     """Reasoning the model writes before the constrained output, free (any text), so the
     constraint starts where the reasoning ends: None (at the first token), ``"think"``
     (reasoning from the first token up to ``</think>``: DeepSeek-R1, whose template opens
-    ``<think>`` in the prompt) or ``"optional_think"`` (a ``<think>...</think>`` block, or
-    none: Qwen3). Up to 4 spaces or newlines may follow ``</think>``. The server sets it
-    from ``--reasoning-parser``; ``max_tokens`` counts the reasoning's tokens too."""
+    ``<think>`` in the prompt), ``"optional_think"`` (a ``<think>...</think>`` block, or
+    none: Qwen3; up to 4 spaces or newlines may follow ``</think>``) or ``"harmony"``
+    (GPT-OSS: an optional analysis message, then the constrained output as the final
+    channel's body). The server sets it from ``--reasoning-parser``; ``max_tokens`` counts
+    the reasoning's tokens too."""
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):

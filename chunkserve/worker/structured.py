@@ -101,24 +101,42 @@ def _parse(kind: str, text: str, reasoning: str | None = None) -> xgr.Grammar:
 
 def _after_reasoning(grammar: xgr.Grammar, reasoning: str) -> xgr.Grammar:
     """``grammar`` preceded by reasoning (``StructuredOutputsParams.reasoning``): the matcher
-    runs from the first token, but up to ``</think>`` it admits any text that does not
-    contain ``</think>`` (xgrammar's structural tag ``any_text``), so the constraint applies
-    to what follows the reasoning only. Then at most 4 spaces or newlines (Qwen3 writes
-    ``</think>\n\n``; unbounded, a small model could pad forever)."""
-    block = {
-        "type": "structural_tag",
-        "format": {
-            "type": "tag",
-            "begin": "<think>" if reasoning == "optional_think" else "",
-            "content": {"type": "any_text"},
-            "end": "</think>",
-        },
-    }
+    runs from the first token, but in the reasoning it admits any text that does not contain
+    its end marker (xgrammar's structural tag ``any_text``), so the constraint applies to what
+    follows the reasoning only.
+
+    - ``think`` / ``optional_think``: up to ``</think>`` (after ``<think>`` for the latter,
+      whose block may be left out), then at most 4 spaces or newlines (Qwen3 writes
+      ``</think>\\n\\n``; unbounded, a small model could pad forever).
+    - ``harmony``: an optional analysis message (``<|channel|>analysis<|message|>`` ...
+      ``<|end|><|start|>assistant``), then the constraint as the body of the final channel
+      (``<|channel|>final<|message|>``). The markers are matched as text: a vocabulary's
+      special token for one is taken, being that text (xgrammar treats only tokens that
+      decode to nothing as unmatchable)."""
+    if reasoning == "harmony":
+        analysis = _tag("<|channel|>analysis<|message|>", "<|end|>")
+        restart = xgr.Grammar.from_ebnf('root ::= "<|start|>assistant"')
+        final = xgr.Grammar.from_ebnf('root ::= "<|channel|>final<|message|>"')
+        return xgr.Grammar.union(
+            xgr.Grammar.concat(analysis, restart, final, grammar),
+            xgr.Grammar.concat(final, grammar),
+        )
+    block = _tag("<think>" if reasoning == "optional_think" else "", "</think>")
     gap = xgr.Grammar.from_ebnf("root ::= [ \\n]{0,4}")
-    thought = xgr.Grammar.concat(xgr.Grammar.from_structural_tag(block), gap, grammar)
+    thought = xgr.Grammar.concat(block, gap, grammar)
     if reasoning == "optional_think":  # thinking may be off: the output alone
         return xgr.Grammar.union(thought, grammar)
     return thought
+
+
+def _tag(begin: str, end: str) -> xgr.Grammar:
+    """``begin``, any text without ``end``, ``end``."""
+    return xgr.Grammar.from_structural_tag(
+        {
+            "type": "structural_tag",
+            "format": {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": end},
+        }
+    )
 
 
 def _parse_constraint(kind: str, text: str) -> xgr.Grammar:

@@ -415,9 +415,9 @@ class _Handler:
     def reply_parser(self, spec: ToolSpec | None) -> ReplyParser | None:
         """A fresh parser for one chat reply (None: the reply is all content). Tool calls:
         Hermes for forced calls (their grammar writes that format), else
-        ``--tool-call-parser``; reasoning: ``--reasoning-parser``, except for forced calls
-        under a parser whose reasoning their grammar does not admit (``harmony``: the
-        grammar lets the model write the call alone)."""
+        ``--tool-call-parser``; reasoning: ``--reasoning-parser`` (a forced call's grammar
+        admits its reasoning first: ``constrained_reasoning``), but for a parser whose
+        reasoning the grammar would not admit (none so far): then the call alone."""
         tools = None if spec is None else "hermes" if spec.forced else self.state.tool_call_parser
         reasoning = self.state.reasoning_parser
         if spec is not None and spec.forced and self.constrained_reasoning() is None:

@@ -9,9 +9,10 @@ content strings, the same scanner as the tool-call parsers': any cut gives the s
   allowed), up to ``</think>``; a reply that does not is all content (thinking off).
 - ``harmony``: GPT-OSS's analysis channel (``tool_parsers/harmony.py``).
 
-A structured output (forced tool call, ``response_format``) comes after the reasoning: the
-think parsers' ``constrained_reasoning`` tells the grammar what free text precedes it
-(``StructuredOutputsParams.reasoning``); harmony's grammar has none (the call alone).
+A structured output (forced tool call, ``response_format``) comes after the reasoning: each
+parser's ``constrained_reasoning`` tells the grammar what free text precedes it
+(``StructuredOutputsParams.reasoning``): a think block, or harmony's analysis message with
+the output as the final channel's body.
 """
 
 from __future__ import annotations

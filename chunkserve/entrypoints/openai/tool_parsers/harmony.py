@@ -41,6 +41,9 @@ def _held(text: str, pos: int) -> int:
 class HarmonyParser(ToolParser):
     name = "harmony"
     markers = MARKERS
+    # A structured output (``response_format``, a forced call's Hermes block) is the final
+    # channel's body, after an optional analysis message.
+    constrained_reasoning = "harmony"
 
     def __init__(self, calls: bool = True) -> None:
         super().__init__()
