@@ -17,7 +17,7 @@ import pytest
 
 from tests.test_router import ServerThread
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm_eval (the test extra) is not installed")
+pytest.importorskip("lm_eval", reason="lm_eval (the test extra) is not installed")
 
 # Multiple choice: (question, choices, index of the answer). The answers are what a reader
 # would pick; the test does not need the model to be right, only lm_eval's scores to be the
@@ -33,44 +33,39 @@ MC_DOCS = [
 GEN_PROMPTS = ["The capital of France is", "My favourite colour is", "Once upon a time"]
 MAX_GEN_TOKS = 6
 UNTIL = "\n"
-
-
 MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from chunkserve.engine.engine import Engine
-
-    return Engine(
-        dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, max_num_batched_tokens=512
-    )
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    """The OpenAI server on the embedded model (fp32), served by uvicorn on a thread of this
-    process (lm_eval talks to it over HTTP; a subprocess server took 4x longer to start)."""
+def server(shared_engine) -> Iterator[ServerThread]:
+    """The OpenAI server on the embedded model (the session's fp32 engine), served by uvicorn
+    on a thread of this process (lm_eval talks to it over HTTP; a subprocess server took 4x
+    longer to start)."""
     from chunkserve.engine.async_engine import AsyncEngine
     from chunkserve.entrypoints.openai.api_server import build_app
 
-    s = ServerThread(build_app(AsyncEngine(engine), served_model_name=MODEL))
+    s = ServerThread(build_app(AsyncEngine(shared_engine), served_model_name=MODEL))
     yield s
     s.stop()
 
 
-def complete(server: ServerThread, **body) -> dict:
+def completions(server: ServerThread, **body) -> list[dict]:
     r = httpx.post(
         server.url + "/v1/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=60
     )
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return sorted(r.json()["choices"], key=lambda c: c["index"])
 
 
-def loglikelihood(server: ServerThread, context: list[int], continuation: list[int]) -> float:
-    """The continuation's logprob given the context, from the server's prompt logprobs."""
-    choice = complete(server, prompt=context + continuation, echo=True, logprobs=0, max_tokens=0)
-    return sum(choice["logprobs"]["token_logprobs"][len(context) :])
+def loglikelihoods(server: ServerThread, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Each continuation's logprob given its context, from the server's prompt logprobs
+    (one request, a prompt per pair)."""
+    prompts = [context + continuation for context, continuation in pairs]
+    choices = completions(server, prompt=prompts, echo=True, logprobs=0, max_tokens=0)
+    return [
+        sum(c["logprobs"]["token_logprobs"][len(context) :])
+        for c, (context, _) in zip(choices, pairs, strict=True)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +79,8 @@ def tasks(tmp_path_factory, server: ServerThread) -> tuple[Path, list[str]]:
             f.write(json.dumps({"question": question, "choices": choices, "answer": answer}))
             f.write("\n")
     targets = [
-        complete(server, prompt=p, max_tokens=MAX_GEN_TOKS, stop=[UNTIL])["text"]
-        for p in GEN_PROMPTS
+        c["text"]
+        for c in completions(server, prompt=GEN_PROMPTS, max_tokens=MAX_GEN_TOKS, stop=[UNTIL])
     ]
     assert all(targets), targets  # a stop string the model writes first would make it ""
     targets[1] = " zebra zebra zebra zebra zebra zebra"
@@ -160,24 +155,27 @@ def results(server: ServerThread, tasks, hf_dir: Path, tmp_path_factory) -> dict
         mp.undo()
 
 
-def test_loglikelihood_task_scores_what_the_model_gives(results, server, engine):
+def test_loglikelihood_task_scores_what_the_model_gives(results, server, shared_engine):
     """Every choice's loglikelihood lm_eval got (its token prompts, echo and logprobs, its
     split of context and continuation) equals the sum of the continuation's prompt logprobs
     (checked against transformers in test_prompt_logprobs), and the accuracy is the one
     those give."""
-    tokenizer = engine.tokenizer
+    tokenizer = shared_engine.tokenizer
     acc = results["results"]["chunkserve_mc"]["acc,none"]
     assert isinstance(acc, float) and 0.0 <= acc <= 1.0
     samples = sorted(results["samples"]["chunkserve_mc"], key=lambda s: s["doc_id"])
     assert len(samples) == len(MC_DOCS)
-    right = 0
-    for sample, (question, choices, answer) in zip(samples, MC_DOCS, strict=True):
+    pairs = []
+    for question, choices, _ in MC_DOCS:
         context = tokenizer.encode(question)
-        want = []
         for choice in choices:
             whole = tokenizer.encode(question + " " + choice)
             assert whole[: len(context)] == context
-            want.append(loglikelihood(server, context, whole[len(context) :]))
+            pairs.append((context, whole[len(context) :]))
+    scores = iter(loglikelihoods(server, pairs))
+    right = 0
+    for sample, (question, choices, answer) in zip(samples, MC_DOCS, strict=True):
+        want = [next(scores) for _ in choices]
         got = [resp[0][0] for resp in sample["resps"]]
         assert len(got) == len(choices)
         for g, w in zip(got, want, strict=True):
