@@ -271,6 +271,7 @@ def test_structured_outputs_come_after_the_reasoning(shared_engine):
         AsyncEngine(shared_engine), served_model_name="m", reasoning_parser="deepseek_r1"
     )
     with TestClient(app) as client:
+        replies = []
         for extra, same_prompt in (
             (forced, {"tools": [WEATHER], "tool_choice": "auto"}),
             ({"response_format": {"type": "json_object"}}, {}),
@@ -283,6 +284,18 @@ def test_structured_outputs_come_after_the_reasoning(shared_engine):
             # The unconstrained reply's reasoning: no grammar held its tokens.
             assert msg["reasoning_content"] == free["reasoning_content"], msg
             assert not msg.get("tool_calls") and not msg["content"]
+            replies.append(msg)
+        # Streamed, the forced call's reply is the same reasoning, in reasoning deltas.
+        r = client.post("/v1/chat/completions", json={**body, **forced, "stream": True})
+        deltas = [
+            choice["delta"]
+            for line in r.text.splitlines()
+            if line.startswith("data: {")
+            for choice in json.loads(line[6:])["choices"]
+        ]
+        streamed = "".join(d.get("reasoning_content") or "" for d in deltas)
+        assert streamed == replies[0]["reasoning_content"]
+        assert not any(d.get("content") or d.get("tool_calls") for d in deltas)
     app = build_app(AsyncEngine(shared_engine), served_model_name="m", reasoning_parser="qwen3")
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json={**body, **forced, "max_tokens": 60})
