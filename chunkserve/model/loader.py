@@ -568,6 +568,9 @@ _HF_DEFAULTS = {
         attn_logit_softcapping=50.0,
     ),
     "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0),
+    # DeepseekV3Config's router (transformers writes neither key; DeepSeek's config.json
+    # does).
+    "deepseek_v3": dict(topk_method="noaux_tc", scoring_func="sigmoid"),
     # Qwen2-MoE's Q/K/V biases are its config's ``qkv_bias`` (true by default).
     "qwen2_moe": dict(qkv_bias=True),
     # GptOssConfig's: biases, the clamped SwiGLU, YaRN (factor 32 over 4096 positions).
@@ -789,15 +792,20 @@ def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> 
     """DeepSeek's MoE fields (``n_routed_experts``): experts on layer i from
     ``first_k_dense_replace`` on where i is a multiple of ``moe_layer_freq`` (DeepSeek's
     rule; transformers' DeepseekV2 reads no ``moe_layer_freq``, as if it were 1), its router
-    (``topk_method``, ``n_group``, ``topk_group``, ``routed_scaling_factor``; softmax scores
-    only), ``n_shared_experts`` experts' width as one ungated shared expert."""
+    (``topk_method``, ``n_group``, ``topk_group``, ``routed_scaling_factor``; V2's softmax
+    scores, or V3's sigmoid ones with "noaux_tc"), ``n_shared_experts`` experts' width as
+    one ungated shared expert; V3's multi-token-prediction layers
+    (``num_nextn_predict_layers``, stored after the decoder's) are skipped at load."""
     freq = cfg.get("moe_layer_freq", 1)
     if not isinstance(freq, int) or freq < 1:
         raise ValueError(f"model: config.json: moe_layer_freq {freq!r} must be an integer >= 1")
+    method = str(cfg.get("topk_method") or "greedy")
     scoring = cfg.get("scoring_func", "softmax")
-    if scoring != "softmax":
+    want = "sigmoid" if method == "noaux_tc" else "softmax"
+    if scoring != want:
         raise ValueError(
-            f"model: config.json: scoring_func {scoring!r} is not supported (only 'softmax')"
+            f"model: config.json: scoring_func {scoring!r} is not supported with topk_method "
+            f"{method!r} (only {want!r})"
         )
     first = _cfg_int(cfg, "first_k_dense_replace", 0, minimum=0)
     layers = tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
@@ -810,10 +818,11 @@ def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> 
         shared_expert_intermediate_size=_cfg_int(cfg, "n_shared_experts", 0, minimum=0) * moe_inter,
         shared_expert_gate=False,
         moe_layers=None if len(layers) == num_layers else layers,
-        topk_method=str(cfg.get("topk_method") or "greedy"),
+        topk_method=method,
         n_group=_cfg_int(cfg, "n_group", 1, minimum=1),
         topk_group=_cfg_int(cfg, "topk_group", 1, minimum=1),
         routed_scaling_factor=_cfg_float(cfg, "routed_scaling_factor", 1.0),
+        num_nextn_predict_layers=_cfg_int(cfg, "num_nextn_predict_layers", 0, minimum=0),
     )
 
 
@@ -822,6 +831,11 @@ def _mla_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     is the rope part of a head (``qk_rope_head_dim``, as transformers sets it)."""
     if cfg.get("kv_lora_rank") is None:
         return {}
+    if cfg.get("rope_interleave", True) is not True:
+        raise ValueError(
+            f"model: config.json: rope_interleave {cfg['rope_interleave']!r} is not supported "
+            f"(only true: DeepSeek's rope rotates interleaved pairs)"
+        )
     return dict(
         kv_lora_rank=_cfg_int(cfg, "kv_lora_rank", minimum=1),
         q_lora_rank=_cfg_int(cfg, "q_lora_rank", None, minimum=1),
