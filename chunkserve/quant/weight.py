@@ -19,6 +19,7 @@ scales apart from quants, has not been tried yet).
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -36,7 +37,9 @@ class QuantizedWeight(abc.ABC):
     """An [out, in] weight kept quantized. Invariants: ``shape`` is (out_features,
     in_features); ``matmul(x)`` equals ``x @ dequantize(x.dtype).T`` within the kernel's
     stated tolerance; every edit (``rows``, ``cols``, ``permute_rows``) returns a new weight
-    of the same class and qtype owning its own storage."""
+    of the same class and qtype owning its own storage (but ``permute_rows`` of a GGUF
+    weight over a file's map, which stays a view until ``rows``, ``cols`` or ``owned``
+    copy from it)."""
 
     qtype: str
     shape: tuple[int, int]
@@ -170,6 +173,7 @@ class GGUFWeight(QuantizedWeight):
         return weight
 
     mapped: np.ndarray | None = None  # the file's bytes, not yet copied (``from_gguf``)
+    order: np.ndarray | None = None  # a mapped weight's rows: row i is the map's order[i]
 
     @property
     def data(self) -> torch.Tensor:
@@ -184,7 +188,8 @@ class GGUFWeight(QuantizedWeight):
     def owned(self) -> GGUFWeight:
         if self.mapped is None:
             return self
-        return GGUFWeight(torch.from_numpy(np.array(self.mapped)), self.format, self.name)
+        rows = self.mapped if self.order is None else self.mapped[self.order]
+        return GGUFWeight(torch.from_numpy(np.array(rows)), self.format, self.name)
 
     def _like(self, data: torch.Tensor) -> GGUFWeight:
         return GGUFWeight(data, self.format, self.name)
@@ -194,7 +199,7 @@ class GGUFWeight(QuantizedWeight):
         return self.data.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        raw = self.mapped if self.mapped is not None else self.data.numpy()
+        raw = self.owned().data.numpy()
         values = formats.dequantize(raw, self.format.code)
         return torch.from_numpy(values).to(dtype)
 
@@ -208,7 +213,8 @@ class GGUFWeight(QuantizedWeight):
     def rows(self, first: int, end: int) -> GGUFWeight:
         self._check_range("rows", first, end, self.shape[0])
         if self.mapped is not None:  # only these rows read from the file
-            return self._like(torch.from_numpy(np.array(self.mapped[first:end])))
+            rows = slice(first, end) if self.order is None else self.order[first:end]
+            return self._like(torch.from_numpy(np.array(self.mapped[rows])))
         return self._like(self.data[first:end].clone())
 
     def cols(self, first: int, end: int) -> GGUFWeight:
@@ -221,15 +227,20 @@ class GGUFWeight(QuantizedWeight):
             )
         cut = slice(first // values * size, end // values * size)
         if self.mapped is not None:  # only these columns' blocks read from the file
-            return self._like(torch.from_numpy(np.array(self.mapped[:, cut])))
+            part = np.array(self.mapped[:, cut])
+            return self._like(torch.from_numpy(part if self.order is None else part[self.order]))
         return self._like(self.data[:, cut].clone())
 
     def permute_rows(self, index: np.ndarray | torch.Tensor) -> GGUFWeight:
         idx = torch.as_tensor(np.asarray(index), dtype=torch.int64).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
             raise ValueError(f"{self.name}: row index outside 0:{self.shape[0]}")
-        whole = self.owned()
-        return whole._like(whole.data.index_select(0, idx))
+        if self.mapped is not None:  # still a view of the map: the order composes
+            weight = copy.copy(self)
+            order = idx.numpy()
+            weight.order = order if self.order is None else self.order[order]
+            return weight
+        return self._like(self.data.index_select(0, idx))
 
     @classmethod
     def _concat_rows(cls, parts: Sequence[QuantizedWeight]) -> GGUFWeight:
