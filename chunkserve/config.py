@@ -53,9 +53,9 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 
 
-# DeepSeek's routers (``ModelConfig.topk_method``); V3's "noaux_tc" (sigmoid scores with a
-# correction bias) is not one of them.
-TOPK_METHODS = ("greedy", "group_limited_greedy")
+# DeepSeek's routers (``ModelConfig.topk_method``): V2's softmax ones, V3's "noaux_tc"
+# (sigmoid scores with a correction bias).
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -142,13 +142,19 @@ class ModelConfig:
     # DeepSeek's router (``model.moe``): ``topk_method`` None is the softmax top-k above;
     # "greedy" / "group_limited_greedy": softmax scores, top-k over the experts of the
     # ``topk_group`` best of ``n_group`` groups (a group scored by its best expert), the
-    # chosen weights times ``routed_scaling_factor``; ``shared_expert_gate`` False: the
-    # shared expert is added ungated (DeepSeek's ``n_shared_experts``).
+    # chosen weights times ``routed_scaling_factor``; "noaux_tc" (DeepSeek-V3): sigmoid
+    # scores, experts chosen by score + a learned per-expert correction bias, a group scored
+    # by its best two, weights the chosen scores (renormalised by ``norm_topk_prob``) times
+    # ``routed_scaling_factor``; ``shared_expert_gate`` False: the shared expert is added
+    # ungated (DeepSeek's ``n_shared_experts``).
     topk_method: str | None = None
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gate: bool = True
+    # DeepSeek-V3's multi-token-prediction layers: stored in the checkpoint after the
+    # decoder's ``num_layers`` (``model.layers.{num_layers + i}``), not run; skipped at load.
+    num_nextn_predict_layers: int = 0
     # Multi-head latent attention (DeepSeek-V2; ``model.deepseek``): set iff
     # ``kv_lora_rank`` is. Keys and values come from a ``kv_lora_rank`` latent per token
     # (the KV cache keeps it and the rope part, ``head_dim`` = qk_rope_head_dim); queries
@@ -330,6 +336,14 @@ class ModelConfig:
                 "topk_group",
                 f"must be in 1..n_group ({self.n_group}) with num_experts_per_tok "
                 f"({self.num_experts_per_tok}) experts in its groups, got {self.topk_group}",
+            )
+            _require(
+                self.topk_method != "noaux_tc"
+                or self.n_group == 1
+                or self.num_experts // self.n_group >= 2,
+                "n_group",
+                f"noaux_tc scores a group by its best two experts: {self.n_group} groups of "
+                f"{self.num_experts} experts leave fewer than two per group",
             )
         if self.kv_lora_rank is not None:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):

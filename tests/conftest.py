@@ -135,6 +135,7 @@ def _embedded_weights_once():
     import chunkserve.worker.draft_model as draft_model
     import chunkserve.worker.worker as worker
     from chunkserve.model import loader
+    from chunkserve.model.lazy import LazyTensor
 
     try:
         embedded = Path(embedded_model_path()).resolve()
@@ -148,8 +149,11 @@ def _embedded_weights_once():
         if source.kind != "gguf" or Path(source.path).resolve() != embedded:
             return original(source, config, reader, dtype, quantized)
         key = (dtype, repr(config), quantized)
-        if key not in decoded:
-            decoded[key] = list(original(source, config, reader, dtype, quantized))
+        if key not in decoded:  # read once (lazily read tensors: read whole, here)
+            decoded[key] = [
+                (name, t.full() if isinstance(t, LazyTensor) else t)
+                for name, t in original(source, config, reader, dtype, quantized)
+            ]
         return iter(decoded[key])
 
     patch = pytest.MonkeyPatch()

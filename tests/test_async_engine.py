@@ -238,6 +238,45 @@ def test_a_stream_nobody_reads_holds_one_merged_output(engine: Engine) -> None:
     assert_no_blocks_in_use(engine)
 
 
+def test_the_engine_tracks_its_longest_step(engine: Engine) -> None:
+    """``longest_step_s``: the longest wall time of the steps after the first (cold) one."""
+    walls: list[float] = []
+    engine.step_listeners.append(lambda stats: walls.append(stats.wall_time))
+    try:
+        before, cold = engine.longest_step_s, engine.num_steps_seen == 0
+        engine.add_request([50, 51, 52], SamplingParams(max_tokens=4, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.step_listeners.pop()
+    assert len(walls) >= 4
+    assert engine.longest_step_s == max([before, *walls[1 if cold else 0 :]])
+
+
+def test_stuck_allows_for_the_longest_step(monkeypatch) -> None:
+    """On an injected clock: with work waiting and a timeout of 1 s, an engine whose longest
+    step took 10 s is stuck after ``LONGEST_STEP_FACTOR`` x 10 s without a step, not 1 s."""
+    import types
+
+    import chunkserve.engine.async_engine as ae_mod
+    from chunkserve.engine.frontend import LONGEST_STEP_FACTOR
+
+    now = [100.0]
+    monkeypatch.setattr(ae_mod, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    fake = types.SimpleNamespace(last_progress=100.0, num_steps_seen=5, longest_step_s=10.0)
+    ae = AsyncEngine(fake, stuck_after_s=1.0)  # type: ignore[arg-type]
+    ae._busy = True
+    now[0] += 1.5  # past the timeout
+    assert not ae.stuck
+    fake.longest_step_s = 0.1  # short steps: the timeout
+    assert ae.stuck
+    fake.longest_step_s = 10.0
+    now[0] = 100.0 + LONGEST_STEP_FACTOR * 10.0 - 1.0
+    assert not ae.stuck
+    now[0] += 2.0
+    assert ae.stuck
+
+
 def test_a_stuck_loop_is_unhealthy(engine: Engine, monkeypatch) -> None:
     """A step that does not return while work waits: after STUCK_AFTER_S health says so,
     and it recovers when the step does."""

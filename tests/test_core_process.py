@@ -185,6 +185,60 @@ def test_a_hung_core_trips_the_watchdog_after_its_first_step_allowance() -> None
     assert all(not c.process.is_alive() for c in engine._cores)
 
 
+def test_watchdog_limit_allows_for_the_longest_step() -> None:
+    from chunkserve.engine.frontend import (
+        FIRST_STEP_ALLOWANCE_S,
+        LONGEST_STEP_FACTOR,
+        watchdog_limit,
+    )
+
+    assert watchdog_limit(120.0, True) == 120.0
+    assert watchdog_limit(120.0, True, 10.0) == 120.0  # short steps: the timeout
+    assert watchdog_limit(120.0, True, 30.0) == LONGEST_STEP_FACTOR * 30.0 > 120.0
+    assert watchdog_limit(0.5, False) == FIRST_STEP_ALLOWANCE_S
+    assert watchdog_limit(0.5, False, 100.0) == LONGEST_STEP_FACTOR * 100.0
+
+
+def test_a_slow_core_is_not_hung_until_its_longest_steps_allowance(monkeypatch) -> None:
+    """A core's longest step after its first is tracked from its reports; stopped after it,
+    the watchdog (timeout 1 s on an injected clock) waits ``LONGEST_STEP_FACTOR`` x that
+    longest step, not the timeout, then kills it."""
+    import types
+
+    import chunkserve.engine.multiprocess_engine as mp
+    from chunkserve.engine.frontend import LONGEST_STEP_FACTOR
+
+    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), watchdog_s=STARTUP_S)
+    try:
+        walls: list[float] = []
+        engine.step_listeners.append(lambda stats: walls.append(stats.wall_time))
+        engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True))
+        while len(walls) < 4:
+            engine.step()
+        core = engine._cores[0]
+        assert core.longest_step_s == max(walls[1:])  # the cold first step aside
+        pid = engine.core_infos[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        while not stopped(pid):
+            time.sleep(0.01)
+        while engine._reports.poll(0):  # reports sent before it stopped
+            engine.step()
+        now = [1000.0]
+        monkeypatch.setattr(mp, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+        engine.watchdog_s = 1.0
+        core.longest_step_s = 10.0  # as if a step had taken 10 s
+        core.quiet_since = now[0]
+        now[0] += LONGEST_STEP_FACTOR * 10.0 - 1.0  # well past the timeout: not hung yet
+        assert engine.step() == []
+        now[0] += 2.0
+        with pytest.raises(CoreDeadError, match="engine core 0.*watchdog"):
+            engine.step()
+    finally:
+        monkeypatch.undo()
+        engine.shutdown(timeout=5)
+    assert all(not c.process.is_alive() for c in engine._cores)
+
+
 def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
     engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkserve.model.moe import route_grouped
+from chunkserve.model.moe import route_grouped, route_noaux_tc
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import assert_no_blocks_in_use, random_prompt
 from tests.test_invariance import run_staggered
@@ -38,6 +38,7 @@ from tests.test_moe import rewrite
 from tests.test_tensor_parallel import record_logits
 
 DEEPSEEK = "deepseek_v2"
+FAMILY = {"v3": "deepseek_v3"}
 # deepseek-ai/DeepSeek-V2-Lite: latent 512 + rope 64 (here 32 + 8), no q bottleneck, heads
 # of 128 no-rope + 64 rope query/key dims and 128 value dims (here 16 + 8, 16), 64 experts
 # top 6 of 1408 columns (here 8 top 2 of 32) and 2 shared, the first layer dense, greedy
@@ -87,6 +88,22 @@ MODELS = {
         "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 16.0,
     },
+    # deepseek-ai/DeepSeek-V3 (transformers' DeepseekV3Config; its router "noaux_tc"):
+    # 256 experts in 8 groups, the top 8 from the best 4 groups by sigmoid score plus the
+    # correction bias, renormalised, x2.5 (here 16 in 4, top 4 from the best 2); a q
+    # bottleneck; YaRN x40 from 4096 positions with mscale 1.0 on both (here from 128).
+    "v3": {
+        **{k: v for k, v in LITE.items() if k != "topk_method"},
+        "q_lora_rank": 48,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rope_parameters": {**LITE["rope_parameters"], "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
 }
 RANK, ROPE = LITE["kv_lora_rank"], LITE["qk_rope_head_dim"]
 
@@ -94,16 +111,27 @@ RANK, ROPE = LITE["kv_lora_rank"], LITE["qk_rope_head_dim"]
 def hf_config(name: str, **changes):
     import transformers
 
-    return transformers.DeepseekV2Config(**{**SMALL, **MODELS[name], **changes})
+    cls = transformers.DeepseekV3Config if name == "v3" else transformers.DeepseekV2Config
+    return cls(**{**SMALL, **MODELS[name], **changes})
+
+
+def _wider_routers(tensors: dict) -> dict:
+    """Routers drawn wider than HF's N(0, 0.02): top-k choices (and groups) without
+    near-ties; V3's correction biases (zeros from HF) drawn to change some choices."""
+    gen = torch.Generator().manual_seed(5)
+    out = {k: v * 20 for k, v in tensors.items() if k.endswith("gate.weight")}
+    for k, v in tensors.items():
+        if k.endswith("e_score_correction_bias"):
+            out[k] = 0.3 * torch.randn(v.shape, generator=gen)
+    return out
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, hf_dir: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek")
     out = {name: write_model(root / name, hf_config(name), hf_dir) for name in MODELS}
-    # Routers drawn wider than HF's N(0, 0.02): top-k choices (and groups) without near-ties.
     for path in out.values():
-        rewrite(path, lambda t: {k: v * 20 for k, v in t.items() if k.endswith("gate.weight")})
+        rewrite(path, _wider_routers)
     return out
 
 
@@ -140,7 +168,7 @@ def test_logits_and_greedy_tokens_match_transformers(dirs, refs, name, backend) 
     """Prompt rows (chunks: keys and values expanded from the latents) and decode rows
     (queries absorbed into the latent: the backend attends over the cached latents)."""
     engine = make_engine(dirs[name], attention_backend=backend)
-    assert engine.core.worker.model_config.architecture == DEEPSEEK
+    assert engine.core.worker.model_config.architecture == FAMILY.get(name, DEEPSEEK)
     assert engine.core.worker.attention.name == backend
     assert_matches_transformers(engine, refs[name], name)
     seen = record_logits(engine)
@@ -178,8 +206,14 @@ def test_experts_each_token_picks_match_transformers(dirs, refs, name) -> None:
     torch.testing.assert_close(
         got_w.gather(1, order_got), want_w.float().gather(1, order_want), rtol=1e-5, atol=1e-6
     )
-    if MODELS[name]["n_group"] > 1:  # the groups' restriction mattered for some token
-        plain = torch.topk(torch.softmax(x.float() @ ours.router.float().T, -1), 4).indices
+    logits = x.float() @ ours.router.float().T
+    if name == "v3":  # the correction bias, and the groups, mattered for some token
+        scores = torch.sigmoid(logits)
+        for plain in (scores, scores + ours.score_bias):
+            plain = torch.topk(plain, 4).indices
+            assert any(sorted(a) != sorted(b) for a, b in zip(plain.tolist(), got_ids.tolist()))
+    elif MODELS[name]["n_group"] > 1:  # the groups' restriction mattered for some token
+        plain = torch.topk(torch.softmax(logits, -1), 4).indices
         assert any(sorted(a) != sorted(b) for a, b in zip(plain.tolist(), got_ids.tolist()))
 
 
@@ -199,6 +233,28 @@ def test_grouped_router_against_a_naive_reference() -> None:
             assert sorted(ids[t].tolist()) == sorted(chosen)
             total = sum(p[e] for e in chosen)
             want = [p[e] / total if renorm else 2.5 * p[e] for e in ids[t].tolist()]
+            torch.testing.assert_close(w[t], torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_noaux_tc_router_against_a_naive_reference() -> None:
+    """DeepSeek-V3's: per token, sigmoid scores; the groups ranked by the sum of their best
+    two biased scores, experts outside the best ``topk_group`` dropped, the top-k biased
+    scores of the rest; weights the unbiased scores, renormalised or not, times the
+    scaling."""
+    gen = torch.Generator().manual_seed(0)
+    logits, bias = 3 * torch.randn(50, 12, generator=gen), torch.randn(12, generator=gen)
+    for renorm in (False, True):
+        w, ids = route_noaux_tc(logits, bias, 3, 4, 2, 2.5, renorm)
+        for t in range(50):
+            p = torch.sigmoid(logits[t]).tolist()
+            b = [p[e] + bias[e].item() for e in range(12)]
+            top2 = [sum(sorted(b[3 * g : 3 * g + 3])[-2:]) for g in range(4)]
+            groups = sorted(range(4), key=lambda g: -top2[g])[:2]
+            allowed = [e for g in groups for e in range(3 * g, 3 * g + 3)]
+            chosen = sorted(allowed, key=lambda e: -b[e])[:3]
+            assert sorted(ids[t].tolist()) == sorted(chosen)
+            total = sum(p[e] for e in chosen) if renorm else 1.0
+            want = [2.5 * p[e] / total for e in ids[t].tolist()]
             torch.testing.assert_close(w[t], torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
@@ -313,19 +369,22 @@ def test_what_the_latent_cache_cannot_serve_is_refused(dirs, tmp_path, no_weight
 
 
 @pytest.mark.parametrize(
-    "changes, field",
+    "name, changes, field",
     [
-        ({"topk_method": "noaux_tc"}, "topk_method"),  # DeepSeek-V3's router
-        ({"scoring_func": "sigmoid"}, "scoring_func"),
-        ({"n_group": 3}, "n_group"),  # does not divide 8 experts
-        ({"topk_group": 2}, "topk_group"),  # more groups than n_group (1)
-        ({"moe_layer_freq": 0}, "moe_layer_freq"),
+        ("lite", {"topk_method": "noaux_tc"}, "scoring_func 'softmax'.*noaux_tc"),
+        ("lite", {"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'.*greedy"),
+        ("lite", {"topk_method": "aux_free"}, "topk_method"),
+        ("lite", {"n_group": 3}, "n_group"),  # does not divide 8 experts
+        ("lite", {"topk_group": 2}, "topk_group"),  # more groups than n_group (1)
+        ("lite", {"moe_layer_freq": 0}, "moe_layer_freq"),
+        ("v3", {"n_group": 16, "topk_group": 4}, "n_group"),  # groups of one: no best two
+        ("v3", {"rope_interleave": False}, "rope_interleave"),
     ],
 )
 def test_unsupported_options_are_refused_naming_them(
-    dirs, tmp_path, changes, field, no_weight_loading
+    dirs, tmp_path, name, changes, field, no_weight_loading
 ) -> None:
-    path = variant(dirs["lite"], tmp_path / "m", **changes)
+    path = variant(dirs[name], tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=field):
         make_engine(path)
 
@@ -359,6 +418,36 @@ def test_a_published_config_json_reads(dirs, tmp_path) -> None:
     assert config.shared_expert_intermediate_size == 2 * 32 and not config.shared_expert_gate
 
 
+def test_v3_multi_token_prediction_layers_are_skipped(dirs, tmp_path) -> None:
+    """DeepSeek-V3's checkpoints carry ``num_nextn_predict_layers`` MTP layers after the
+    decoder's (``model.layers.{num_hidden_layers}.*``, with their own ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head``): not run, skipped at load; with the key 0 they are
+    unexpected weights, named."""
+    layers = hf_config("v3").num_hidden_layers
+
+    def mtp_layer(tensors: dict) -> dict:
+        mtp = f"model.layers.{layers}."
+        out = {
+            k.replace(f"model.layers.{layers - 1}.", mtp): v.clone()
+            for k, v in tensors.items()
+            if k.startswith(f"model.layers.{layers - 1}.")
+        }
+        h = tensors["model.norm.weight"]
+        out.update({mtp + "enorm.weight": h.clone(), mtp + "hnorm.weight": h.clone()})
+        out[mtp + "eh_proj.weight"] = torch.zeros(h.shape[0], 2 * h.shape[0])
+        out[mtp + "shared_head.norm.weight"] = h.clone()
+        return out
+
+    path = variant(dirs["v3"], tmp_path / "mtp", num_nextn_predict_layers=1)
+    rewrite(path, mtp_layer)
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    want = run_all(make_engine(dirs["v3"]), prompts(1), params)
+    assert run_all(make_engine(path), prompts(1), params) == want
+    bad = variant(path, tmp_path / "no-key", num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match=f"unexpected weight 'model.layers.{layers}."):
+        make_engine(bad)
+
+
 # ---- GGUF (llama.cpp's deepseek2) ----------------------------------------------------------
 def _kv_b_beside_its_split(tensors: dict) -> None:
     """attn_kv_b written beside attn_k_b and attn_v_b (converters that keep both)."""
@@ -371,19 +460,22 @@ def _kv_b_beside_its_split(tensors: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "name, split_kv_b", [("lite", False), ("lite", True), ("lite", "both"), ("v2-greedy", True)]
-)
+    "name, split_kv_b",
+    [("lite", False), ("lite", True), ("lite", "both"), ("v2-greedy", True), ("v2", True),
+     ("v3", True)],
+)  # fmt: skip
 def test_gguf_matches_the_directory(dirs, tmp_path, name, split_kv_b) -> None:
     """Written as llama.cpp's converter writes DeepSeek-V2 (MLA as MQA over the latent:
     head_count_kv 1, key_length kv_lora_rank + rope dims; kv_b_proj whole, or split into
     attn_k_b / attn_v_b as newer converters write it; experts stacked, shared experts as
     ffn_*_shexp; mscale_all_dim in yarn_log_multiplier): the directory's logits and greedy
-    tokens. V2's q bottleneck and routed scaling factor with greedy routing (the converter
-    writes no group keys for V2's group_limited_greedy)."""
+    tokens. V2's q bottleneck and routed scaling factor with greedy routing, and with its
+    group_limited_greedy (the group keys newer converters write); V3's noaux_tc router
+    (sigmoid gating, exp_probs_b its correction bias, the group keys, expert_weights_norm)."""
     from chunkserve.model.loader import gguf_model_config, hf_model_config, open_gguf
     from tests.test_gguf import _compare, write_gguf
 
-    src = dirs["lite"]
+    src = dirs["lite" if name == "lite" else name.removesuffix("-greedy")]
     if name == "v2-greedy":
         src = variant(dirs["v2"], tmp_path / "v2", topk_method="greedy", n_group=1, topk_group=1)
     both = _kv_b_beside_its_split if split_kv_b == "both" else None
@@ -397,25 +489,36 @@ def test_gguf_matches_the_directory(dirs, tmp_path, name, split_kv_b) -> None:
         "architecture", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
         "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
         "shared_expert_intermediate_size", "moe_layers", "routed_scaling_factor",
-        "num_kv_heads",
+        "num_kv_heads", "topk_method", "n_group", "topk_group", "norm_topk_prob",
     ):  # fmt: skip
         assert getattr(got, field) == getattr(want, field), field
     _compare(src, path, 1e-5)
 
 
+def _drop_correction_biases(tensors: dict) -> None:
+    for name in [n for n in tensors if n.endswith("exp_probs_b.bias")]:
+        tensors.pop(name)
+
+
 @pytest.mark.parametrize(
-    "extra, edit, named",
+    "name, extra, edit, named",
     [
-        ({"deepseek2.expert_group_count": 4}, None, "deepseek2.expert_group_count"),
-        (None, lambda t: t.pop("blk.1.attn_v_b.weight"), "attn_k_b.weight without attn_v_b"),
-        (None, lambda t: t.update({"blk.1.exp_probs_b.bias": t["blk.1.ffn_norm.weight"][:8]}),
-         "blk.1.exp_probs_b.bias"),
+        ("lite", {"deepseek2.expert_gating_func": 3}, None, "deepseek2.expert_gating_func: 3"),
+        ("lite", {"deepseek2.expert_group_used_count": 2}, None, "expert_group_used_count"),
+        ("lite", None, lambda t: t.pop("blk.1.attn_v_b.weight"),
+         "attn_k_b.weight without attn_v_b"),
+        # V2's softmax router with V3's expert bias: llama.cpp would add it to the choice.
+        ("lite", None,
+         lambda t: t.update({"blk.1.exp_probs_b.bias": t["blk.1.ffn_norm.weight"][:8]}),
+         "model.layers.1.mlp.gate.e_score_correction_bias"),
+        ("v3", None, _drop_correction_biases, "missing.*e_score_correction_bias"),
     ],
 )  # fmt: skip
-def test_gguf_what_we_cannot_honour_is_refused_naming_it(dirs, tmp_path, extra, edit, named):
-    """V3's grouped router (group keys), a half of a split kv_b, V3's expert bias."""
+def test_gguf_what_we_cannot_honour_is_refused_naming_it(dirs, tmp_path, name, extra, edit, named):
+    """Gating other than softmax / sigmoid, a group count without groups, a half of a split
+    kv_b, V3's expert bias beside V2's router, V3's router without its bias."""
     from tests.test_gguf import write_gguf
 
-    path = write_gguf(dirs["lite"], tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
+    path = write_gguf(dirs[name], tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
     with pytest.raises(ValueError, match=named):
         make_engine(path)

@@ -37,9 +37,11 @@ GGUF_ARCH = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
     "gpt_oss": "gpt-oss",
 }
 # The converters derived from llama.cpp's LlamaModel, which permute Q/K rows.
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 PERMUTED = {"llama", "mistral", "mixtral", "granite", "smollm3"}
 # One expert's tensor of a mixture of experts: the converters stack them over experts.
 EXPERT = re.compile(r"^(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -111,13 +113,13 @@ def write_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(1 if family == "deepseek_v2" else n_kv)  # MLA written as MQA
+    w.add_head_count_kv(1 if family in DEEPSEEK else n_kv)  # MLA written as MQA
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if family != "phi3":  # Phi3MiniModel.set_gguf_parameters writes none
         w.add_vocab_size(cfg["vocab_size"])
     # Granite's converter drops head_dim; DeepSeek's writes its own (below).
-    if cfg.get("head_dim") and family not in ("granite", "deepseek_v2"):
+    if cfg.get("head_dim") and family not in ("granite", *DEEPSEEK):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if family in PERMUTED:  # LlamaModel.set_gguf_parameters
@@ -147,7 +149,7 @@ def write_gguf(
             for kind in ("long", "short"):
                 factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
                 w.add_tensor(f"rope_factors_{kind}.weight", factors)
-    if family == "deepseek_v2":
+    if family in DEEPSEEK:
         _deepseek_keys(w, cfg, rope)
     if family == "gpt_oss":  # GptOssModel.set_gguf_parameters, and the base's YaRN keys
         w.add_sliding_window(cfg["sliding_window"])
@@ -194,6 +196,8 @@ def write_gguf(
             prefix, index, proj = expert.groups()
             stacked.setdefault(f"{prefix}.{proj}", {})[int(index)] = data
             continue
+        if name.endswith("e_score_correction_bias"):  # the converter's rename, then mapped
+            name = name.removesuffix("_bias") + ".bias"
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         tensors[gguf_name] = data
@@ -201,7 +205,7 @@ def write_gguf(
         gguf_name = names.get_name(name)
         assert gguf_name is not None, name
         tensors[gguf_name + ".weight"] = np.stack([parts[e] for e in range(len(parts))])
-    if family == "deepseek_v2" and split_kv_b:
+    if family in DEEPSEEK and split_kv_b:
         _split_kv_b(tensors, cfg)
     if edit is not None:
         edit(tensors)
@@ -222,8 +226,10 @@ def write_gguf(
 
 
 def _deepseek_keys(w, cfg: dict, rope: dict) -> None:
-    """DeepseekV2Model.set_gguf_parameters: MLA as MQA over the latent, the MoE keys, YaRN's
-    mscale_all_dim as 0.1 x it in yarn_log_multiplier."""
+    """DeepseekV2Model.set_gguf_parameters: MLA as MQA over the latent, the MoE keys (the
+    gating function from ``scoring_func``: sigmoid for V3; the group counts as the base
+    converter writes them from ``n_group`` / ``topk_group``), YaRN's mscale_all_dim as
+    0.1 x it in yarn_log_multiplier."""
     import gguf
 
     rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
@@ -239,7 +245,12 @@ def _deepseek_keys(w, cfg: dict, rope: dict) -> None:
     w.add_expert_weights_scale(cfg["routed_scaling_factor"])
     if cfg.get("norm_topk_prob"):
         w.add_expert_weights_norm(True)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    v3 = cfg["model_type"] == "deepseek_v3"
+    if v3 or cfg.get("n_group", 1) > 1:
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    kind = "SIGMOID" if v3 else "SOFTMAX"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType[kind])
     w.add_rope_dimension_count(rope_dim)
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

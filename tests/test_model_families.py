@@ -322,12 +322,12 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) ->
 
 
 def test_every_family_is_tested() -> None:
-    from tests.test_deepseek import DEEPSEEK  # latent attention: tested there
+    from tests.test_deepseek import DEEPSEEK, FAMILY  # latent attention: tested there
     from tests.test_moe import MOE_FAMILIES  # mixtures of experts: tested there
 
-    # DeepSeek-V2: tests/test_deepseek.py; GPT-OSS: tests/test_gpt_oss.py
+    # DeepSeek-V2 and V3: tests/test_deepseek.py; GPT-OSS: tests/test_gpt_oss.py
     tested = {FAMILY_OF.get(name, name) for name in FAMILIES} | set(MOE_FAMILIES)
-    assert set(supported_families()) == tested | {DEEPSEEK, "gpt_oss"}
+    assert set(supported_families()) == tested | {DEEPSEEK, *FAMILY.values(), "gpt_oss"}
 
 
 # Variants of the families' models (config.json edited). Sliding windows (shorter than the

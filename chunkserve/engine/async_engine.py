@@ -195,12 +195,14 @@ class AsyncEngine:
     @property
     def stuck(self) -> bool:
         """Work is waiting and no step has finished for ``STUCK_AFTER_S`` (the in-process
-        engine's step hangs, or a core process stopped reporting); before the engine's first
-        step, for ``FIRST_STEP_ALLOWANCE_S`` at least (``watchdog_limit``)."""
+        engine's step hangs, or a core process stopped reporting); for ``LONGEST_STEP_FACTOR``
+        x the longest step it has taken at least, and before its first step for
+        ``FIRST_STEP_ALLOWANCE_S`` (``watchdog_limit``)."""
         last = max(self._busy_since, self.engine.last_progress)
         limit = watchdog_limit(
             STUCK_AFTER_S if self.stuck_after_s is None else self.stuck_after_s,
             self.engine.num_steps_seen > 0,
+            self.engine.longest_step_s,
         )
         return self._busy and time.monotonic() - last > limit
 

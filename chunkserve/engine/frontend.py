@@ -37,12 +37,18 @@ WATCHDOG_S = 120.0
 # 2-core machine took over 2 s) may take far longer than any later one: until the engine has
 # finished a step, the watchdog waits at least this long, whatever its timeout.
 FIRST_STEP_ALLOWANCE_S = 60.0
+# An overloaded but healthy engine may take long steps (a long prefill chunk of a mixture of
+# experts on a busy CPU): the watchdog waits at least this many times the longest step the
+# engine has finished (its first, cold, step aside), whatever its timeout.
+LONGEST_STEP_FACTOR = 5.0
 
 
-def watchdog_limit(timeout_s: float, stepped: bool) -> float:
+def watchdog_limit(timeout_s: float, stepped: bool, longest_step_s: float = 0.0) -> float:
     """Seconds without a finished step after which an engine with work is hung: the
-    watchdog's timeout, raised to ``FIRST_STEP_ALLOWANCE_S`` before the first step."""
-    return timeout_s if stepped else max(timeout_s, FIRST_STEP_ALLOWANCE_S)
+    watchdog's timeout, raised to ``LONGEST_STEP_FACTOR`` x ``longest_step_s`` (the longest
+    step seen after the first), and to ``FIRST_STEP_ALLOWANCE_S`` before the first step."""
+    limit = max(timeout_s, LONGEST_STEP_FACTOR * longest_step_s)
+    return limit if stepped else max(limit, FIRST_STEP_ALLOWANCE_S)
 
 
 class FrontEnd:
@@ -102,6 +108,8 @@ class FrontEnd:
         # monotonic time of the last step the core finished: a server watches it.
         self.last_progress = time.monotonic()
         self.num_steps_seen = 0  # steps whose stats came back (the first one is slow)
+        # The longest wall time of those steps, the first aside (``watchdog_limit``).
+        self.longest_step_s = 0.0
         self.step_listeners: list[Callable[[StepStats], None]] = []
         # Called with the final output of every request that ends: stop, length, abort, error.
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
@@ -169,6 +177,8 @@ class FrontEnd:
         self._notify_finished(done.outputs)
         if stats is not None:
             self.last_progress = time.monotonic()
+            if self.num_steps_seen:
+                self.longest_step_s = max(self.longest_step_s, stats.wall_time)
             self.num_steps_seen += 1
             for listener in self.step_listeners:
                 listener(stats)

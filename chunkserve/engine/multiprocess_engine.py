@@ -13,7 +13,9 @@ than the least loaded one; otherwise to the least loaded. Outstanding work is th
 core still has to compute for its requests in flight (prompt, plus the outputs still due).
 
 A core that dies (killed, the device failed), never starts, or reports no step for
-``watchdog_s`` seconds while it has requests in flight (hung: it is killed) is an error no
+``watchdog_s`` seconds while it has requests in flight (or ``frontend.LONGEST_STEP_FACTOR``
+times its longest step, where that is longer: an overloaded core's steps are long, not
+hung; hung: it is killed) is an error no
 step recovers from: ``step()`` raises ``CoreDeadError`` (a ``DeviceError``), the async
 engine fails every request in flight and ``/health`` answers 503.
 """
@@ -86,6 +88,7 @@ class _Core:
     # Its last report, or its first request after it had none: the watchdog counts from here.
     quiet_since: float = field(default_factory=time.monotonic)
     stepped: bool = False  # it has reported a step (its first, cold, one is slow)
+    longest_step_s: float = 0.0  # its longest step after the first (``watchdog_limit``)
 
 
 class MultiprocessEngine(FrontEnd):
@@ -207,7 +210,8 @@ class MultiprocessEngine(FrontEnd):
             now = time.monotonic()
             for core in self._cores:
                 quiet = now - core.quiet_since
-                if core.outstanding and quiet > watchdog_limit(self.watchdog_s, core.stepped):
+                limit = watchdog_limit(self.watchdog_s, core.stepped, core.longest_step_s)
+                if core.outstanding and quiet > limit:
                     self._die(
                         f"engine core {core.index} reported no step for {quiet:.0f} s with "
                         f"requests in flight (watchdog)"
@@ -221,7 +225,10 @@ class MultiprocessEngine(FrontEnd):
         core = self._cores[report.core]
         core.load = report.load
         core.quiet_since = time.monotonic()
-        core.stepped = core.stepped or report.stats is not None
+        if report.stats is not None:
+            if core.stepped:
+                core.longest_step_s = max(core.longest_step_s, report.stats.wall_time)
+            core.stepped = True
         for out in report.outputs:
             if out.finished:
                 self._release(out.request_id)

@@ -90,7 +90,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="with requests in flight and no engine step finished for this many seconds "
-        "(default 120), "
+        "(default 120; or 5x the longest step the engine has taken, where that is longer), "
         "the engine is hung: /health answers 503; a hung core process is killed and its "
         "requests end with an error",
     )

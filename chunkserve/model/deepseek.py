@@ -29,6 +29,8 @@ every rank.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -256,6 +258,13 @@ class LatentAttention(nn.Module):
 # unscaled, the softmax scale x mscale(factor, mscale_all_dim) ** 2). kv_b_proj is attn_kv_b,
 # or (newer converters, for absorbed attention) attn_k_b, each head's W_UK transposed
 # ([H, rank, nope]), and attn_v_b ([H, v, rank]).
+# The router: expert_gating_func 1 (softmax, or no key: llama.cpp's default for deepseek2)
+# is V2's, 2 (sigmoid) V3's "noaux_tc" with exp_probs_b.bias its e_score_correction_bias
+# (the model family deepseek_v3); expert_weights_norm is norm_topk_prob; expert_group_count
+# / expert_group_used_count are n_group / topk_group (newer converters write them for V2
+# too: with softmax and more than one group, V2's group_limited_greedy, whose groups rank by
+# their best expert as DeepSeek-V2's code does; llama.cpp's graph ranks every family's groups
+# by their best two, as V3's).
 _DEEPSEEK_TENSORS, _DEEPSEEK_EXPERTS = gguf_moe_names(DEEPSEEK_NAMES, shared=True)
 _DEEPSEEK_TENSORS.update(
     {
@@ -265,6 +274,7 @@ _DEEPSEEK_TENSORS.update(
         "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
         "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
         "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # V3's correction bias
     }
 )
 _DEEPSEEK_KEYS = {
@@ -284,7 +294,9 @@ _DEEPSEEK_KEYS = {
     "expert_group_count": "_group_count",
     "expert_group_used_count": "_group_used_count",
 }
-_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (2: sigmoid, V3's)
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (V2's, and a file without the key) and
+# _SIGMOID (V3's).
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
 
 
 def _kv_b_from_k_b_v_b(config: ModelConfig, arrays: list) -> object:
@@ -328,27 +340,29 @@ def _deepseek_gguf_fields(f: dict) -> dict:
                 f"model: GGUF key {prefix + key!r}: {f[name]}, expected {want} (MLA written as "
                 f"MQA over the latent); other layouts are not supported"
             )
-    if f.get("_gating_func", _SOFTMAX_GATING) != _SOFTMAX_GATING:
+    gating = int(f.get("_gating_func") or _SOFTMAX_GATING)
+    if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
         raise ValueError(
-            f"model: GGUF key {prefix}expert_gating_func: {f['_gating_func']} is not "
-            f"supported (only 1, softmax: DeepSeek-V2's router)"
+            f"model: GGUF key {prefix}expert_gating_func: {gating} is not supported (only 1, "
+            f"softmax: DeepSeek-V2's router; 2, sigmoid: DeepSeek-V3's)"
         )
-    for name, key in (
-        ("_group_count", "expert_group_count"),
-        ("_group_used_count", "expert_group_used_count"),
-    ):
-        if f.get(name, 1) not in (0, 1):
-            raise ValueError(
-                f"model: GGUF key {prefix + key!r}: {f[name]} is not supported (llama.cpp's "
-                f"group scoring is not DeepSeek-V2's group_limited_greedy; serve the HF "
-                f"directory)"
-            )
+    groups, used = int(f.get("_group_count") or 1), int(f.get("_group_used_count") or 1)
+    if groups <= 1 and used > 1:
+        raise ValueError(
+            f"model: GGUF key {prefix}expert_group_used_count: {used} groups of "
+            f"expert_group_count {groups}"
+        )
+    router: dict = dict(n_group=groups, topk_group=used if groups > 1 else 1)
+    if gating == _SIGMOID_GATING:
+        router.update(architecture="deepseek_v3", topk_method="noaux_tc")
+    else:
+        router["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
     out: dict = dict(
         head_dim=rope,
         qk_nope_head_dim=qk - rope,
         num_kv_heads=f["num_heads"],  # transformers' config: one KV head per head
         shared_expert_gate=False,
-        topk_method="greedy",
+        **router,
     )
     if f.get("num_experts"):
         first = int(f.get("_leading_dense") or 0)
@@ -412,3 +426,30 @@ class DeepseekV2Model(DecoderLM):
         attn_meta: object,
     ) -> torch.Tensor:
         return super().forward(layout, kv_caches, attn, LatentStep(layout, attn, attn_meta))
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None
+    ) -> None:
+        """``DecoderLM.load_weights``, skipping DeepSeek-V3's multi-token-prediction layers
+        (``model.layers.{num_layers + i}.*``, i < ``num_nextn_predict_layers``)."""
+        first = self.config.num_layers
+        last = first + self.config.num_nextn_predict_layers
+
+        def decoder_only() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                m = _LAYER.match(name)
+                if m is None or not first <= int(m.group(1)) < last:
+                    yield name, tensor
+
+        super().load_weights(decoder_only(), quantization)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@register("deepseek_v3", hf=("DeepseekV3ForCausalLM",))
+class DeepseekV3Model(DeepseekV2Model):
+    """DeepSeek-V3 (and R1): V2's latent attention and experts, the "noaux_tc" router
+    (``moe.route_noaux_tc``; its correction bias is the router's
+    ``e_score_correction_bias``). From GGUF it loads as ``deepseek2`` with sigmoid gating
+    (``_deepseek_gguf_fields``)."""

@@ -26,7 +26,8 @@ a tuple of slices). ``dequantize_stream(lazy=True)`` (the loader's) yields a qua
 tensor as a ``LazyDequant``, whose ``[src]`` dequantizes only the blocks the slice touches
 (MXFP4: the rows it selects and the 32-value groups its input range covers; FP8: the rows
 and columns it selects with their blocks' scales), so a rank dequantizes its share of the
-checkpoint, not the whole of it (``benchmarks/tp_dequant.py`` measures it).
+checkpoint, not the whole of it; the loader's raw tensors are ``lazy.LazyTensor``s, so it
+reads only those blocks from the file too (``benchmarks/tp_dequant.py`` measures both).
 """
 
 from __future__ import annotations

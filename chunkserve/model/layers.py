@@ -223,7 +223,7 @@ def take_quantized(weight: QuantizedWeight, src: tuple[slice, ...], name: str) -
                 f"cut its {weight.qtype} blocks ({exc}); use another tensor_parallel_size or "
                 f"dequantize the file's weights at load"
             ) from None
-    return weight
+    return weight.owned()  # a weight over a file's map: only what this rank keeps, copied
 
 
 def weight_nbytes(weight: Weight | None) -> int:

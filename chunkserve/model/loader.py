@@ -50,10 +50,21 @@ fused tensors: map ``attn_qkv.weight`` to the HF fused name its class loads, or 
 family of ``tests/test_model_families.py`` through ``write_gguf`` (gguf-py's own tensor-name
 map; add the converter's changes there: the arch name, Q/K permutation, Gemma's ``+ 1``, its
 keys): the GGUF must give the directory's logits and greedy tokens.
+
+**Reads**: a tensor-parallel rank reads its share of each tensor, not the whole of it
+(``tests/test_lazy_reads.py`` counts the bytes). Float tensors come as ``lazy.LazyTensor``s
+(safetensors' ``get_slice``; slices of a GGUF file's memory map, a block tensor dequantized
+by whole rows of blocks, Q/K rows through llama.cpp's permutation); a quantized HF
+checkpoint's raw tensors the same way, under ``hf_quant.LazyDequant``; a GGUF file's kept
+quantized tensors as ``GGUFWeight``s over the map, copied where ``take_quantized`` keeps
+their rows or columns. Whole reads remain where a tensor is needed whole: joins (MLA's
+``kv_b_proj``, GPT-OSS's gate/up), norms with an offset, vectors, a permuted Q/K weight kept
+quantized.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
@@ -71,6 +82,7 @@ import torch
 from chunkserve.config import ModelConfig
 from chunkserve.model import hub
 from chunkserve.model.hf_quant import dequantize_stream, quant_method
+from chunkserve.model.lazy import LazyTensor, safetensors_tensor
 from chunkserve.model.registry import GGUFSpec, family_of_hf, gguf_spec
 from chunkserve.quant.weight import GGUFWeight, QuantizedWeight
 
@@ -421,7 +433,7 @@ def iter_gguf_weights(
             if quantized and code not in _FLOAT_TYPES:
                 kind = GGMLQuantizationType(code).name
                 others[kind] = others.get(kind, 0) + 1
-            parts = _float_parts(t, _float_array(t, shape), names, spec, config, dtype)
+            parts = _lazy_float_parts(t, shape, names, spec, config, dtype)
         for name, part in parts:
             if name.startswith("model.layers.") and name.split(".", 3)[3] in joined:
                 if name in loaded:
@@ -512,16 +524,76 @@ def _float_parts(
         yield name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
 
 
+def _lazy_float_parts(
+    t: Any,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    spec: GGUFSpec,
+    config: ModelConfig,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Tensor ``t``'s HF parts in ``dtype``, as ``_float_parts`` gives them, but as
+    ``LazyTensor``s over the file's memory map: a part's ``[src]`` reads (F32, F16) or
+    dequantizes (block types: whole rows of blocks, then the columns cut) only the rows
+    ``src`` selects (a Q/K projection's rows through llama.cpp's permutation). Norms with the
+    family's offset, vectors and 1-D block tensors are read whole."""
+    code = int(t.tensor_type)
+    if len(shape) < 2 or (spec.norm_offset and any(n.endswith("norm.weight") for n in names)):
+        yield from _float_parts(t, _float_array(t, shape), names, spec, config, dtype)
+        return
+    data = t.data  # a view of the map: F32/F16 values, else rows of block bytes
+    if code in (0, 1):
+        data = data.reshape(shape)
+    names, rows, stacked = _split_names(t, shape, names, spec, config)
+    if stacked:
+        views = [(data[e], shape[1:]) for e in range(shape[0])]
+    elif rows is None:
+        views = [(data, shape)]
+    else:
+        views = [(data[a:b], (b - a, *shape[1:])) for a, b in rows]
+    for name, (view, part_shape) in zip(names, views, strict=True):
+        heads = _qk_heads(name, spec, config)
+        order = None
+        if heads is not None:  # part row i is the file's row order[i]
+            order = _unpermute_rope(np.arange(part_shape[0])[:, None], heads)[:, 0]
+        yield (
+            name,
+            LazyTensor(part_shape, torch.float32, _gguf_box_reader(view, code, order), dtype),
+        )
+
+
+def _gguf_box_reader(view: np.ndarray, code: int, order: np.ndarray | None):
+    """``read(box)`` of a ``LazyTensor`` over ``view`` (a part of a GGUF tensor's map: F32 /
+    F16 values [rows, ...], or rows of block bytes [rows, ..., bytes] for type ``code``),
+    its rows in ``order`` (None: as stored): float32 values of the box, only its rows read."""
+    from chunkserve.quant.formats import dequantize
+
+    def read(box: tuple[slice, ...]) -> torch.Tensor:
+        first = box[0] if order is None else order[box[0]]
+        if code in (0, 1):
+            sub = view[first][(slice(None), *box[1:])]
+            return torch.from_numpy(np.array(sub, dtype=np.float32))
+        sub = np.ascontiguousarray(view[first][(slice(None), *box[1:-1])])
+        values = dequantize(sub, code)
+        values = values.reshape(*sub.shape[:-1], -1)[..., box[-1]]
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    return read
+
+
 def _quantized_parts(
     t: Any, shape: tuple[int, ...], names: tuple[str, ...], spec: GGUFSpec, config: ModelConfig
 ) -> Iterator[tuple[str, QuantizedWeight]]:
-    raw = np.asarray(t.data)  # uint8 [..., rows, row bytes]
+    raw = t.data  # uint8 [..., rows, row bytes]: a view of the map
     code = int(t.tensor_type)
     names, rows, stacked = _split_names(t, shape, names, spec, config)
+    # Views of the file's map: a rank's ``take_quantized`` copies (reads) only its share.
     if stacked:  # experts: one weight of each expert's block rows
-        weights = [GGUFWeight.from_gguf(raw[e], code, name) for e, name in enumerate(names)]
+        weights = [
+            GGUFWeight.from_gguf(raw[e], code, name, copy=False) for e, name in enumerate(names)
+        ]
     else:
-        whole = GGUFWeight.from_gguf(raw.reshape(-1, raw.shape[-1]), code, t.name)
+        whole = GGUFWeight.from_gguf(raw.reshape(-1, raw.shape[-1]), code, t.name, copy=False)
         weights = [whole] if rows is None else [whole.rows(a, b) for a, b in rows]
     for name, weight in zip(names, weights, strict=True):
         heads = _qk_heads(name, spec, config)
@@ -568,6 +640,9 @@ _HF_DEFAULTS = {
         attn_logit_softcapping=50.0,
     ),
     "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0),
+    # DeepseekV3Config's router (transformers writes neither key; DeepSeek's config.json
+    # does).
+    "deepseek_v3": dict(topk_method="noaux_tc", scoring_func="sigmoid"),
     # Qwen2-MoE's Q/K/V biases are its config's ``qkv_bias`` (true by default).
     "qwen2_moe": dict(qkv_bias=True),
     # GptOssConfig's: biases, the clamped SwiGLU, YaRN (factor 32 over 4096 positions).
@@ -789,15 +864,20 @@ def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> 
     """DeepSeek's MoE fields (``n_routed_experts``): experts on layer i from
     ``first_k_dense_replace`` on where i is a multiple of ``moe_layer_freq`` (DeepSeek's
     rule; transformers' DeepseekV2 reads no ``moe_layer_freq``, as if it were 1), its router
-    (``topk_method``, ``n_group``, ``topk_group``, ``routed_scaling_factor``; softmax scores
-    only), ``n_shared_experts`` experts' width as one ungated shared expert."""
+    (``topk_method``, ``n_group``, ``topk_group``, ``routed_scaling_factor``; V2's softmax
+    scores, or V3's sigmoid ones with "noaux_tc"), ``n_shared_experts`` experts' width as
+    one ungated shared expert; V3's multi-token-prediction layers
+    (``num_nextn_predict_layers``, stored after the decoder's) are skipped at load."""
     freq = cfg.get("moe_layer_freq", 1)
     if not isinstance(freq, int) or freq < 1:
         raise ValueError(f"model: config.json: moe_layer_freq {freq!r} must be an integer >= 1")
+    method = str(cfg.get("topk_method") or "greedy")
     scoring = cfg.get("scoring_func", "softmax")
-    if scoring != "softmax":
+    want = "sigmoid" if method == "noaux_tc" else "softmax"
+    if scoring != want:
         raise ValueError(
-            f"model: config.json: scoring_func {scoring!r} is not supported (only 'softmax')"
+            f"model: config.json: scoring_func {scoring!r} is not supported with topk_method "
+            f"{method!r} (only {want!r})"
         )
     first = _cfg_int(cfg, "first_k_dense_replace", 0, minimum=0)
     layers = tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
@@ -810,10 +890,11 @@ def _deepseek_moe_fields(cfg: dict[str, Any], num_layers: int, experts: int) -> 
         shared_expert_intermediate_size=_cfg_int(cfg, "n_shared_experts", 0, minimum=0) * moe_inter,
         shared_expert_gate=False,
         moe_layers=None if len(layers) == num_layers else layers,
-        topk_method=str(cfg.get("topk_method") or "greedy"),
+        topk_method=method,
         n_group=_cfg_int(cfg, "n_group", 1, minimum=1),
         topk_group=_cfg_int(cfg, "topk_group", 1, minimum=1),
         routed_scaling_factor=_cfg_float(cfg, "routed_scaling_factor", 1.0),
+        num_nextn_predict_layers=_cfg_int(cfg, "num_nextn_predict_layers", 0, minimum=0),
     )
 
 
@@ -822,6 +903,11 @@ def _mla_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     is the rope part of a head (``qk_rope_head_dim``, as transformers sets it)."""
     if cfg.get("kv_lora_rank") is None:
         return {}
+    if cfg.get("rope_interleave", True) is not True:
+        raise ValueError(
+            f"model: config.json: rope_interleave {cfg['rope_interleave']!r} is not supported "
+            f"(only true: DeepSeek's rope rotates interleaved pairs)"
+        )
     return dict(
         kv_lora_rank=_cfg_int(cfg, "kv_lora_rank", minimum=1),
         q_lora_rank=_cfg_int(cfg, "q_lora_rank", None, minimum=1),
@@ -889,13 +975,16 @@ def iter_hf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch
     yield from dequantize_stream(_iter_safetensors(path), method, dtype, cfg, lazy=True)
 
 
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """The directory's tensors as ``lazy.LazyTensor``s (read where a rank slices them); the
+    files stay open until the last is read (a quantized pair's tensors may be in two)."""
     from safetensors import safe_open
 
-    for file in hf_weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
+    with contextlib.ExitStack() as stack:
+        for file in hf_weight_files(path):
+            f = stack.enter_context(safe_open(str(file), framework="pt"))
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                yield name, safetensors_tensor(f, name)
 
 
 def load_model_config(source: ModelSource) -> tuple[ModelConfig, Any]:

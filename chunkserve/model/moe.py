@@ -14,7 +14,10 @@ grouping the step's tokens by expert, and an optional shared expert.
   (nearly) all of them.
 - **DeepSeek's router** (``route_grouped``, ``ModelConfig.topk_method``): softmax scores,
   the top-k restricted to the best ``topk_group`` of ``n_group`` expert groups, weights
-  times ``routed_scaling_factor`` (or renormalised).
+  times ``routed_scaling_factor`` (or renormalised). DeepSeek-V3's ("noaux_tc",
+  ``route_noaux_tc``): sigmoid scores; the experts are chosen by score plus a learned
+  per-expert bias (the router's ``e_score_correction_bias``), a group ranked by the sum of
+  its best two; the weights are the chosen experts' unbiased scores.
 - **GPT-OSS** (``router="topk_softmax"``, ``bias=True``, ``ModelConfig.swiglu_limit``): the
   router's logits have a bias, the top k *logits* are chosen and the softmax runs over those
   k only (``route_topk_softmax``); every expert's gate/up and down have biases; the gate is
@@ -143,6 +146,38 @@ def route_grouped(
     elif scaling != 1.0:
         weights = weights * scaling
     return weights, ids
+
+
+def route_noaux_tc(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    scaling: float,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (``topk_method`` "noaux_tc"): sigmoid scores in fp32; the
+    choice is made on score + ``bias`` [E] (the correction bias): the experts, cut into
+    ``num_groups`` groups, keep only those of the ``topk_group`` groups whose best two
+    biased scores sum highest, and the ``top_k`` best biased scores of those are chosen.
+    Their weights are their unbiased scores, renormalised to sum to 1 (``renormalize``),
+    then times ``scaling`` (``routed_scaling_factor``)."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    if num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, num_groups, e // num_groups)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(best, topk_group, dim=-1).indices, True)
+        keep = keep[:, :, None].expand(t, num_groups, e // num_groups).reshape(t, e)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,6 +397,11 @@ class SparseMoE(nn.Module):
         if self.topk_method == "greedy":
             self.groups = (1, 1)
         self.routed_scaling = config.routed_scaling_factor
+        # DeepSeek-V3's correction bias (fp32, as transformers keeps it): biases the choice
+        # of experts, not their weights.
+        self.score_bias = None
+        if self.topk_method == "noaux_tc":
+            self.score_bias = _param(self.num_experts, dtype=torch.float32, device=device)
         self.group = group
         self.tiling: RowTiling | None = None  # the deterministic mode's (``RowTiling``)
 
@@ -374,6 +414,11 @@ class SparseMoE(nn.Module):
             logits = tap.bias(logits)
         if self.router_kind == "topk_softmax":
             weights, ids = route_topk_softmax(logits, self.top_k)
+        elif self.score_bias is not None:
+            weights, ids = route_noaux_tc(
+                logits, self.score_bias, self.top_k, *self.groups, self.routed_scaling,
+                self.renormalize,
+            )  # fmt: skip
         elif self.topk_method is not None:
             weights, ids = route_grouped(
                 logits, self.top_k, *self.groups, self.routed_scaling, self.renormalize
@@ -452,6 +497,10 @@ class SparseMoE(nn.Module):
         if self.router_bias is not None:
             out[block + names["router"] + ".bias"] = Target(
                 self.router_bias, (slice(None),), (self.num_experts,)
+            )
+        if self.score_bias is not None:
+            out[block + names["router"] + ".e_score_correction_bias"] = Target(
+                self.score_bias, (slice(None),), (self.num_experts,)
             )
         c0, c1 = self.cols
         width = c1 - c0

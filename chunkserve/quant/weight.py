@@ -19,6 +19,7 @@ scales apart from quants, has not been tried yet).
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -36,7 +37,9 @@ class QuantizedWeight(abc.ABC):
     """An [out, in] weight kept quantized. Invariants: ``shape`` is (out_features,
     in_features); ``matmul(x)`` equals ``x @ dequantize(x.dtype).T`` within the kernel's
     stated tolerance; every edit (``rows``, ``cols``, ``permute_rows``) returns a new weight
-    of the same class and qtype owning its own storage."""
+    of the same class and qtype owning its own storage (but ``permute_rows`` of a GGUF
+    weight over a file's map, which stays a view until ``rows``, ``cols`` or ``owned``
+    copy from it)."""
 
     qtype: str
     shape: tuple[int, int]
@@ -77,6 +80,11 @@ class QuantizedWeight(abc.ABC):
         """``parts`` (all of this class and qtype, same in_features) stacked by rows, or
         None where this class cannot stack them (e.g. different group sizes)."""
         return None
+
+    def owned(self) -> QuantizedWeight:
+        """This weight with storage of its own (a weight over a file's memory map, as the
+        GGUF loader gives them, copied)."""
+        return self
 
     @property
     def out_features(self) -> int:
@@ -137,18 +145,51 @@ class GGUFWeight(QuantizedWeight):
         self.shape = (data.shape[0], data.shape[1] // fmt.block_bytes * fmt.block_values)
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, code: int, name: str) -> GGUFWeight:
+    def from_gguf(cls, raw: np.ndarray, code: int, name: str, copy: bool = True) -> GGUFWeight:
         """A weight from a GGUF tensor's raw data (uint8 [rows, row_bytes] as ``GGUFReader``
-        gives it, possibly a read-only memory map: copied). ``code``: its
-        GGMLQuantizationType, one of ``formats.FORMATS`` (else a ValueError naming it)."""
+        gives it, possibly a read-only memory map: copied; ``copy`` False: kept as a view of
+        the map, read where ``rows`` / ``cols`` / ``owned`` copy from it, so that a
+        tensor-parallel rank reads only its share). ``code``: its GGMLQuantizationType, one
+        of ``formats.FORMATS`` (else a ValueError naming it)."""
         fmt = formats.get(code)
-        arr = np.asarray(raw)
-        if arr.dtype != np.uint8 or arr.ndim != 2:
+        if copy:
+            raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.ndim != 2:
             raise ValueError(
                 f"{name}: GGUF {fmt.name} data must be uint8 [rows, row_bytes], got "
-                f"{arr.dtype} {arr.shape}"
+                f"{raw.dtype} {raw.shape}"
             )
-        return cls(torch.from_numpy(np.array(arr, copy=True)), fmt, name)
+        if copy:
+            return cls(torch.from_numpy(np.array(raw, copy=True)), fmt, name)
+        weight = cls.__new__(cls)
+        weight.format, weight.qtype, weight.name = fmt, fmt.name, name
+        weight.shape = (raw.shape[0], raw.shape[1] // fmt.block_bytes * fmt.block_values)
+        if raw.shape[1] % fmt.block_bytes or raw.shape[1] == 0:
+            raise ValueError(
+                f"{name}: {fmt.name} rows of {raw.shape[1]} bytes are not whole "
+                f"{fmt.block_bytes}-byte blocks"
+            )
+        weight.mapped = raw
+        return weight
+
+    mapped: np.ndarray | None = None  # the file's bytes, not yet copied (``from_gguf``)
+    order: np.ndarray | None = None  # a mapped weight's rows: row i is the map's order[i]
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self.mapped is not None:
+            raise RuntimeError(f"{self.name}: a weight over a memory map used before owned()")
+        return self._data
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._data = value
+
+    def owned(self) -> GGUFWeight:
+        if self.mapped is None:
+            return self
+        rows = self.mapped if self.order is None else self.mapped[self.order]
+        return GGUFWeight(torch.from_numpy(np.array(rows)), self.format, self.name)
 
     def _like(self, data: torch.Tensor) -> GGUFWeight:
         return GGUFWeight(data, self.format, self.name)
@@ -158,7 +199,8 @@ class GGUFWeight(QuantizedWeight):
         return self.data.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = formats.dequantize(self.data.numpy(), self.format.code)
+        raw = self.owned().data.numpy()
+        values = formats.dequantize(raw, self.format.code)
         return torch.from_numpy(values).to(dtype)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -170,6 +212,9 @@ class GGUFWeight(QuantizedWeight):
 
     def rows(self, first: int, end: int) -> GGUFWeight:
         self._check_range("rows", first, end, self.shape[0])
+        if self.mapped is not None:  # only these rows read from the file
+            rows = slice(first, end) if self.order is None else self.order[first:end]
+            return self._like(torch.from_numpy(np.array(self.mapped[rows])))
         return self._like(self.data[first:end].clone())
 
     def cols(self, first: int, end: int) -> GGUFWeight:
@@ -180,12 +225,21 @@ class GGUFWeight(QuantizedWeight):
                 f"{self.name}: columns {first}:{end} cut a {self.qtype} block of {values} "
                 f"values (a split must fall on a multiple of {values})"
             )
-        return self._like(self.data[:, first // values * size : end // values * size].clone())
+        cut = slice(first // values * size, end // values * size)
+        if self.mapped is not None:  # only these columns' blocks read from the file
+            part = np.array(self.mapped[:, cut])
+            return self._like(torch.from_numpy(part if self.order is None else part[self.order]))
+        return self._like(self.data[:, cut].clone())
 
     def permute_rows(self, index: np.ndarray | torch.Tensor) -> GGUFWeight:
         idx = torch.as_tensor(np.asarray(index), dtype=torch.int64).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
             raise ValueError(f"{self.name}: row index outside 0:{self.shape[0]}")
+        if self.mapped is not None:  # still a view of the map: the order composes
+            weight = copy.copy(self)
+            order = idx.numpy()
+            weight.order = order if self.order is None else self.order[order]
+            return weight
         return self._like(self.data.index_select(0, idx))
 
     @classmethod
