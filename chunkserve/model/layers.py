@@ -508,6 +508,13 @@ def linear(
         x = torch.cat((x, x.new_zeros(padded - t, x.shape[1])))
     if padded <= tiling.most:
         return _matmul(x, weight, bias)[:t]
+    if isinstance(weight, QuantizedWeight):  # its tiles dequantized once for all slices
+        y = weight.matmul_slices(x, tiling.most)
+        return (y if bias is None else y + bias)[:t]
+    if isinstance(weight, list):
+        parts = [w.matmul_slices(x, tiling.most) for w in weight]
+        y = torch.cat(parts, dim=-1)
+        return (y if bias is None else y + bias)[:t]
     first = _matmul(x[: tiling.most], weight, bias)
     out = x.new_empty(padded, first.shape[1])
     out[: tiling.most] = first

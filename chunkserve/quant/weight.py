@@ -78,6 +78,16 @@ class QuantizedWeight(abc.ABC):
         None where this class cannot stack them (e.g. different group sizes)."""
         return None
 
+    def matmul_slices(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [T, in] with T a multiple of ``rows``, multiplied in slices of ``rows`` rows:
+        each slice's result bitwise ``matmul``'s of that slice alone (the deterministic
+        mode's row tiles, ``model.layers.RowTiling``). This one calls ``matmul`` per slice;
+        a class whose ``matmul`` dequantizes the weight overrides it to dequantize once."""
+        out = x.new_empty(x.shape[0], self.shape[0])
+        for r0 in range(0, x.shape[0], rows):
+            out[r0 : r0 + rows] = self.matmul(x[r0 : r0 + rows])
+        return out
+
     @property
     def out_features(self) -> int:
         return self.shape[0]
@@ -223,6 +233,26 @@ class GGUFWeight(QuantizedWeight):
             )
         return out.reshape(*x.shape[:-1], self.shape[0])
 
+    def matmul_slices(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """``matmul`` of each ``rows``-row slice of x [T, in], the weight's tiles dequantized
+        once for all the slices (a 2,048-row prefill in 64-row slices had dequantized the
+        whole weight 32 times): slices of more than ``kernels.DECODE_MAX_ROWS`` rows take
+        ``matmul``'s dequantizing path, whose tiles and products are these exactly."""
+        self._check_x(x)
+        k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
+        if rows <= kernels.DECODE_MAX_ROWS or x.shape[0] % rows:
+            return super().matmul_slices(x, rows)
+        if k is None:
+            tile = lambda r0, r1: self.rows(r0, r1).dequantize(x.dtype)  # noqa: E731
+        else:
+            code = self.format.code
+            tile = (
+                lambda r0, r1: k.dequantize(  # noqa: E731
+                    code, self.data[r0:r1], self.shape[1], x.dtype
+                )
+            )
+        return _tiled(self.shape[0], self.shape[1], x.contiguous(), tile, rows)
+
 
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` with w dequantized to float32 and cast to x's dtype, in row tiles
@@ -243,14 +273,23 @@ def _tiled(
     in_features: int,
     x2: torch.Tensor,
     rows: Callable[[int, int], torch.Tensor],
+    x_rows: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(x2, w)`` with w's rows r0:r1 given by ``rows(r0, r1)`` (in x2's dtype), at
-    most ``REFERENCE_TILE_VALUES`` values at a time."""
+    most ``REFERENCE_TILE_VALUES`` values at a time; ``x_rows``: x2's rows multiplied in
+    slices of that many (each tile dequantized once for all of them)."""
     tile = max(1, REFERENCE_TILE_VALUES // in_features)
-    if tile >= out_features:
+    t = x2.shape[0]
+    step = x_rows or max(t, 1)
+    if tile >= out_features and step >= t:
         return F.linear(x2, rows(0, out_features))
-    out = torch.empty(x2.shape[0], out_features, dtype=x2.dtype)  # [T, out]
+    out = torch.empty(t, out_features, dtype=x2.dtype)  # [T, out]
     for r0 in range(0, out_features, tile):
         r1 = min(r0 + tile, out_features)
-        out[:, r0:r1] = F.linear(x2, rows(r0, r1))
+        w = rows(r0, r1)
+        for s0 in range(0, t, step):
+            if r1 - r0 == out_features:  # a whole row of out: contiguous
+                torch.mm(x2[s0 : s0 + step], w.t(), out=out[s0 : s0 + step])
+            else:
+                out[s0 : s0 + step, r0:r1] = F.linear(x2[s0 : s0 + step], w)
     return out
