@@ -368,6 +368,25 @@ def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype, window) -
         assert torch.equal(got[-1:], decode), (rows, threads)
 
 
+def test_a_draft_model_attends_and_multiplies_as_the_target_does() -> None:
+    """With the mode on, a draft model takes the target's deterministic attention (fixed
+    key ranges) and row tiling: a sampled request's acceptance reads the draft's
+    distributions, which must not depend on the batch either."""
+    from chunkserve.model.loader import embedded_model_path
+
+    spec = {
+        "method": "draft_model",
+        "model": str(embedded_model_path()),
+        "num_speculative_tokens": 2,
+    }
+    worker = make("bfloat16", speculative_config=spec, load_format="dummy").core.worker
+    assert worker.draft is not None
+    assert worker.draft.attention.name == worker.attention.name == "cpu"
+    assert worker.draft.attention.fixed_range == worker.attention.fixed_range > 0
+    tilings = {m.tiling for m in worker.draft.model.modules() if hasattr(m, "tiling")}
+    assert tilings == {DETERMINISTIC_TILING}
+
+
 def test_deterministic_needs_the_cpu_kernel() -> None:
     with pytest.raises(ValueError, match="deterministic"):
         Engine(
