@@ -408,9 +408,10 @@ def test_matmul_slices_is_matmul_of_each_slice(kernel, dtype, monkeypatch):
     x = torch.randn(48, 64).to(dtype)
     for tile_values in (weight_mod.REFERENCE_TILE_VALUES, 7 * 64):
         monkeypatch.setattr(weight_mod, "REFERENCE_TILE_VALUES", tile_values)
-        got = w.matmul_slices(x, 16)
-        want = torch.cat([w.matmul(x[r : r + 16]) for r in range(0, 48, 16)])
+        slices = [(0, 32), (32, 48)]
+        got = w.matmul_slices(x, slices)
+        want = torch.cat([w.matmul(x[r0:r1]) for r0, r1 in slices])
         assert torch.equal(got, want), tile_values
-        y = linear(x[:37], w, tiling=RowTiling(16, 16))
+        y = linear(x[:37], w, tiling=RowTiling(16, 32))
         pad = torch.cat((x[32:37], x.new_zeros(11, 64)))
         assert torch.equal(y, torch.cat((want[:32], w.matmul(pad)[:5]))), tile_values
