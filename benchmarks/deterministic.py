@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from datetime import datetime, timezone
@@ -87,6 +88,7 @@ def main() -> None:
             prefill_chunks=((0, args.prefill),), prefill_samples=1
         ),
     }
+    load_before = os.getloadavg()
     rows = {}
     for name, shape in shapes.items():
         rows[name] = measure(plain, det, shape, args.repeats)
@@ -97,6 +99,7 @@ def main() -> None:
         commit=git_commit(),
         machine=cpu_description(),
         note="shared machine (other processes busy on its cores while this ran)",
+        load_average_1_5_15=dict(before=load_before, after=os.getloadavg()),
         model="embedded SmolLM2-135M-Instruct",
         dtype=dtype,
         threads=torch.get_num_threads(),

@@ -304,29 +304,37 @@ def test_prefill_decode_pair_behind_the_router_equals_colocated() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
     """A row of ``linear`` with the deterministic tiling is the same in batches of 1 to
-    2,048 rows, at any position, for the embedded model's weight shapes, at 1 and 2
-    threads; in bf16 also the same at 1 as at 2 threads."""
+    2,048 rows, at any position (in a slice of 128 rows, or the last one of 64), for the
+    embedded model's weight shapes, at 1 and 2 threads; in bf16 also the same at 1 as at 2
+    threads."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2100, 1536, generator=gen).to(dtype)
     tiling = DETERMINISTIC_TILING
     for n, k in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
         w = torch.randn(n, k, generator=gen).to(dtype)
         xs = x[:, :k]
-        alone = torch.cat([linear(xs[i : i + 1], w, tiling=tiling) for i in range(8)])
-        for threads in (1, 2):
+
+        def alone(first: int, end: int, threads: int, xs=xs, w=w) -> torch.Tensor:
+            """Rows first .. end - 1 each alone (a padded 64-row call), at ``threads``."""
             torch.set_num_threads(threads)
+            return torch.cat([linear(xs[i : i + 1], w, tiling=tiling) for i in range(first, end)])
+
+        for threads in (1, 2):
+            # bf16: a row alone at 1 thread; fp32's depend on the thread count: its own
+            own = threads if dtype == torch.float32 else 1
             try:
                 for m, at in ((2, 0), (37, 3), (300, 5), (2048, 1)):
                     if n == 49152 and m > 300:
                         continue
+                    torch.set_num_threads(threads)
                     y = linear(xs[at : at + m], w, tiling=tiling)
                     rows = min(8 - at, m)
-                    ref = alone[at : at + rows]
-                    if dtype == torch.float32 and threads == 2:  # its own thread count's
-                        ref = torch.cat(
-                            [linear(xs[i : i + 1], w, tiling=tiling) for i in range(at, at + rows)]
-                        )
-                    assert torch.equal(y[:rows], ref), (n, k, m, at, threads)
+                    assert torch.equal(y[:rows], alone(at, at + rows, own)), (n, k, m, at, threads)
+                    # the last rows: of a 64-row slice after 128-row ones (300 -> 128, 128,
+                    # 64), of the last 128-row slice (2,048)
+                    last = max(m - 3, 0)
+                    tail = alone(at + last, at + m, own)
+                    assert torch.equal(y[last:], tail), (n, k, m, at, threads)
             finally:
                 torch.set_num_threads(1)
 
@@ -366,6 +374,25 @@ def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype, window) -
     for rows, threads in ((1, 2), (7, 1), (300, 2), (ctx, 1)):
         got = _attend(kernel, q, kc, vc, table, rows, ctx, 32, threads, window)
         assert torch.equal(got[-1:], decode), (rows, threads)
+
+
+def test_a_draft_model_attends_and_multiplies_as_the_target_does() -> None:
+    """With the mode on, a draft model takes the target's deterministic attention (fixed
+    key ranges) and row tiling: a sampled request's acceptance reads the draft's
+    distributions, which must not depend on the batch either."""
+    from chunkserve.model.loader import embedded_model_path
+
+    spec = {
+        "method": "draft_model",
+        "model": str(embedded_model_path()),
+        "num_speculative_tokens": 2,
+    }
+    worker = make("bfloat16", speculative_config=spec, load_format="dummy").core.worker
+    assert worker.draft is not None
+    assert worker.draft.attention.name == worker.attention.name == "cpu"
+    assert worker.draft.attention.fixed_range == worker.attention.fixed_range > 0
+    tilings = {m.tiling for m in worker.draft.model.modules() if hasattr(m, "tiling")}
+    assert tilings == {DETERMINISTIC_TILING}
 
 
 def test_deterministic_needs_the_cpu_kernel() -> None:

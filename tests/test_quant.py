@@ -389,3 +389,29 @@ def test_the_embedded_files_own_tensors(gguf_path):
             x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m))
             assert rel_err(w.matmul(x.bfloat16()), x @ dense.T) < 2e-2, (t.name, m)
     assert {T.Q4_1, T.Q8_0} <= seen
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_slices_is_matmul_of_each_slice(kernel, dtype, monkeypatch):
+    """The deterministic mode's row slices (``matmul_slices``: the weight dequantized once
+    for all slices) give each slice bitwise what ``matmul`` of that slice alone gives, with
+    the weight in one tile and in several (a tile of 7 rows: columns of the output written
+    apart), and through ``linear`` with the mode's tiling (rows padded to the tile)."""
+    from chunkserve.model.layers import RowTiling, linear
+
+    if not kernel:
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    elif kernels.load() is None:
+        pytest.skip(f"no quant kernels: {kernels.load_error()}")
+    w = GGUFWeight.from_gguf(make_raw(T.Q4_1, 20, 64), int(T.Q4_1), "w")
+    x = torch.randn(48, 64).to(dtype)
+    for tile_values in (weight_mod.REFERENCE_TILE_VALUES, 7 * 64):
+        monkeypatch.setattr(weight_mod, "REFERENCE_TILE_VALUES", tile_values)
+        slices = [(0, 32), (32, 48)]
+        got = w.matmul_slices(x, slices)
+        want = torch.cat([w.matmul(x[r0:r1]) for r0, r1 in slices])
+        assert torch.equal(got, want), tile_values
+        y = linear(x[:37], w, tiling=RowTiling(16, 32))
+        pad = torch.cat((x[32:37], x.new_zeros(11, 64)))
+        assert torch.equal(y, torch.cat((want[:32], w.matmul(pad)[:5]))), tile_values

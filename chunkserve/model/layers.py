@@ -477,17 +477,21 @@ class RowTiling(NamedTuple):
     this CPU a row's bf16 result differs between M = 1, 33, 100 and 2,048 even though row 0's
     does not, and an fp32 row between M = 1, 2-15 and 16 or more. Calls of exactly 64 rows
     computed every row the same, at any position, for every weight shape of the embedded
-    model (its 49,152-row LM head too), at 1 and at 2 threads, and bf16's the same at 1 and
-    2 threads. Larger slices are not safe: at 2 threads, 256-row slices of the down
-    projection (K = 1,536) differ from 64-row calls. fp32's down projection also differs
-    between 1 and 2 threads (even in 64-row calls): fp32 results depend on the thread
-    count."""
+    model (its 49,152-row LM head too, and the 29,127- and 20,025-row tiles its quantized
+    head is dequantized in), at 1 and at 2 threads, and bf16's the same at 1 and 2 threads;
+    calls of 128 rows computed every row as the 64-row calls do, at any position, at 1 and 2
+    threads, in bf16 and fp32 (re-measured on the Xeon with AMX-BF16, 27 Nov): hence slices
+    of 128 rows with a last one of 64 (a 2,048-row prefill's matmuls ~1.5x faster than in
+    64-row calls). Larger slices are not safe: 256-row calls of the down projection
+    (K = 1,536) differ between 1 and 2 threads in bf16, 512-row calls of the QKV and down
+    projections from 64-row calls at 2 threads. fp32's down projection also differs between
+    1 and 2 threads (even in 64-row calls): fp32 results depend on the thread count."""
 
     multiple: int
     most: int
 
 
-DETERMINISTIC_TILING = RowTiling(multiple=64, most=64)
+DETERMINISTIC_TILING = RowTiling(multiple=64, most=128)
 
 
 def linear(
@@ -508,11 +512,18 @@ def linear(
         x = torch.cat((x, x.new_zeros(padded - t, x.shape[1])))
     if padded <= tiling.most:
         return _matmul(x, weight, bias)[:t]
+    # Slices of ``most`` rows, the last one shorter (a multiple of ``multiple``).
+    bounds = [(r0, min(r0 + tiling.most, padded)) for r0 in range(0, padded, tiling.most)]
+    if isinstance(weight, QuantizedWeight | list):  # tiles dequantized once for all slices
+        weights = weight if isinstance(weight, list) else [weight]
+        ys = [w.matmul_slices(x, bounds) for w in weights]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return (y if bias is None else y + bias)[:t]
     first = _matmul(x[: tiling.most], weight, bias)
     out = x.new_empty(padded, first.shape[1])
     out[: tiling.most] = first
-    for r0 in range(tiling.most, padded, tiling.most):
-        out[r0 : r0 + tiling.most] = _matmul(x[r0 : r0 + tiling.most], weight, bias)
+    for r0, r1 in bounds[1:]:
+        out[r0:r1] = _matmul(x[r0:r1], weight, bias)
     return out[:t]
 
 

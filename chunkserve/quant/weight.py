@@ -86,6 +86,17 @@ class QuantizedWeight(abc.ABC):
         GGUF loader gives them, copied)."""
         return self
 
+    def matmul_slices(self, x: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
+        """x [T, in] multiplied in the row slices [r0, r1) of ``slices`` (together x's rows,
+        in order): each slice's result bitwise ``matmul``'s of that slice alone (the
+        deterministic mode's row tiles, ``model.layers.RowTiling``). This one calls
+        ``matmul`` per slice; a class whose ``matmul`` dequantizes the weight overrides it to
+        dequantize once."""
+        out = x.new_empty(x.shape[0], self.shape[0])
+        for r0, r1 in slices:
+            out[r0:r1] = self.matmul(x[r0:r1])
+        return out
+
     @property
     def out_features(self) -> int:
         return self.shape[0]
@@ -277,6 +288,23 @@ class GGUFWeight(QuantizedWeight):
             )
         return out.reshape(*x.shape[:-1], self.shape[0])
 
+    def matmul_slices(self, x: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
+        """``matmul`` of each row slice of x [T, in], the weight's tiles dequantized once for
+        all the slices (a 2,048-row prefill in 64-row slices had dequantized the whole weight
+        32 times): slices of more than ``kernels.DECODE_MAX_ROWS`` rows take ``matmul``'s
+        dequantizing path, whose tiles and products are these exactly."""
+        self._check_x(x)
+        k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
+        if min(r1 - r0 for r0, r1 in slices) <= kernels.DECODE_MAX_ROWS:
+            return super().matmul_slices(x, slices)
+
+        def tile(r0: int, r1: int) -> torch.Tensor:
+            if k is None:
+                return self.rows(r0, r1).dequantize(x.dtype)
+            return k.dequantize(self.format.code, self.data[r0:r1], self.shape[1], x.dtype)
+
+        return _tiled(self.shape[0], self.shape[1], x.contiguous(), tile, slices)
+
 
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` with w dequantized to float32 and cast to x's dtype, in row tiles
@@ -297,14 +325,23 @@ def _tiled(
     in_features: int,
     x2: torch.Tensor,
     rows: Callable[[int, int], torch.Tensor],
+    x_slices: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """``F.linear(x2, w)`` with w's rows r0:r1 given by ``rows(r0, r1)`` (in x2's dtype), at
-    most ``REFERENCE_TILE_VALUES`` values at a time."""
+    most ``REFERENCE_TILE_VALUES`` values at a time; ``x_slices``: x2's rows multiplied in
+    these slices [s0, s1) (each tile dequantized once for all of them)."""
     tile = max(1, REFERENCE_TILE_VALUES // in_features)
-    if tile >= out_features:
+    t = x2.shape[0]
+    if tile >= out_features and x_slices is None:
         return F.linear(x2, rows(0, out_features))
-    out = torch.empty(x2.shape[0], out_features, dtype=x2.dtype)  # [T, out]
+    slices = x_slices or [(0, t)]
+    out = torch.empty(t, out_features, dtype=x2.dtype)  # [T, out]
     for r0 in range(0, out_features, tile):
         r1 = min(r0 + tile, out_features)
-        out[:, r0:r1] = F.linear(x2, rows(r0, r1))
+        w = rows(r0, r1)
+        for s0, s1 in slices:
+            if r1 - r0 == out_features:  # a whole row of out: contiguous
+                torch.mm(x2[s0:s1], w.t(), out=out[s0:s1])
+            else:
+                out[s0:s1, r0:r1] = F.linear(x2[s0:s1], w)
     return out

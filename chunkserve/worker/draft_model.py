@@ -22,6 +22,7 @@ import torch
 
 from chunkserve.attention import select_attention_backend
 from chunkserve.config import ModelConfig
+from chunkserve.model.layers import DETERMINISTIC_TILING
 from chunkserve.model.loader import ModelSource, iter_weights
 from chunkserve.model.registry import attention_specs, build_model, check_attention
 from chunkserve.scheduling.request import Request
@@ -63,10 +64,13 @@ class DraftModel:
         seed: int,
         dummy_weights: bool = False,
         quantized: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.model_config = model_config
         # The target's choice (``auto``: the C kernel's backend, else torch's where the
-        # kernel does not build or lacks what this model's attention needs).
+        # kernel does not build or lacks what this model's attention needs); with
+        # ``deterministic`` the target's batch-invariant attention and row tiling too (a
+        # sampled request's acceptance reads the draft's distributions).
         self.attention = select_attention_backend(
             attention_backend,
             device,
@@ -75,6 +79,7 @@ class DraftModel:
             model_config.head_dim,
             dtype,
             block_size,
+            deterministic=deterministic,
             specs=attention_specs(model_config),
             who="draft model",
         )
@@ -89,6 +94,8 @@ class DraftModel:
             self.model.init_dummy_weights(seed)
         else:
             self.model.load_weights(iter_weights(source, model_config, reader, dtype, quantized))
+        if deterministic:
+            self.model.set_row_tiling(DETERMINISTIC_TILING)
         kv_caches = allocate_kv_caches(
             model_config.num_layers,
             num_blocks,

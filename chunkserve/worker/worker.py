@@ -440,6 +440,7 @@ class Worker:
                 seed=config.seed,
                 dummy_weights=config.load_format == "dummy",
                 quantized=keep_quantized(self._draft_source, self.device, config.gguf_dequantize),
+                deterministic=config.deterministic,
             )
             self._draft_reader = None
         hybrid = self.kv_groups.num_groups > 1

@@ -414,6 +414,65 @@ static void tile_block_bf16(const uint32_t *restrict qt2, const uint16_t *const 
     }
 }
 
+/* The same for a tile of at most NARROW rows (a decode's G heads, a chunk's last few rows),
+ * at a quarter of the work or less: its lanes computed exactly as tile_block_bf16 computes
+ * them, the products summed in the same pairs in the same order, only the vectors laid the
+ * other way. Scores: one vector of the block's 16 keys per row (kt2 [D/2][16] the block's
+ * keys transposed, as pairs; zero past its end), moved into the tile's lanes for the same
+ * softmax; values: one vector of 16 output columns per row (accr [16][D]: a row's
+ * accumulators together). vdpbf16ps sums each lane's two products in a fixed order whichever
+ * operand is broadcast, and bf16 products are exact in fp32. */
+#define NARROW 4
+static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t *restrict kt2,
+                                   const uint32_t *restrict vp, int64_t D, float scale,
+                                   int64_t n, int64_t first, v16f low, v16f lim, float cap,
+                                   v16f *m, v16f *l, float *restrict accr, int lanes) {
+    __m512 sc[NARROW];
+    for (int r = 0; r < lanes; r++) sc[r] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < D / 2; d2++) {
+        const __m512bh kd = (__m512bh)_mm512_loadu_si512(kt2 + TL * d2);
+        for (int r = 0; r < lanes; r++)
+            sc[r] = _mm512_dpbf16_ps(sc[r], kd, (__m512bh)_mm512_set1_epi32((int32_t)qt2[TL * d2 + r]));
+    }
+    float raw[NARROW][TL];
+    for (int r = 0; r < lanes; r++) _mm512_storeu_ps(raw[r], sc[r]);
+    v16f s[TL];
+    for (int t = 0; t < TL; t++) {
+        v16f x = {0};
+        for (int r = 0; r < lanes; r++) x[r] = raw[r][t];
+        s[t] = x * scale;
+    }
+    const v16f corr = tile_softmax(s, n, first, low, lim, cap, m, l);
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    uint32_t p2[TL / 2][TL];
+    for (int u = 0; u < TL / 2; u++) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(to_m512(s[2 * u + 1]), to_m512(s[2 * u]));
+        _mm512_storeu_si512(p2[u], _mm512_permutexvar_epi16(inter, (__m512i)both));
+    }
+    for (int r = 0; r < lanes; r++) {
+        const v16f cr = (v16f){0} + corr[r];
+        float *restrict row = accr + r * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 a = to_m512(loadu(row + d0) * cr);
+            for (int u = 0; u < TL / 2; u++)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(vp + u * D + d0),
+                                     (__m512bh)_mm512_set1_epi32((int32_t)p2[u][r]));
+            storeu(row + d0, from_m512(a));
+        }
+    }
+}
+
+/* kt2 [D/2][16]: the n key rows (row stride `stride`) as pairs, transposed; zero past n. */
+static void transpose_keys(uint32_t *restrict kt2, const uint16_t *k, int64_t n, int64_t D,
+                           int64_t stride) {
+    for (int64_t t = 0; t < TL; t++) {
+        const uint32_t *row = (const uint32_t *)(k + t * stride);
+        for (int64_t d2 = 0; d2 < D / 2; d2++) kt2[TL * d2 + t] = t < n ? row[d2] : 0u;
+    }
+}
+
 /* vp [8][D]: the n value rows (row stride `stride`) paired over keys, zero past n. */
 static void pair_values(uint32_t *restrict vp, const uint16_t *v, int64_t n, int64_t D,
                         int64_t stride) {
@@ -453,7 +512,7 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
 #endif
     /* queries [tiles][D][16] (fp32, or bf16 pairs in the first half), accumulators
      * [tiles][D][16], the block's fp32 keys and values [16][D] (or its paired values) */
-    float *qt = (float *)calloc((size_t)(2 * tiles * D * TL + 2 * TL * D), sizeof(float));
+    float *qt = (float *)calloc((size_t)(2 * tiles * D * TL + 3 * TL * D), sizeof(float));
     /* m, l, lim, low of each tile (vectors: 64-byte aligned) */
     v16f *state = (v16f *)aligned_alloc(sizeof(v16f), sizeof(v16f) * 4 * tiles);
     if (!qt || !state) {
@@ -463,12 +522,16 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
     }
     float *acct = qt + tiles * D * TL, *kf = acct + tiles * D * TL, *vf = kf + TL * D;
     v16f *m = state, *l = state + tiles, *lim = state + 2 * tiles, *low = state + 3 * tiles;
+    uint32_t *kt2 = (uint32_t *)(vf + TL * D); /* the narrow tiles' transposed keys */
+    int narrow[tiles]; /* rows of a tile of at most NARROW rows (its accumulators [16][D]) */
     float top[tiles];    /* the most keys a row of the tile sees */
     float bottom[tiles]; /* the first key a row of the tile sees */
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
         for (int64_t x = 0; x < nt * TL; x++) { /* lane x % TL of tile x / TL: row (j, g) */
             const int64_t tile = kvh * nt + x / TL, lane = x % TL, j = x / G;
             if (lane == 0) {
+                const int64_t used = R - (x % (nt * TL));
+                narrow[tile] = pairs && used <= NARROW ? (int)used : 0;
                 m[tile] = (v16f){0} - INFINITY;
                 l[tile] = (v16f){0};
                 lim[tile] = (v16f){0};
@@ -513,11 +576,23 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                     for (int64_t t = 0; t < TL; t++) krows[t] = t < n ? k0 + t * row_stride : zeros;
                     uint32_t *vp = (uint32_t *)kf;
                     pair_values(vp, (const uint16_t *)((const char *)vc + at), n, D, row_stride);
-                    for (int64_t tile = t0; tile < t1; tile++)
-                        if (top[tile] > (float)first && bottom[tile] < (float)(first + n))
+                    int transposed = 0;
+                    for (int64_t tile = t0; tile < t1; tile++) {
+                        if (!(top[tile] > (float)first && bottom[tile] < (float)(first + n)))
+                            continue;
+                        if (narrow[tile]) {
+                            if (!transposed) transpose_keys(kt2, k0, n, D, row_stride);
+                            transposed = 1;
+                            tile_block_bf16_narrow((const uint32_t *)qt + tile * D * TL, kt2, vp,
+                                                   D, scale, n, first, low[tile], lim[tile], cap,
+                                                   m + tile, l + tile, acct + tile * D * TL,
+                                                   narrow[tile]);
+                        } else {
                             tile_block_bf16((const uint32_t *)qt + tile * D * TL, krows, vp, D,
                                             scale, n, first, low[tile], lim[tile], cap, m + tile,
                                             l + tile, acct + tile * D * TL);
+                        }
+                    }
                     continue;
                 }
 #endif
@@ -537,7 +612,10 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             const int64_t i = (x / G) * H + kvh * G + x % G;
             st[i].m = m[tile][lane];
             st[i].l = l[tile][lane];
-            for (int64_t d = 0; d < D; d++) acc[i * D + d] = acct[(tile * D + d) * TL + lane];
+            if (narrow[tile])
+                for (int64_t d = 0; d < D; d++) acc[i * D + d] = acct[(tile * TL + lane) * D + d];
+            else
+                for (int64_t d = 0; d < D; d++) acc[i * D + d] = acct[(tile * D + d) * TL + lane];
         }
     free(qt);
     free(state);
@@ -557,17 +635,34 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
     /* else the scalar loops */
     const int vector = (D == 64 || D == 128 || D == 256) && bs <= 16;
     float kbuf[MAX_BLOCK * MAX_DIM], vbuf[MAX_BLOCK * MAX_DIM];
-    /* row i = j * H + h: query row j, head h (KV head h / G) */
-    rows_to_f32(qf, (const char *)q + q0 * H * D * esize, dtype, rows, D, D);
-    for (int64_t i = 0; i < rows * D; i++) qf[i] *= scale;
     for (int64_t i = 0; i < rows; i++) {
         st[i].m = -INFINITY;
         st[i].l = 0.f;
     }
+    if (vector && (tiles_always || r * G >= TILE_MIN_ROWS)) {
+        /* Only the rows that see a key of the blocks (row j sees keys before
+         * ctx - r + 1 + j): a later range of a long chunk is seen by its last rows only; the
+         * others keep l = 0 (nothing to merge). A lane's arithmetic is its row's alone. */
+        int64_t j0 = blk0 * bs - ctx + r;
+        if (j0 < 0) j0 = 0;
+        if (j0 >= r) return 0;
+        const int64_t skip = j0 * H;
+#ifdef BF16_TILES
+        if (dtype == 0) /* bf16 tiles read the raw queries, fp32 ones the scaled */
+#endif
+        {
+            rows_to_f32(qf + skip * D, (const char *)q + (q0 + j0) * H * D * esize, dtype,
+                        rows - skip, D, D);
+            for (int64_t i = skip * D; i < rows * D; i++) qf[i] *= scale;
+        }
+        return run_item_tiled((const char *)q + (q0 + j0) * H * D * esize, kc, vc, dtype,
+                              table, r - j0, ctx, H, Hkv, D, bs, blk0, blk1, scale, window, cap,
+                              qf + skip * D, st + skip, acc + skip * D);
+    }
+    /* row i = j * H + h: query row j, head h (KV head h / G) */
+    rows_to_f32(qf, (const char *)q + q0 * H * D * esize, dtype, rows, D, D);
+    for (int64_t i = 0; i < rows * D; i++) qf[i] *= scale;
     memset(acc, 0, sizeof(float) * rows * D);
-    if (vector && (tiles_always || r * G >= TILE_MIN_ROWS))
-        return run_item_tiled((const char *)q + q0 * H * D * esize, kc, vc, dtype, table, r,
-                              ctx, H, Hkv, D, bs, blk0, blk1, scale, window, cap, qf, st, acc);
     const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
     const int64_t block_bytes = block_stride * esize;
     for (int64_t b = blk0; b < blk1; b++) {
