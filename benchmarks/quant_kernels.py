@@ -67,16 +67,18 @@ def cpu_flags() -> list[str]:
 
 
 @torch.inference_mode()
-def time_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def time_turns(
+    calls: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]
+) -> dict[str, list[float]]:
     """Seconds of each call over ``repeats`` rounds, the calls taking turns in each round."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             call()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
@@ -107,6 +109,13 @@ def main() -> None:
     ap.add_argument(
         "--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="OUTxIN ..."
     )
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU time (time.process_time), steadier than wall time on a "
+        "machine shared with other work; meaningful with --threads 1",
+    )
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,7 +131,8 @@ def main() -> None:
             for m in args.rows:
                 x = torch.randn(m, in_features).bfloat16()
                 load = os.getloadavg()[0]
-                times = time_turns(paths(k, w, dense_w, x), args.repeats)
+                clock = time.process_time if args.clock == "cpu" else time.perf_counter
+                times = time_turns(paths(k, w, dense_w, x), args.repeats, clock)
                 med = {p: statistics.median(t) for p, t in times.items()}
                 best = {p: min(t) for p, t in times.items()}
                 picked = "int8_kernel"
@@ -154,8 +164,10 @@ def main() -> None:
         "machine": cpu_description(),
         "cpu_flags": cpu_flags(),
         "kernel_simd": k.simd,
+        "kernel_amx": k.amx,
         "torch": torch.__version__,
         "threads": args.threads,
+        "clock": args.clock,
         "load_average_at_end": os.getloadavg(),
         "note": "machine shared with other jobs (2 cores); the calls take turns, so load "
         "slows all alike",
@@ -165,18 +177,20 @@ def main() -> None:
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"quant_kernels_t{args.threads}"
+    stem = out / f"quant_kernels_t{args.threads}{'_cpu' if args.clock == 'cpu' else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# Quantized-weight kernels vs bf16 F.linear ({result['date']})",
         "",
         f"- machine: {result['machine']}; flags: {', '.join(result['cpu_flags'])}",
-        f"- kernel: {result['kernel_simd']}; torch {result['torch']}; {args.threads} thread(s)",
+        f"- kernel: {result['kernel_simd']}, AMX-INT8 for 16+ rows: {result['kernel_amx']}; "
+        f"torch {result['torch']}; {args.threads} thread(s)",
         f"- {result['note']}; load average at the end: "
         + ", ".join(f"{v:.2f}" for v in result["load_average_at_end"]),
         f"- command: `{result['command']}` at commit {result['commit']}",
         "",
-        "Median (min) ms of one product; `int8 kernel` (the default at every M, "
+        f"Median (min) ms of one product ({'CPU' if args.clock == 'cpu' else 'wall'} time); "
+        "`int8 kernel` (the default at every M, "
         "batch-invariant): activations quantized to int8, integer dot products, one float "
         "chain per output; `float kernel` (opt-in CHUNKSERVE_QUANT_FLOAT_KERNEL=1, decode "
         "rows only): the weight dequantized exactly in registers, float32 products and sums; "

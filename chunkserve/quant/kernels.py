@@ -8,8 +8,10 @@ and cached by ``chunkserve.cbuild``, called through ctypes.
   groups in a fixed order: the same arithmetic whatever M, the thread count or the SIMD path,
   so a row's result does not depend on the rows beside it (chunked == unchunked == prefix
   cached == preempted == TP, bit for bit). NR = 16 output rows are decoded at a time into a
-  vpdpbusd-shaped tile, reused by every x row (see the C file). Its error against the
-  dequantized float product is that of the int8 activations, ~0.5% of the output's norm.
+  vpdpbusd-shaped tile, reused by every x row (see the C file); with 16 or more rows and
+  AMX-INT8 here (``amx``), the integer dots are AMX tile products, the float chains the same.
+  Its error against the dequantized float product is that of the int8 activations, ~0.5% of
+  the output's norm.
 - ``gemm_float``: decode rows in float arithmetic, opt-in (``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``,
   with dequantized tiles multiplied in torch beyond ``DECODE_MAX_ROWS`` rows). Each weight block is
   dequantized in registers with exactly ``formats.dequantize``'s float32 arithmetic (rounded
@@ -69,11 +71,14 @@ class QuantKernels:
         for fn in (lib.quant_dequant, lib.quant_dequant_portable):
             fn.argtypes, fn.restype = [i32, ptr, i64, i64, i64, ptr, i32, i32], i32
         lib.quant_gemm_simd.restype = i32
+        lib.quant_gemm_amx.restype = i32
         self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
         self._gemm_f32, self._f32_portable = lib.quant_gemm_f32, lib.quant_gemm_f32_portable
         self._dequant, self._dequant_portable = lib.quant_dequant, lib.quant_dequant_portable
         # The decode path this build runs (what the compiler targets with -march=native).
         self.simd = SIMD_PATHS[lib.quant_gemm_simd()]
+        # Whether the int8 kernel's larger products (16+ rows) run on AMX-INT8 tiles.
+        self.amx = bool(lib.quant_gemm_amx())
 
     def gemm(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
         """x [M, K] (contiguous float32/bf16) times the block rows ``data`` (uint8 [N,

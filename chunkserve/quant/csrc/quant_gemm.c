@@ -5,6 +5,9 @@
  * element in a fixed order: batch-invariant (see "int8-activation GEMM" below for the exact
  * arithmetic, which every path follows).
  *
+ * With 16 or more x rows and AMX-INT8 here, the integer dots of 16 output rows x 16 x rows x
+ * one group are one tile product (tdpbusd), the float chains the same operations.
+ *
  * quant_gemm_f32 (the float opt-in for decode rows): W's values dequantized exactly in
  * registers, float32 products and sums (see "float decode rows").
  *
@@ -706,7 +709,218 @@ PER_FORMAT(Q6_K)
     }
 #endif
 
+/* ---------------------------------------------------------------- AMX-INT8 (M >= AMX_ROWS) */
+/* The same arithmetic as dots_avx512 with the integer dots of 16 output rows x 16 x rows x
+ * one group in one tdpbusd: A = the 16 output rows' codes of the group (u8, row-major), B = the
+ * 16 x rows' codes of the group in the VNNI layout ([GV / 4][16][4], s8), C = int32 [16 out][16
+ * x rows]; then per output row o the chain of every x row at once (lanes = x rows):
+ * acc[o] = fma(float(C[o] + o_x), sc[o] * dx, acc[o]) [+ fma(t[o], dx * sum qx, acc[o])],
+ * the very operations of dots_avx512 (sc[o] * dx is one product either way). */
+#if defined(QG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16 /* fewer x rows: the VNNI path (the same bits) */
+#define AMX_GROUPS 16 /* groups whose integer dots run before their float chains */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static int amx_state = -1; /* -1 unknown, 0 refused by the OS, 1 usable */
+
+static int amx_usable(void) {
+    if (amx_state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: once per process */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+/* x codes for AMX: per block of 16 x rows (zeros past M) and 4 values, the 16 rows' 4 codes:
+ * [M / 16][K / 4][16][4]; and per block and group the 16 rows' o, d and s: [M / 16][ng][16]. */
+typedef struct {
+    uint8_t *q;
+    int32_t *o;
+    float *d, *s;
+    int64_t blocks, kq; /* kq: 4-value steps per block, whole pairs (the slack of an odd chunk) */
+} XT;
+
+static void x_for_amx(const QX *qx, int64_t M, const XT *xt, int64_t b) {
+    const int64_t K = qx->K, pairs = (K / 32 + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t m = 16 * b + i;
+            /* the last chunk of an odd count reads 32 bytes of slack: they land past K / 4 */
+            r[i] = m < M ? _mm512_loadu_si512((const void *)(qx->q + m * K + 64 * p))
+                         : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++)
+            _mm512_store_si512((void *)(xt->q + (b * xt->kq + 16 * p + j) * 64), r[j]);
+    }
+    for (int64_t g = 0; g < qx->ng; g++)
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t m = 16 * b + i, at = (b * qx->ng + g) * 16 + i;
+            xt->o[at] = m < M ? qx->o[m * qx->ng + g] : 0;
+            xt->d[at] = m < M ? qx->d[m * qx->ng + g] : 0.0f;
+            xt->s[at] = m < M ? qx->s[m * qx->ng + g] : 0.0f;
+        }
+}
+
+/* The NR output rows' codes row-major ([NR][kpad], kpad = whole pairs of chunks) and scales. */
+static inline __attribute__((always_inline)) void tile_rows_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t rows, int64_t K,
+    uint8_t *a, int64_t kpad, const Tile *tl) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2;
+    for (int64_t i = 0; i < NR; i++)
+        for (int64_t p = 0; p < pairs; p++)
+            _mm512_store_si512((void *)(a + i * kpad + 64 * p),
+                               i < rows ? decode_avx512(fmt, w + (o0 + i) * row_bytes, p, chunks).q
+                                        : _mm512_setzero_si512());
+    tile_scales_avx512(fmt, w, row_bytes, o0, rows, K, tl);
+}
+
+static inline __attribute__((always_inline)) void gemm_amx(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
+    const QX *qx, const XT *xt, int64_t M, void *out, int out_dtype, const Tile *tl,
+    uint8_t *a, int32_t *cbuf) {
+    const int gv = group_values(fmt);
+    const int64_t K = qx->K, ng = qx->ng, kpad = xt->kq * 4;
+    for (int64_t rg = g0; rg < g1; rg++) {
+        const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+        tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
+        for (int64_t b = 0; b < xt->blocks; b++) {
+            __m512 acc[NR];
+            for (int o = 0; o < NR; o++) acc[o] = _mm512_setzero_ps();
+            const uint8_t *xb = xt->q + b * xt->kq * 64;
+            for (int64_t gc = 0; gc < ng; gc += AMX_GROUPS) {
+                const int64_t ge = gc + AMX_GROUPS < ng ? gc + AMX_GROUPS : ng;
+                /* the integer dots of AMX_GROUPS groups first, then their float chains: the
+                 * tile unit and the vector units work apart */
+                for (int64_t g = gc; g < ge; g++) {
+                    int32_t *c = cbuf + (g - gc) * 256;
+                    if (g & 1) {
+                        _tile_zero(3);
+                        _tile_loadd(1, a + g * gv, kpad);
+                        _tile_loadd(2, xb + g * gv * 16, 64);
+                        _tile_dpbusd(3, 1, 2);
+                        _tile_stored(3, c, 64);
+                    } else {
+                        _tile_zero(0);
+                        _tile_loadd(4, a + g * gv, kpad);
+                        _tile_loadd(5, xb + g * gv * 16, 64);
+                        _tile_dpbusd(0, 4, 5);
+                        _tile_stored(0, c, 64);
+                    }
+                }
+                for (int64_t g = gc; g < ge; g++) {
+                    const int32_t *c = cbuf + (g - gc) * 256;
+                    const int64_t at = (b * ng + g) * 16;
+                    const __m512i ov = _mm512_loadu_si512((const void *)(xt->o + at));
+                    const __m512 dv = _mm512_loadu_ps(xt->d + at);
+                    const __m512 sv = _mm512_loadu_ps(xt->s + at);
+                    const float *sc = tl->sc + g * NR, *t = tl->t + g * NR;
+#pragma GCC unroll 16
+                    for (int o = 0; o < NR; o++) {
+                        __m512i ci = _mm512_load_si512((const void *)(c + 16 * o));
+                        if (fmt_off(fmt)) ci = _mm512_add_epi32(ci, ov);
+                        acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci),
+                                                 _mm512_mul_ps(_mm512_set1_ps(sc[o]), dv), acc[o]);
+                        if (fmt_has_t(fmt))
+                            acc[o] = _mm512_fmadd_ps(_mm512_set1_ps(t[o]), sv, acc[o]);
+                    }
+                }
+            }
+            /* acc[o] lane i = (x row 16 b + i, output o0 + o): transposed to rows of out */
+            __m512i r[16];
+            for (int o = 0; o < 16; o++) r[o] = _mm512_castps_si512(acc[o]);
+            transpose16(r);
+            const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+            for (int64_t i = 0; i < 16 && 16 * b + i < M; i++) {
+                float *dst = (float *)out + (16 * b + i) * N + o0;
+                if (out_dtype == F32) {
+                    _mm512_mask_storeu_ps(dst, keep, _mm512_castsi512_ps(r[i]));
+                } else {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, _mm512_castsi512_ps(r[i]));
+                    for (int64_t o = 0; o < rows; o++)
+                        ((uint16_t *)out)[(16 * b + i) * N + o0 + o] = to_bf16(tmp[o]);
+                }
+            }
+        }
+    }
+}
+
+#define PER_FORMAT_AMX(F)                                                                      \
+    static void gemm_amx_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N,   \
+                             const QX *qx, const XT *xt, int64_t M, void *out, int dt,          \
+                             const Tile *tl, uint8_t *a, int32_t *c) {                          \
+        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c);                           \
+    }
+PER_FORMAT_AMX(Q4_0)
+PER_FORMAT_AMX(Q4_1)
+PER_FORMAT_AMX(Q5_0)
+PER_FORMAT_AMX(Q5_1)
+PER_FORMAT_AMX(Q8_0)
+PER_FORMAT_AMX(Q4_K)
+PER_FORMAT_AMX(Q5_K)
+PER_FORMAT_AMX(Q6_K)
+#endif
+
 /* ---------------------------------------------------------------- entry points */
+#if defined(QG_AMX)
+/* quant_gemm's AMX path: x laid out for tdpbusd, then each thread's row groups. */
+static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, const QX *qx,
+                        int64_t M, void *out, int x_dtype, int nthreads, int64_t groups,
+                        char *tiles, size_t tq, size_t ts) {
+    const int64_t K = qx->K, ng = qx->ng, pairs = (K / 32 + 1) / 2, gv = group_values(fmt);
+    XT xt;
+    xt.blocks = (M + 15) / 16;
+    xt.kq = pairs * 16;
+    size_t xbytes = (size_t)(xt.blocks * xt.kq * 64), nb = (size_t)(xt.blocks * ng * 16);
+    char *xbuf = (char *)aligned_alloc(64, xbytes + nb * 12);
+    /* per thread: the row group's codes row-major and two C tiles */
+    size_t abytes = (size_t)(NR * pairs * 64) + AMX_GROUPS * 256 * 4;
+    char *abuf = (char *)aligned_alloc(64, (size_t)nthreads * abytes);
+    if (!xbuf || !abuf) {
+        free(xbuf);
+        free(abuf);
+        return 3;
+    }
+    xt.q = (uint8_t *)xbuf;
+    xt.o = (int32_t *)(xbuf + xbytes);
+    xt.d = (float *)(xt.o + nb);
+    xt.s = xt.d + nb;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < xt.blocks; b++) x_for_amx(qx, M, &xt, b);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        char *mine = tiles + (size_t)t * (tq + 2 * ts);
+        Tile tl = {(uint8_t *)mine, (float *)(mine + tq), (float *)(mine + tq + ts)};
+        uint8_t *a = (uint8_t *)(abuf + (size_t)t * abytes);
+        int32_t *c = (int32_t *)(a + NR * pairs * 64);
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 6; i++) {
+            int kind = i % 3; /* 0: C [16][16] int32, 1: A [16][gv] u8, 2: B [gv / 4][64] s8 */
+            cfg.rows[i] = (uint8_t)(kind == 2 ? gv / 4 : 16);
+            cfg.colsb[i] = (uint16_t)(kind == 1 ? gv : 64);
+        }
+        _tile_loadconfig(&cfg);
+        DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
+        _tile_release();
+    }
+    free(abuf);
+    free(xbuf);
+    return 0;
+}
+#endif
+
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                 int x_dtype, int64_t M, void *out, int nthreads, int portable) {
     (void)portable; /* unused in a build without SIMD paths */
@@ -716,7 +930,8 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
     QX qx;
     qx.K = K;
     qx.ng = K / group_values(fmt);
-    size_t xq_bytes = ((size_t)(M * K) + 63) / 64 * 64, ngm = (size_t)(M * qx.ng);
+    /* 64 bytes of slack: AMX's x layout reads a last odd chunk's pair whole */
+    size_t xq_bytes = ((size_t)(M * K) + 127) / 64 * 64, ngm = (size_t)(M * qx.ng);
     char *buf = (char *)aligned_alloc(64, xq_bytes + ngm * 12 + 64);
     if (!buf) return 3;
     qx.q = (int8_t *)buf;
@@ -743,6 +958,15 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         free(buf);
         return 3;
     }
+#if defined(QG_AMX)
+    if (!portable && M >= AMX_ROWS && amx_usable()) {
+        int rc = gemm_amx_all(fmt, w, row_bytes, N, &qx, M, out, x_dtype, nthreads, groups,
+                              tiles, tq, ts);
+        free(tiles);
+        free(buf);
+        return rc;
+    }
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -776,6 +1000,16 @@ int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t 
 int quant_gemm_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
     return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1);
+}
+
+/* Whether quant_gemm multiplies AMX_ROWS or more x rows with AMX-INT8 tiles (built for them,
+ * and the OS lets this process use them). */
+int quant_gemm_amx(void) {
+#if defined(QG_AMX)
+    return amx_usable();
+#else
+    return 0;
+#endif
 }
 
 /* Which decode path quant_gemm runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
