@@ -422,3 +422,23 @@ def test_the_embedded_files_own_tensors(gguf_path):
             x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m))
             assert rel_err(w.matmul(x.bfloat16()), x @ dense.T) < 2e-2, (t.name, m)
     assert {T.Q4_1, T.Q8_0} <= seen
+
+
+@needs_kernels
+def test_the_deterministic_tiling_skips_row_invariant_weights(weight, monkeypatch):
+    """The deterministic mode's row tiling (64-row calls) is not needed for the int8 kernel:
+    one call for 130 rows, the kernel's own bits; with the float opt-in (not row-invariant)
+    the rows are tiled again."""
+    from chunkserve.model.layers import DETERMINISTIC_TILING, linear
+
+    _, _, w = weight
+    calls: list[int] = []
+    matmul = GGUFWeight.matmul
+    monkeypatch.setattr(GGUFWeight, "matmul", lambda s, x: calls.append(len(x)) or matmul(s, x))
+    x = torch.randn(130, w.in_features)
+    assert torch.equal(linear(x, w, None, DETERMINISTIC_TILING), matmul(w, x))
+    assert calls == [130]
+    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
+    calls.clear()
+    linear(x, w, None, DETERMINISTIC_TILING)
+    assert calls == [64, 64, 64]
