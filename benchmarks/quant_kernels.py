@@ -3,13 +3,12 @@ weight dequantized: per GGML format and weight shape, the time of one product at
 time per row ("per token"), and the rate the quantized weight's bytes are read at.
 
 The weights are random blocks (speed does not depend on the values): gguf-py's quantization of
-normal floats for the formats it writes, random bytes with small f16 scales for K-quants. Both
-quantized paths run at each M (the float decode kernel, the default; the opt-in int8-activation
-decode kernel; the weight dequantized to bf16 by the kernel, then torch), and the one
-``GGUFWeight.matmul`` picks by default (the float kernel up to ``kernels.DECODE_MAX_ROWS``
-rows) is compared with bf16. Each figure is the median (and the
-min) of ``--repeats`` calls after a warm-up; the calls take turns, so a busy machine slows
-all alike.
+normal floats for the formats it writes, random bytes with small f16 scales for K-quants. The
+quantized paths run at each M (the int8-activation kernel, the default at every M; the float
+decode kernel of the opt-in, up to ``kernels.DECODE_MAX_ROWS`` rows; the weight dequantized to
+bf16 by the kernel, then torch, the opt-in's prefill path), and the default is compared with
+bf16. Each figure is the median (and the min) of ``--repeats`` calls after a warm-up; the
+calls take turns, so a busy machine slows all alike.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py --threads 1
 
@@ -68,38 +67,54 @@ def cpu_flags() -> list[str]:
 
 
 @torch.inference_mode()
-def time_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def time_turns(
+    calls: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]
+) -> dict[str, list[float]]:
     """Seconds of each call over ``repeats`` rounds, the calls taking turns in each round."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             call()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
+PATHS = ["int8_kernel", "float_kernel", "dequant_tiles", "bf16_linear"]
+
+
 def paths(k: kernels.QuantKernels, w: GGUFWeight, dense_w: torch.Tensor, x: torch.Tensor):
-    """The quantized paths and the bf16 baseline, as calls."""
+    """The quantized paths and the bf16 baseline, as calls (the float kernel only where the
+    float opt-in runs it, up to ``kernels.DECODE_MAX_ROWS`` rows: beyond, it is very slow)."""
     code, k_in = w.format.code, w.in_features
-    return {
-        "float_kernel": lambda: k.gemm_float(code, w.data, x),
+    calls = {
         "int8_kernel": lambda: k.gemm(code, w.data, x),
+        "float_kernel": lambda: k.gemm_float(code, w.data, x),
         "dequant_tiles": lambda: F.linear(x, k.dequantize(code, w.data, k_in, x.dtype)),
         "bf16_linear": lambda: F.linear(x, dense_w),
     }
+    if x.shape[0] > kernels.DECODE_MAX_ROWS:
+        del calls["float_kernel"]
+    return calls
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 300])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--formats", nargs="+", default=FORMATS)
     ap.add_argument(
         "--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="OUTxIN ..."
+    )
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU time (time.process_time), steadier than wall time on a "
+        "machine shared with other work; meaningful with --threads 1",
     )
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args()
@@ -115,16 +130,19 @@ def main() -> None:
             dense_w = w.dequantize(torch.bfloat16)
             for m in args.rows:
                 x = torch.randn(m, in_features).bfloat16()
-                times = time_turns(paths(k, w, dense_w, x), args.repeats)
+                load = os.getloadavg()[0]
+                clock = time.process_time if args.clock == "cpu" else time.perf_counter
+                times = time_turns(paths(k, w, dense_w, x), args.repeats, clock)
                 med = {p: statistics.median(t) for p, t in times.items()}
                 best = {p: min(t) for p, t in times.items()}
-                picked = "float_kernel" if m <= kernels.DECODE_MAX_ROWS else "dequant_tiles"
+                picked = "int8_kernel"
                 tq, tb = med[picked], med["bf16_linear"]
                 row = {
                     "format": name,
                     "shape": [out_features, in_features],
                     "rows": m,
                     "matmul_picks": picked,
+                    "load_average_1min": load,
                     "weight_bytes": w.nbytes,
                     "median_ms": {p: v * 1e3 for p, v in med.items()},
                     "min_ms": {p: v * 1e3 for p, v in best.items()},
@@ -137,7 +155,7 @@ def main() -> None:
                 print(
                     f"{name} {out_features}x{in_features} M={m}: "
                     + ", ".join(f"{p} {v * 1e3:.3f} ms" for p, v in med.items())
-                    + f" (median; picked {picked}: {tb / tq:.2f}x bf16)",
+                    + f" (median; picked {picked}: {tb / tq:.2f}x bf16; load {load:.2f})",
                     flush=True,
                 )
     result = {
@@ -146,8 +164,10 @@ def main() -> None:
         "machine": cpu_description(),
         "cpu_flags": cpu_flags(),
         "kernel_simd": k.simd,
+        "kernel_amx": k.amx,
         "torch": torch.__version__,
         "threads": args.threads,
+        "clock": args.clock,
         "load_average_at_end": os.getloadavg(),
         "note": "machine shared with other jobs (2 cores); the calls take turns, so load "
         "slows all alike",
@@ -157,35 +177,40 @@ def main() -> None:
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"quant_kernels_t{args.threads}"
+    stem = out / f"quant_kernels_t{args.threads}{'_cpu' if args.clock == 'cpu' else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# Quantized-weight kernels vs bf16 F.linear ({result['date']})",
         "",
         f"- machine: {result['machine']}; flags: {', '.join(result['cpu_flags'])}",
-        f"- kernel: {result['kernel_simd']}; torch {result['torch']}; {args.threads} thread(s)",
+        f"- kernel: {result['kernel_simd']}, AMX-INT8 for 16+ rows: {result['kernel_amx']}; "
+        f"torch {result['torch']}; {args.threads} thread(s)",
         f"- {result['note']}; load average at the end: "
         + ", ".join(f"{v:.2f}" for v in result["load_average_at_end"]),
         f"- command: `{result['command']}` at commit {result['commit']}",
         "",
-        "Median (min) ms of one product; `float kernel` (the default for decode rows): the "
-        "weight dequantized exactly in registers, float32 products and sums; `int8 kernel` "
-        "(opt-in, CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1): activations quantized to int8, "
-        "integer dot products; `dequant tiles`: the weight dequantized to bf16 by the kernel, "
-        "then torch; GB/s: the quantized weight's bytes over the picked path's median.",
+        f"Median (min) ms of one product ({'CPU' if args.clock == 'cpu' else 'wall'} time); "
+        "`int8 kernel` (the default at every M, "
+        "batch-invariant): activations quantized to int8, integer dot products, one float "
+        "chain per output; `float kernel` (opt-in CHUNKSERVE_QUANT_FLOAT_KERNEL=1, decode "
+        "rows only): the weight dequantized exactly in registers, float32 products and sums; "
+        "`dequant tiles` (the float opt-in's prefill path): the weight dequantized to bf16 by "
+        "the kernel, then torch; GB/s: the quantized weight's bytes over the picked path's "
+        "median; load: the 1-minute load average when the row started.",
         "",
-        "| format | out x in | M | float kernel | int8 kernel | dequant tiles | bf16 F.linear "
-        "| picked ms/row | picked GB/s | bf16 GB/s | picked vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| format | out x in | M | int8 kernel | float kernel | dequant tiles | bf16 F.linear "
+        "| picked ms/row | picked GB/s | bf16 GB/s | picked vs bf16 | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         med, best = r["median_ms"], r["min_ms"]
-        cells = [f"{med[p]:.3f} ({best[p]:.3f})" for p in med]
+        cells = [f"{med[p]:.3f} ({best[p]:.3f})" if p in med else "-" for p in PATHS]
         lines.append(
             f"| {r['format']} | {r['shape'][0]}x{r['shape'][1]} | {r['rows']} | "
             + " | ".join(cells)
             + f" | {r['picked_ms_per_row']:.3f} | {r['picked_weight_gb_s']:.2f} | "
-            f"{r['bf16_weight_gb_s']:.2f} | {r['speedup_vs_bf16']:.2f}x |"
+            f"{r['bf16_weight_gb_s']:.2f} | {r['speedup_vs_bf16']:.2f}x | "
+            f"{r['load_average_1min']:.2f} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md")

@@ -456,10 +456,11 @@ def test_chunked_prefix_cached_and_preempted_match_unchunked(
 
 
 def assert_preempted_matches(
-    path: Path, like: Engine, work: list[list[int]], expected: list[list[int]]
+    path: Path, like: Engine, work: list[list[int]], expected: list[list[int]], **engine_args
 ) -> None:
     """10 blocks per KV group (the bytes of ``like``'s blocks) and a context that long, for
-    requests that grow past them: preempted and recomputed, the tokens of ``expected``."""
+    requests that grow past them: preempted and recomputed, the tokens of ``expected``
+    (``engine_args``: more arguments of the engine, e.g. ``deterministic``)."""
     per_block = like.core.worker._bytes_per_block
     groups = like.core.kv.num_groups
     tight = make_engine(
@@ -468,6 +469,7 @@ def assert_preempted_matches(
         max_num_batched_tokens=64,
         kv_cache_memory=(10 * groups + 1) * per_block,
         max_model_len=10 * BLOCK,
+        **engine_args,
     )
     assert tight.core.worker.num_blocks == 10 * groups
     assert run_staggered(tight, work, CHUNK_TOKENS) == expected

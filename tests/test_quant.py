@@ -114,7 +114,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the decode kernel sees it: per 32 values, codes round(x * 127 / max|x|) (to
+    """x as the int8 kernel sees it: per 32 values, codes round(x * 127 / max|x|) (to
     even) times max|x| / 127, all in float32."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
@@ -126,8 +126,8 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", ROWS_M)
 def test_matmul_against_gguf_py_dequantize(weight, m, path, monkeypatch):
     """Both dtypes, every path, within float tolerance of gguf-py's dequantize + a float
-    matmul (the decode kernel's int8 activations cost ~0.5%; a wrong scale, code or offset
-    anywhere costs far more than 1.5%)."""
+    matmul (the kernel's int8 activations cost ~0.5%; a wrong scale, code or offset anywhere
+    costs far more than 1.5%)."""
     if path == "kernel" and kernels.load() is None:
         pytest.skip(f"the quant C kernels: {kernels.load_error()}")
     if path == "reference":
@@ -142,7 +142,7 @@ def test_matmul_against_gguf_py_dequantize(weight, m, path, monkeypatch):
     got_bf16 = w.matmul(x.bfloat16())
     assert got_bf16.dtype == torch.bfloat16
     assert rel_err(got_bf16, want) < 2e-2
-    if path == "reference" or m > kernels.DECODE_MAX_ROWS:  # exactly the dequantized model
+    if path == "reference":  # exactly the dequantized model
         assert torch.equal(got, torch.nn.functional.linear(x, w.dequantize()))
         assert torch.equal(
             got_bf16, torch.nn.functional.linear(x.bfloat16(), w.dequantize(torch.bfloat16))
@@ -161,17 +161,17 @@ def avx2_kernels() -> kernels.QuantKernels:
 
 @needs_kernels
 @pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
-@pytest.mark.parametrize("m", [1, 3, 7, 16])
-def test_decode_kernel_is_the_product_with_int8_activations(weight, m, path, request):
-    """Tight: the decode kernel (its SIMD path, its portable C path, and the AVX2 path of a
+@pytest.mark.parametrize("m", [1, 3, 7, 16, 64])
+def test_int8_kernel_is_the_product_with_int8_activations(weight, m, path, request):
+    """Tight: the int8-activation kernel (its SIMD path, its portable C path, and the AVX2
     build without AVX512) equals the float product of the dequantized weight with the
     int8-quantized activations, up to float summation order; bf16 input rows are quantized
     from their exact float values."""
     k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
     portable = path == "portable"
     qtype, _, _ = weight
-    # 5 rows (the kernel's two-row step leaves one) and an even number of 32-value chunks.
-    raw = make_raw(qtype, 5, odd_k(qtype) + formats.get(qtype).block_values, seed=3)
+    # 21 rows (a 16-row tile and a partial one) and an even number of 32-value chunks.
+    raw = make_raw(qtype, 21, odd_k(qtype) + formats.get(qtype).block_values, seed=3)
     w = GGUFWeight.from_gguf(raw, int(qtype), "w")
     ref_w = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), np.float32))
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(10 + m))
@@ -197,7 +197,7 @@ def float_product_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
 @needs_kernels
 @pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
 def test_float_decode_kernel_is_the_dequantized_product(weight, path, request):
-    """The default decode kernel (its SIMD path, portable C, and a build without AVX512) is
+    """The float decode kernel (opt-in; its SIMD path, portable C, a build without AVX512) is
     the float product of gguf-py's dequantized weight (rounded to bf16 for bf16 rows, the
     weight in x's dtype as the prefill path multiplies it) with x, up to float32 summation
     order: every format, M = 1..8, an odd number of blocks (and 37 rows: odd thread splits).
@@ -220,23 +220,56 @@ def test_float_decode_kernel_is_the_dequantized_product(weight, path, request):
 
 
 @needs_kernels
-def test_decode_rows_do_not_depend_on_the_step(weight, monkeypatch):
-    """By default a row's product is the same (up to summation order) whether its step has
-    1, 8 (decode kernel) or 9+ rows (dequantized tiles): chunked == unchunked needs it. The
-    int8-activation kernel is an opt-in (``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``)."""
+@pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
+def test_a_row_has_the_same_bits_in_any_step(weight, path, request):
+    """The int8-activation kernel is batch-invariant: 300 rows multiplied in steps of 1, 8,
+    64 and 300 rows, at 1 and 2 threads, give the same bits (chunked == unchunked == TP needs
+    it), and its SIMD path, its portable C and the AVX2 build give the same bits too (one
+    arithmetic per output element: see quant_gemm.c)."""
+    k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
     qtype, _, w = weight
+    code, portable = int(qtype), path == "portable"
+    x = torch.randn(300, w.in_features, generator=torch.Generator().manual_seed(5)) * 3
+    x[7] = 0.0  # a zero row: zero codes and scales
+    x[9, :40] = 1e-30  # a chunk of tiny values (and one straddling them and normal ones)
+    old = torch.get_num_threads()
+    try:
+        for xin in (x, x.bfloat16()):
+            torch.set_num_threads(1)
+            whole = k.gemm(code, w.data, xin, portable=portable)
+            for step in (1, 8, 64):
+                rows = [k.gemm(code, w.data, xin[r : r + step], portable=portable)
+                        for r in range(0, 300, step)]  # fmt: skip
+                assert torch.equal(torch.cat(rows), whole), (qtype.name, step)
+            torch.set_num_threads(2)
+            assert torch.equal(k.gemm(code, w.data, xin, portable=portable), whole)
+            assert torch.equal(k.gemm(code, w.data, xin[:8], portable=portable), whole[:8])
+            if path != "simd":
+                assert torch.equal(whole, kernels.load().gemm(code, w.data, xin)), qtype.name
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernels
+def test_matmul_takes_the_int8_kernel_unless_the_float_one_is_asked(weight, monkeypatch):
+    """By default ``matmul`` is the int8-activation kernel at every row count;
+    ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1`` gives the float decode kernel up to
+    ``DECODE_MAX_ROWS`` rows (the dequantized product up to summation order) and the
+    dequantized model's own product beyond."""
+    qtype, _, w = weight
+    k = kernels.load()
     x = torch.randn(12, w.in_features, generator=torch.Generator().manual_seed(5))
-    many = w.matmul(x)  # the prefill path: F.linear of the dequantized weight, exactly
+    for rows in (x[:1], x[:8], x):
+        assert torch.equal(w.matmul(rows), k.gemm(int(qtype), w.data, rows))
+    assert w.row_invariant(x) and not w.row_invariant(x.half())
+    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
+    assert not w.row_invariant(x)
+    many = w.matmul(x)
     assert torch.equal(many, torch.nn.functional.linear(x, w.dequantize()))
+    assert torch.equal(w.matmul(x[:8]), k.gemm_float(int(qtype), w.data, x[:8]))
     # Summation order only: within 2e-5 of sum |x| |w| (the scale of the sums' rounding).
     scale = 2e-5 * (x.abs() @ w.dequantize().abs().T)
-    for rows in (x[:1], x[:8]):
-        got = w.matmul(rows)
-        assert bool(((got - many[: len(rows)]).abs() <= scale[: len(rows)]).all()), qtype.name
-    monkeypatch.setenv("CHUNKSERVE_QUANT_INT8_ACTIVATIONS", "1")
-    int8 = w.matmul(x[:8])
-    assert torch.equal(int8, kernels.load().gemm(int(qtype), w.data, x[:8]))
-    assert not bool(((int8 - many[:8]).abs() <= scale[:8]).all())
+    assert bool(((w.matmul(x[:8]) - many[:8]).abs() <= scale[:8]).all()), qtype.name
 
 
 @needs_kernels
@@ -415,3 +448,23 @@ def test_matmul_slices_is_matmul_of_each_slice(kernel, dtype, monkeypatch):
         y = linear(x[:37], w, tiling=RowTiling(16, 32))
         pad = torch.cat((x[32:37], x.new_zeros(11, 64)))
         assert torch.equal(y, torch.cat((want[:32], w.matmul(pad)[:5]))), tile_values
+
+
+@needs_kernels
+def test_the_deterministic_tiling_skips_row_invariant_weights(weight, monkeypatch):
+    """The deterministic mode's row tiling (64-row calls) is not needed for the int8 kernel:
+    one call for 130 rows, the kernel's own bits; with the float opt-in (not row-invariant)
+    the rows are tiled again."""
+    from chunkserve.model.layers import DETERMINISTIC_TILING, linear
+
+    _, _, w = weight
+    calls: list[int] = []
+    matmul = GGUFWeight.matmul
+    monkeypatch.setattr(GGUFWeight, "matmul", lambda s, x: calls.append(len(x)) or matmul(s, x))
+    x = torch.randn(130, w.in_features)
+    assert torch.equal(linear(x, w, None, DETERMINISTIC_TILING), matmul(w, x))
+    assert calls == [130]
+    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
+    calls.clear()
+    linear(x, w, None, DETERMINISTIC_TILING)
+    assert calls == [64, 64, 64]

@@ -246,6 +246,13 @@ def weight_format(weight: Weight | None) -> set[str]:
     return set()
 
 
+def _row_invariant(weight: Weight, x: torch.Tensor) -> bool:
+    """A quantized weight (or parts) whose kernel computes every row alone with the same
+    arithmetic whatever the row count: the deterministic mode needs no row tiling for it."""
+    parts = weight if isinstance(weight, list) else [weight]
+    return all(isinstance(w, QuantizedWeight) and w.row_invariant(x) for w in parts)
+
+
 def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + b`` for a float, quantized or per-part quantized weight."""
     if isinstance(weight, torch.Tensor):
@@ -501,10 +508,10 @@ def linear(
     tiling: RowTiling | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over x's rows [T, in] (``weight`` float or quantized:
-    ``Weight``); with ``tiling`` batch-invariant (see ``RowTiling``: a quantized weight's
-    kernel, too, then always runs on calls of the same number of rows, each row's result
-    computed from that row alone)."""
-    if tiling is None:
+    ``Weight``); with ``tiling`` batch-invariant (see ``RowTiling``; a quantized weight whose
+    kernel is row-invariant, the GGUF int8-activation kernel, needs no tiling; other ones
+    then always run on calls of the same number of rows)."""
+    if tiling is None or _row_invariant(weight, x):
         return _matmul(x, weight, bias)
     t = x.shape[0]
     padded = -(-t // tiling.multiple) * tiling.multiple

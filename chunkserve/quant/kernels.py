@@ -1,21 +1,25 @@
 """CPU kernels for GGML block-quantized weights (``csrc/quant_gemm.c``), built on first use
 and cached by ``chunkserve.cbuild``, called through ctypes.
 
-- ``gemm_float``: decode rows (M up to ``DECODE_MAX_ROWS``), the default. Each weight block is
-  dequantized in registers with exactly ``formats.dequantize``'s float32 arithmetic (rounded to
-  bf16 when x is bf16: the weight in x's dtype, as the prefill path multiplies it) and
-  multiplied with x's rows in float32 with float32 sums (AVX512 here; portable C, which the
-  compiler vectorizes for AVX2, elsewhere), each weight byte read once per call, threaded over
-  output rows on torch's OpenMP runtime. It differs from the dequantized weight's float matmul
-  (the prefill path, and a model dequantized at load) only in the order of the sums, so a row's
-  result does not depend on how many rows its step has (chunked == unchunked, TP == one process).
-- ``gemm``: the int8-activation decode kernel, opt-in only
-  (``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``): the activations are quantized to int8 per 32 values
-  and dotted with the weight's blocks in integer arithmetic (AVX512-VNNI here, AVX2 or portable
-  C elsewhere). Faster, but its error is that of the int8 activations, ~0.5% of the output's
-  norm, and decode rows then differ from prefill rows (greedy tokens may change with chunking).
+- ``gemm``: the default for every row count (a decode step's row or a prefill chunk of
+  hundreds). The activations are quantized to int8 per row and per 32 values and dotted with
+  the weight's blocks in integer arithmetic (AVX512-VNNI here; portable C, which the compiler
+  vectorizes for AVX2, elsewhere), then one float32 chain per output element over the K
+  groups in a fixed order: the same arithmetic whatever M, the thread count or the SIMD path,
+  so a row's result does not depend on the rows beside it (chunked == unchunked == prefix
+  cached == preempted == TP, bit for bit). NR = 16 output rows are decoded at a time into a
+  vpdpbusd-shaped tile, reused by every x row (see the C file); with 16 or more rows and
+  AMX-INT8 here (``amx``), the integer dots are AMX tile products, the float chains the same.
+  Its error against the dequantized float product is that of the int8 activations, ~0.5% of
+  the output's norm.
+- ``gemm_float``: decode rows in float arithmetic, opt-in (``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``,
+  with dequantized tiles multiplied in torch beyond ``DECODE_MAX_ROWS`` rows). Each weight block is
+  dequantized in registers with exactly ``formats.dequantize``'s float32 arithmetic (rounded
+  to bf16 when x is bf16) and multiplied with x's rows in float32 with float32 sums: closer to
+  the dequantized model (only the order of the sums differs) but 1.2-2.5x slower than bf16
+  ``F.linear`` per decode call here, and a row's last bits then depend on its step's size.
 - ``dequantize``: rows of the weight to float32 or bfloat16, bit for bit as gguf-py (and
-  ``formats.dequantize``), for prefill chunks: tiles dequantized here, multiplied in torch.
+  ``formats.dequantize``), for the float opt-in's prefill tiles.
 
 No compiler, or a failed build, is not an error: ``load()`` returns None (the reason in
 ``load_error()``, logged once) and ``GGUFWeight.matmul`` runs its torch reference.
@@ -39,18 +43,17 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_gemm.c"
 # No fast-math and no contraction: ``quant_dequant`` must round exactly as gguf-py does.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-fopenmp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Up to this many rows a product runs a decode kernel (float, or int8 when opted in); more
-# rows dequantize tiles and multiply in torch. Measured at 1 thread
-# (benchmarks/results/quant_kernels_t1.md, the int8 kernel): the kernel wins clearly at 4 and
-# 8 rows, the two are about even at 16 (the kernel's float work per row and pair of blocks
-# grows with M while the dequantized weight's bf16 GEMM stays bound by reading it).
+# With the float opt-in, up to this many rows a product runs the float decode kernel; more
+# rows dequantize tiles and multiply in torch.
 DECODE_MAX_ROWS = 8
 SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
 
 
-def int8_activations() -> bool:
-    """``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``: decode rows take the int8-activation kernel."""
-    return os.environ.get("CHUNKSERVE_QUANT_INT8_ACTIVATIONS", "0") == "1"
+def float_kernel() -> bool:
+    """``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``: the float decode kernel and dequantized prefill
+    tiles instead of the int8-activation kernel (closer to the dequantized model, slower, not
+    batch-invariant)."""
+    return os.environ.get("CHUNKSERVE_QUANT_FLOAT_KERNEL", "0") == "1"
 
 
 class QuantKernels:
@@ -68,15 +71,19 @@ class QuantKernels:
         for fn in (lib.quant_dequant, lib.quant_dequant_portable):
             fn.argtypes, fn.restype = [i32, ptr, i64, i64, i64, ptr, i32, i32], i32
         lib.quant_gemm_simd.restype = i32
+        lib.quant_gemm_amx.restype = i32
         self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
         self._gemm_f32, self._f32_portable = lib.quant_gemm_f32, lib.quant_gemm_f32_portable
         self._dequant, self._dequant_portable = lib.quant_dequant, lib.quant_dequant_portable
         # The decode path this build runs (what the compiler targets with -march=native).
         self.simd = SIMD_PATHS[lib.quant_gemm_simd()]
+        # Whether the int8 kernel's larger products (16+ rows) run on AMX-INT8 tiles.
+        self.amx = bool(lib.quant_gemm_amx())
 
     def gemm(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
         """x [M, K] (contiguous float32/bf16) times the block rows ``data`` (uint8 [N,
-        row_bytes], format ``code``) transposed: [M, N] in x's dtype, x quantized to int8."""
+        row_bytes], format ``code``) transposed: [M, N] in x's dtype, x quantized to int8;
+        each output element's arithmetic is the same whatever M, the threads or ``portable``."""
         return self._call(self._portable if portable else self._gemm, code, data, x)
 
     def gemm_float(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):

@@ -49,6 +49,12 @@ class QuantizedWeight(abc.ABC):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] (bf16 or fp32) -> [..., out] in x's dtype."""
 
+    def row_invariant(self, x: torch.Tensor) -> bool:
+        """Whether ``matmul(x)`` computes each row's result from that row alone with the same
+        arithmetic whatever the number of rows and threads (then the deterministic mode's
+        row tiling is not needed for this weight)."""
+        return False
+
     @abc.abstractmethod
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (any shape of int64) dequantized: [*ids.shape, in] in ``dtype``."""
@@ -260,25 +266,33 @@ class GGUFWeight(QuantizedWeight):
         data = torch.cat([p.data for p in parts if isinstance(p, GGUFWeight)])
         return GGUFWeight(data, first.format, "+".join(p.name for p in parts))
 
+    def row_invariant(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype in kernels.DTYPES
+            and x.device.type == "cpu"
+            and not kernels.float_kernel()
+            and kernels.load() is not None
+        )
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode rows (up to ``kernels.DECODE_MAX_ROWS``): the float kernel (the weight
-        dequantized exactly in registers, float32 sums: the reference up to the order of the
-        sums), or the int8-activation kernel (~0.5% error) when
-        ``CHUNKSERVE_QUANT_INT8_ACTIVATIONS=1``; more rows: row tiles dequantized by the
-        kernel exactly as the reference does, multiplied in torch (equal to the reference).
-        No kernel (no compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``): the
-        reference."""
+        """The int8-activation kernel for every row count (``kernels.gemm``: ~0.5% error, a
+        row's result independent of the rows beside it). With
+        ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``: decode rows (up to ``kernels.DECODE_MAX_ROWS``)
+        take the float kernel (the weight dequantized exactly in registers, float32 sums:
+        the reference up to the order of the sums), more rows take row tiles dequantized by
+        the kernel exactly as the reference does, multiplied in torch (equal to the
+        reference). No kernel (no compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``)
+        or a float16 / non-CPU x: the reference."""
         self._check_x(x)
         k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
         if k is None or x.numel() == 0:
             return reference_matmul(self, x)
         x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
         code = self.format.code
-        if x2.shape[0] <= kernels.DECODE_MAX_ROWS:
-            if kernels.int8_activations():
-                out = k.gemm(code, self.data, x2)
-            else:
-                out = k.gemm_float(code, self.data, x2)
+        if not kernels.float_kernel():
+            out = k.gemm(code, self.data, x2)
+        elif x2.shape[0] <= kernels.DECODE_MAX_ROWS:
+            out = k.gemm_float(code, self.data, x2)
         else:
             out = _tiled(
                 self.shape[0],

@@ -1,32 +1,24 @@
 /* Products with GGML block-quantized weights (chunkserve/quant/kernels.py builds this file).
  *
- * Decode rows (quant_gemm): out[M, N] = x[M, K] . W[N, K]^T for small M, bound by reading W.
- * The activations are quantized first, per row and per 32 values, to int8 with a float scale
- * (dx = max|x| / 127, round to nearest even). Every weight format is then seen the same way,
- * two 32-value chunks ("a pair") at a time, as
+ * quant_gemm: out[M, N] = x[M, K] . W[N, K]^T for every M, x quantized to int8 per row and per
+ * 32 values, integer dot products per weight group (vpdpbusd), one float32 chain per output
+ * element in a fixed order: batch-invariant (see "int8-activation GEMM" below for the exact
+ * arithmetic, which every path follows).
  *
- *     64 unsigned 8-bit codes q, and per 4 consecutive values ("a lane", 16 lanes) a float
- *     scale sc and a float offset mn, so that  w = sc * q + mn  for each value,
+ * With 16 or more x rows and AMX-INT8 here, the integer dots of 16 output rows x 16 x rows x
+ * one group are one tile product (tdpbusd), the float chains the same operations.
  *
- * e.g. Q4_0: q = nibble, sc = d, mn = -8 d; Q8_0: q = int8 ^ 0x80, sc = d, mn = -128 d;
- * Q4_K: sc = d * scale[s], mn = -dmin * min[s]; Q6_K: sc = d * scale[j], mn = -32 sc. Then
+ * quant_gemm_f32 (the float opt-in for decode rows): W's values dequantized exactly in
+ * registers, float32 products and sums (see "float decode rows").
  *
- *     sum_values w * x  =  sum_lanes  sc * dx * (sum_4 q * qx)  +  mn * (dx * sum_4 qx)
- *
- * where the integer sums are one VNNI instruction (vpdpbusd: u8 x s8 -> s32 per lane) for a
- * pair, and dx and dx * sum_4 qx are per-lane vectors precomputed once per activation row.
- * The weight is read once per call: each thread owns a contiguous range of output rows, and
- * a row's pair is decoded once and dotted with up to 16 activation rows held in registers.
- * The error is that of the int8 activations (as llama.cpp's q8 path): ~0.5% relative.
- *
- * Prefill rows (quant_dequant): rows of W dequantized to float32 or bfloat16 with gguf-py's
- * exact float32 arithmetic (this file is built with -ffp-contract=off and no fast-math), for
- * a float matmul in torch.
+ * quant_dequant: rows of W dequantized to float32 or bfloat16 with gguf-py's exact float32
+ * arithmetic (this file is built with -ffp-contract=off and no fast-math), for a float matmul
+ * in torch.
  *
  * Paths: AVX512-VNNI + AVX512BW (+VL) intrinsics where the compiler targets them (built with
- * -march=native), else AVX2 + FMA (the portable decoding, 256-bit integer dots), else
- * portable C (vectorized by the compiler where it can). The portable path is also exported
- * as quant_gemm_portable; tests run all three (AVX2 in a build with -mno-avx512f).
+ * -march=native), else portable C (vectorized by the compiler where it can: AVX2 and FMA with
+ * -march=native on an AVX2 machine). The portable path is also exported (the *_portable entry
+ * points); tests run both, and a build with -mno-avx512f, and compare their bits.
  *
  * Block layouts: see chunkserve/quant/formats.py. All pointers are to little-endian data.
  */
@@ -47,7 +39,6 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { F32 = 0, BF16 = 1 };
-#define MAX_ROWS 16 /* activation rows dotted per pass over a weight row */
 
 
 static int block_bytes(int fmt) {
@@ -113,32 +104,120 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* ---------------------------------------------------------------- activation quantization */
-/* Row m of x -> per pair p: xq[64] int8, xd[16] (dx per lane), xs[16] (dx * sum of the lane's
- * 4 codes), xo[16] (-off * sum of the lane's codes). A pair's second chunk past the row's end
- * is zeros. */
+/* ---------------------------------------------------------------- int8-activation GEMM */
+/* quant_gemm: out[M, N] = x[M, K] . W[N, K]^T with x quantized to int8, for every M (one
+ * decode row or a prefill chunk of hundreds), with one arithmetic per output element whatever
+ * M, the thread count or the SIMD path (AVX512-VNNI, AVX2, portable C), so a row's result does
+ * not depend on the rows beside it in its step (chunked == unchunked == TP):
+ *
+ * - each x row is quantized alone, per 32 values ("chunk"): dx = max|x| / 127, codes
+ *   qx = round-to-nearest-even(x * (127 / max|x|)) (all zero for a zero chunk);
+ * - the weight is seen per "group" of GV values (32; 16 for Q6_K, whose scales are per 16) as
+ *   w = sc * (q - OFF) + t: q an unsigned code, OFF a constant of the format (8 Q4_0, 16 Q5_0,
+ *   128 Q8_0, 32 Q6_K, else 0), sc and t floats per group (t only for the formats with a min:
+ *   Q4_1, Q5_1, Q4_K, Q5_K), sc and t computed as in gguf-py (see group_scales);
+ * - per group g the integer dot idot = sum (q - OFF) * qx is exact (int32);
+ * - per output element, in group order 0, 1, ..., K / GV - 1, one float32 chain:
+ *       acc = fma((float)idot, sc * dx, acc);   then, with a min,  acc = fma(t, dx * sum qx, acc)
+ *   (sc * dx and dx * sum qx rounded to float32 first), acc starting at 0; the result is acc
+ *   (rounded to bf16, nearest even, for bf16 x).
+ *
+ * Threads split the output rows (in groups of NR), never K. The kernels take NR = 16 output
+ * rows at a time: their codes are decoded once into a scratch tile laid out for vpdpbusd
+ * ([K / 4][NR][4] bytes: four consecutive codes of each of the 16 rows per 64 bytes) with
+ * their sc and t ([K / GV][NR] floats), then every x row (in register tiles of up to MR rows)
+ * runs its chains against the tile, so the weight is decoded once per call whatever M. Its
+ * error is that of the int8 activations (as llama.cpp's q8 paths): ~0.5% of the output. */
+#define NR 16
+#define MR 6 /* x rows per register tile (6 x (1 int + 1 float) accumulators + 8 codes) */
+
+static inline int fmt_off(const int fmt) {
+    return fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : fmt == Q6_K ? 32 : 0;
+}
+
+static inline int fmt_has_t(const int fmt) {
+    return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K;
+}
+
+static inline int group_values(const int fmt) { return fmt == Q6_K ? 16 : 32; }
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+#else
+static inline float half(const uint8_t *p) { return f16(p); }
+#endif
+
+/* sc and t of the groups of 32-value chunk c of a weight row (1 group, 2 for Q6_K). */
+static inline void group_scales(const int fmt, const uint8_t *row, int64_t c, float *sc,
+                                float *t) {
+    if (fmt < Q4_K) {
+        const uint8_t *b = row + c * block_bytes(fmt);
+        sc[0] = half(b);
+        t[0] = fmt == Q4_1 || fmt == Q5_1 ? half(b + 2) : 0.0f;
+    } else if (fmt == Q6_K) {
+        const uint8_t *b = row + (c / 8) * 210;
+        int cc = (int)(c % 8);
+        float d = half(b + 208);
+        sc[0] = d * (float)(int8_t)b[192 + 2 * cc];
+        sc[1] = d * (float)(int8_t)b[192 + 2 * cc + 1];
+        t[0] = t[1] = 0.0f;
+    } else { /* Q4_K, Q5_K */
+        const uint8_t *b = row + (c / 8) * block_bytes(fmt);
+        int isc, imn;
+        k_scale_min(b + 4, (int)(c % 8), &isc, &imn);
+        sc[0] = half(b) * (float)isc;
+        t[0] = -(half(b + 2) * (float)imn);
+    }
+}
+
+/* The 32 codes of chunk c of a weight row, in value order. */
+static void chunk_codes(const int fmt, const uint8_t *row, int64_t c, uint8_t *q) {
+    if (fmt < Q4_K) {
+        const uint8_t *b = row + c * block_bytes(fmt);
+        if (fmt == Q8_0) {
+            for (int i = 0; i < 32; i++) q[i] = b[2 + i] ^ 0x80;
+            return;
+        }
+        const uint8_t *nib = b + (fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8);
+        for (int i = 0; i < 16; i++) {
+            q[i] = nib[i] & 0x0f;
+            q[i + 16] = nib[i] >> 4;
+        }
+        if (fmt == Q5_0 || fmt == Q5_1) {
+            uint32_t hb = rd32(b + (fmt == Q5_0 ? 2 : 4));
+            for (int i = 0; i < 32; i++) q[i] |= ((hb >> i) & 1) << 4;
+        }
+    } else if (fmt == Q4_K || fmt == Q5_K) {
+        const uint8_t *b = row + (c / 8) * block_bytes(fmt);
+        int sub = (int)(c % 8);
+        const uint8_t *nib = b + (fmt == Q4_K ? 16 : 48) + 32 * (sub / 2);
+        for (int i = 0; i < 32; i++) q[i] = (nib[i] >> (4 * (sub % 2))) & 0x0f;
+        if (fmt == Q5_K)
+            for (int i = 0; i < 32; i++) q[i] |= ((b[16 + i] >> sub) & 1) << 4;
+    } else { /* Q6_K */
+        const uint8_t *b = row + (c / 8) * 210;
+        int cc = (int)(c % 8), half_ = cc / 4, k = cc % 4;
+        const uint8_t *ql = b + 64 * half_ + 32 * (k % 2), *hi = b + 128 + 32 * half_;
+        for (int i = 0; i < 32; i++)
+            q[i] = ((ql[i] >> (4 * (k / 2))) & 0x0f) | (((hi[i] >> (2 * k)) & 3) << 4);
+    }
+}
+
+/* Quantized activations: q [M, K] int8; per row and group d (dx), s (dx * sum of the group's
+ * codes), o (-OFF * sum of the group's codes), each [M, K / GV]. */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int32_t *o; /* -OFF * the lane's sum of codes (see Pair) */
-    int64_t pairs;
+    int32_t *o;
+    int64_t K, ng;
 } QX;
 
-static void quantize_row(const void *x, int dtype, int64_t K, int64_t m, int off, const QX *qx) {
-    int64_t chunks = K / 32;
-    int8_t *q = qx->q + m * qx->pairs * 64;
-    float *d = qx->d + m * qx->pairs * 16, *s = qx->s + m * qx->pairs * 16;
-    int32_t *o = qx->o + m * qx->pairs * 16;
+static void quantize_row(const int fmt, const void *x, int dtype, int64_t m, const QX *qx) {
+    const int64_t K = qx->K, gv = group_values(fmt), per = 32 / gv;
+    int8_t *q = qx->q + m * K;
     float v[32];
-    for (int64_t c = 0; c < 2 * qx->pairs; c++) {
-        int8_t *qc = q + 32 * c;
-        float *dc = d + 16 * (c / 2) + 8 * (c % 2), *sc = s + 16 * (c / 2) + 8 * (c % 2);
-        int32_t *oc = o + 16 * (c / 2) + 8 * (c % 2);
-        if (c >= chunks) {
-            memset(qc, 0, 32);
-            for (int j = 0; j < 8; j++) dc[j] = sc[j] = 0.0f, oc[j] = 0;
-            continue;
-        }
+    for (int64_t c = 0; c < K / 32; c++) {
         if (dtype == F32) {
             memcpy(v, (const float *)x + m * K + 32 * c, sizeof v);
         } else {
@@ -146,82 +225,58 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t m, int off
             for (int i = 0; i < 32; i++) v[i] = from_bf16(xb[i]);
         }
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < 32; i++) { /* a NaN is skipped, as by fmaxf (no libm call) */
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
         float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int i = 0; i < 32; i++) qc[i] = (int8_t)nearbyintf(v[i] * inv);
-        for (int j = 0; j < 8; j++) {
-            int sum = qc[4 * j] + qc[4 * j + 1] + qc[4 * j + 2] + qc[4 * j + 3];
-            dc[j] = dx;
-            sc[j] = dx * (float)sum;
-            oc[j] = -off * sum;
+        for (int i = 0; i < 32; i++) q[32 * c + i] = (int8_t)nearbyintf(v[i] * inv);
+        for (int64_t h = 0; h < per; h++) {
+            int32_t sum = 0;
+            for (int64_t i = gv * h; i < gv * (h + 1); i++) sum += q[32 * c + i];
+            int64_t at = m * qx->ng + per * c + h;
+            qx->d[at] = dx;
+            qx->s[at] = dx * (float)sum;
+            qx->o[at] = -fmt_off(fmt) * sum;
         }
     }
 }
 
-/* ---------------------------------------------------------------- portable pair decoding */
-/* Pair p (chunks 2p, 2p + 1) of a weight row -> q[64], sc[16], mn[16]; `chunks`: the row's
- * number of 32-value chunks (an odd count leaves the last pair half zero). */
-static void decode_pair(int fmt, const uint8_t *row, int64_t p, int64_t chunks, uint8_t *q,
-                        float *sc, float *mn) {
-    for (int h = 0; h < 2; h++) {
-        int64_t c = 2 * p + h;
-        uint8_t *qh = q + 32 * h;
-        float *sh = sc + 8 * h, *mh = mn + 8 * h;
-        float s = 0.0f, m = 0.0f;
-        if (c >= chunks) {
-            memset(qh, 0, 32);
-            for (int j = 0; j < 8; j++) sh[j] = mh[j] = 0.0f;
-            continue;
-        }
-        if (fmt < Q4_K) {
-            const uint8_t *b = row + c * block_bytes(fmt);
-            const uint8_t *nib = b + (fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8);
-            s = f16(b);
-            if (fmt == Q8_0) {
-                for (int i = 0; i < 32; i++) qh[i] = b[2 + i] ^ 0x80;
-                m = -128.0f * s;
-            } else {
-                for (int i = 0; i < 16; i++) {
-                    qh[i] = nib[i] & 0x0f;
-                    qh[i + 16] = nib[i] >> 4;
-                }
-                if (fmt == Q5_0 || fmt == Q5_1) {
-                    uint32_t hb = rd32(b + (fmt == Q5_0 ? 2 : 4));
-                    for (int i = 0; i < 32; i++) qh[i] |= ((hb >> i) & 1) << 4;
-                }
-                m = fmt == Q4_0 ? -8.0f * s : fmt == Q5_0 ? -16.0f * s : f16(b + 2);
-            }
-            for (int j = 0; j < 8; j++) {
-                sh[j] = s;
-                mh[j] = m;
-            }
-        } else if (fmt == Q4_K || fmt == Q5_K) {
-            const uint8_t *b = row + (c / 8) * block_bytes(fmt);
-            int sub = (int)(c % 8), isc, imn;
-            k_scale_min(b + 4, sub, &isc, &imn);
-            const uint8_t *nib = b + (fmt == Q4_K ? 16 : 48) + 32 * (sub / 2);
-            for (int i = 0; i < 32; i++) qh[i] = (nib[i] >> (4 * (sub % 2))) & 0x0f;
-            if (fmt == Q5_K)
-                for (int i = 0; i < 32; i++) qh[i] |= ((b[16 + i] >> sub) & 1) << 4;
-            s = f16(b) * (float)isc;
-            m = -f16(b + 2) * (float)imn;
-            for (int j = 0; j < 8; j++) {
-                sh[j] = s;
-                mh[j] = m;
-            }
-        } else { /* Q6_K */
-            const uint8_t *b = row + (c / 8) * 210;
-            int cc = (int)(c % 8), half = cc / 4, k = cc % 4;
-            const uint8_t *ql = b + 64 * half + 32 * (k % 2), *hi = b + 128 + 32 * half;
-            for (int i = 0; i < 32; i++)
-                qh[i] = ((ql[i] >> (4 * (k / 2))) & 0x0f) | (((hi[i] >> (2 * k)) & 3) << 4);
-            float d = f16(b + 208);
-            for (int j = 0; j < 8; j++) {
-                sh[j] = d * (float)(int8_t)b[192 + 2 * cc + j / 4];
-                mh[j] = -32.0f * sh[j];
+/* The scratch tile of NR weight rows: q [K / 4][NR][4] codes (rows past the weight's end are
+ * zeros), sc and t [K / GV][NR]. */
+typedef struct {
+    uint8_t *q;
+    float *sc, *t;
+} Tile;
+
+static void tile_scales(const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0,
+                        int64_t rows, int64_t K, const Tile *tl) {
+    const int64_t per = 32 / group_values(fmt);
+    for (int64_t r = 0; r < NR; r++) {
+        for (int64_t c = 0; c < K / 32; c++) {
+            float sc[2] = {0.0f, 0.0f}, t[2] = {0.0f, 0.0f};
+            if (r < rows) group_scales(fmt, w + (o0 + r) * row_bytes, c, sc, t);
+            for (int64_t h = 0; h < per; h++) {
+                tl->sc[(per * c + h) * NR + r] = sc[h];
+                tl->t[(per * c + h) * NR + r] = t[h];
             }
         }
     }
+}
+
+static void tile_portable(const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0,
+                          int64_t rows, int64_t K, const Tile *tl) {
+    uint8_t q[32];
+    for (int64_t r = 0; r < NR; r++) {
+        for (int64_t c = 0; c < K / 32; c++) {
+            if (r < rows)
+                chunk_codes(fmt, w + (o0 + r) * row_bytes, c, q);
+            else
+                memset(q, 0, sizeof q);
+            for (int j = 0; j < 8; j++) memcpy(tl->q + ((8 * c + j) * NR + r) * 4, q + 4 * j, 4);
+        }
+    }
+    tile_scales(fmt, w, row_bytes, o0, rows, K, tl);
 }
 
 static void store(void *out, int dtype, int64_t i, float v) {
@@ -231,108 +286,42 @@ static void store(void *out, int dtype, int64_t i, float v) {
         ((uint16_t *)out)[i] = to_bf16(v);
 }
 
-static void rows_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1,
-                          int64_t K, const QX *qx, int64_t M, void *out, int out_dtype, int64_t N) {
-    int64_t chunks = K / 32;
-    uint8_t q[64];
-    float sc[16], mn[16];
-    for (int64_t o = o0; o < o1; o++) {
-        const uint8_t *row = w + o * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int64_t mt = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-            float acc[MAX_ROWS] = {0};
-            for (int64_t p = 0; p < qx->pairs; p++) {
-                decode_pair(fmt, row, p, chunks, q, sc, mn);
-                for (int64_t i = 0; i < mt; i++) {
-                    const int8_t *xq = qx->q + ((m0 + i) * qx->pairs + p) * 64;
-                    const float *xd = qx->d + ((m0 + i) * qx->pairs + p) * 16;
-                    const float *xs = qx->s + ((m0 + i) * qx->pairs + p) * 16;
-                    float a = 0.0f;
-                    for (int j = 0; j < 16; j++) {
-                        int32_t dot = 0;
-                        for (int t = 0; t < 4; t++) dot += (int32_t)q[4 * j + t] * xq[4 * j + t];
-                        a += (float)dot * (sc[j] * xd[j]) + mn[j] * xs[j];
-                    }
-                    acc[i] += a;
-                }
+/* x rows m0..m0+mt-1 against a tile (output rows o0..o0+rows-1), in portable C. */
+static void dots_portable(const int fmt, const Tile *tl, const QX *qx, int64_t m0, int64_t mt,
+                          void *out, int out_dtype, int64_t N, int64_t o0, int64_t rows) {
+    const int64_t gv = group_values(fmt), K = qx->K;
+    const int off = fmt_off(fmt) != 0, has_t = fmt_has_t(fmt);
+    for (int64_t i = 0; i < mt; i++) {
+        const int64_t m = m0 + i;
+        const int8_t *xq = qx->q + m * K;
+        float acc[NR] = {0};
+        for (int64_t g = 0; g < qx->ng; g++) {
+            const int64_t at = m * qx->ng + g;
+            const float dx = qx->d[at], xs = qx->s[at];
+            for (int r = 0; r < NR; r++) {
+                int32_t idot = off ? qx->o[at] : 0;
+                for (int64_t v = 0; v < gv; v++)
+                    idot += (int32_t)tl->q[((g * gv + v) / 4 * NR + r) * 4 + v % 4] *
+                            xq[g * gv + v];
+                acc[r] = fmaf((float)idot, tl->sc[g * NR + r] * dx, acc[r]);
+                if (has_t) acc[r] = fmaf(tl->t[g * NR + r], xs, acc[r]);
             }
-            for (int64_t i = 0; i < mt; i++) store(out, out_dtype, (m0 + i) * N + o, acc[i]);
         }
+        for (int64_t r = 0; r < rows; r++) store(out, out_dtype, m * N + o0 + r, acc[r]);
     }
 }
-
-/* ---------------------------------------------------------------- AVX2 */
-#ifdef QG_AVX2
-/* The portable decoding, one 32-value chunk per 256-bit vector; u8 x s8 products summed in
- * pairs by vpmaddubsw (saturating at 16 bits: fine for codes up to 63, so Q8_0 multiplies its
- * signed int8 values directly, |q| * sign(x, q), and drops the -128 offset term). */
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static void rows_avx2(int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1,
-                      int64_t K, const QX *qx, int64_t M, void *out, int out_dtype, int64_t N) {
-    int64_t chunks = K / 32;
-    _Alignas(32) uint8_t q[64];
-    _Alignas(32) float sc[16], mn[16];
-    const int q8 = fmt == Q8_0;
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (int64_t o = o0; o < o1; o++) {
-        const uint8_t *row = w + o * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int64_t mt = M - m0 < 4 ? M - m0 : 4;
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                             _mm256_setzero_ps()};
-            for (int64_t p = 0; p < qx->pairs; p++) {
-                decode_pair(fmt, row, p, chunks, q, sc, mn);
-                for (int h = 0; h < 2; h++) {
-                    __m256i vq = _mm256_load_si256((const __m256i *)(q + 32 * h));
-                    __m256i sq = _mm256_xor_si256(vq, flip); /* Q8_0: the signed values */
-                    __m256 vsc = _mm256_load_ps(sc + 8 * h), vmn = _mm256_load_ps(mn + 8 * h);
-                    for (int64_t i = 0; i < mt; i++) {
-                        int64_t at = (m0 + i) * qx->pairs + p;
-                        __m256i xq = _mm256_loadu_si256((const __m256i *)(qx->q + at * 64 + 32 * h));
-                        __m256i prod = q8 ? _mm256_maddubs_epi16(_mm256_sign_epi8(sq, sq),
-                                                                 _mm256_sign_epi8(xq, sq))
-                                          : _mm256_maddubs_epi16(vq, xq);
-                        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-                        __m256 xd = _mm256_loadu_ps(qx->d + at * 16 + 8 * h);
-                        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(vsc, xd), acc[i]);
-                        if (!q8)
-                            acc[i] = _mm256_fmadd_ps(vmn, _mm256_loadu_ps(qx->s + at * 16 + 8 * h),
-                                                     acc[i]);
-                    }
-                }
-            }
-            for (int64_t i = 0; i < mt; i++) store(out, out_dtype, (m0 + i) * N + o, hsum256(acc[i]));
-        }
-    }
-}
-#endif
 
 /* ---------------------------------------------------------------- AVX512-VNNI decoding */
 #ifdef QG_AVX512
 static const uint8_t ZERO_BLOCK[256] = {0}; /* stands in for the missing chunk of an odd row */
 
-/* A pair seen as w = (q - OFF) * sc + t per lane: OFF a constant of the format (8 for Q4_0,
- * 16 Q5_0, 128 Q8_0, 32 Q6_K, else 0) and t present only for the formats with a min (Q4_1,
- * Q5_1, Q4_K, Q5_K). In the dot the OFF term is integer (the accumulator starts at
- * -OFF * the lane's sum of codes) and t costs one more FMA; dequantizing, it is gguf-py's
- * float32 arithmetic exactly. */
+/* Two 32-value chunks of a weight row ("a pair"): 64 codes q in value order, and per 4
+ * values ("a lane") sc and t, w = (q - OFF) * sc + t (see fmt_off, fmt_has_t): dequantizing,
+ * gguf-py's float32 arithmetic exactly; the int8 GEMM takes the codes only. */
 typedef struct {
     __m512i q;
     __m512 sc, t;
 } Pair;
-
-static inline __attribute__((always_inline)) int fmt_off(const int fmt) {
-    return fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : fmt == Q6_K ? 32 : 0;
-}
-
-static inline __attribute__((always_inline)) int fmt_has_t(const int fmt) {
-    return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K;
-}
 
 static inline float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
@@ -419,66 +408,231 @@ static inline __attribute__((always_inline)) Pair decode_avx512(const int fmt, c
     return r;
 }
 
-/* G weight rows against MT activation rows (fmt, G and MT constants in each instance): each
- * pair of activation codes loaded once serves the G rows. */
-static inline __attribute__((always_inline)) void rows_tile(const int fmt, const uint8_t *row,
-                                                            int64_t row_bytes, const int G,
-                                                            int64_t chunks, const QX *qx,
-                                                            int64_t m0, const int MT, float *res) {
-    __m512 acc[2][4];
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < MT; i++) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < qx->pairs; p++) {
-        Pair w[2];
-        for (int g = 0; g < G; g++) w[g] = decode_avx512(fmt, row + g * row_bytes, p, chunks);
-        for (int i = 0; i < MT; i++) {
-            int64_t at = (m0 + i) * qx->pairs + p;
-            __m512i init = fmt_has_t(fmt) ? _mm512_setzero_si512()
-                                          : _mm512_loadu_si512((const void *)(qx->o + at * 16));
-            __m512i xq = _mm512_loadu_si512((const void *)(qx->q + at * 64));
-            __m512 xd = _mm512_loadu_ps(qx->d + at * 16);
-            __m512 xs = fmt_has_t(fmt) ? _mm512_loadu_ps(qx->s + at * 16) : _mm512_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                __m512i dot = _mm512_dpbusd_epi32(init, w[g].q, xq);
-                acc[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[g].sc, xd),
-                                            acc[g][i]);
-                if (fmt_has_t(fmt)) acc[g][i] = _mm512_fmadd_ps(w[g].t, xs, acc[g][i]);
+/* quantize_row with AVX512: the same operations on 16 values at a time (max and the integer
+ * sums are exact in any order; v * inv and the rounding to nearest even are per value). */
+static void quantize_row_avx512(const int fmt, const void *x, int dtype, int64_t m,
+                                const QX *qx) {
+    const int64_t K = qx->K, per = 32 / group_values(fmt);
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    int8_t *q = qx->q + m * K;
+    for (int64_t c = 0; c < K / 32; c++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            if (dtype == F32) {
+                v[h] = _mm512_loadu_ps((const float *)x + m * K + 32 * c + 16 * h);
+            } else {
+                __m256i b = _mm256_loadu_si256(
+                    (const __m256i *)((const uint16_t *)x + m * K + 32 * c + 16 * h));
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+            }
+        }
+        float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
+        float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i qi[2];
+        for (int h = 0; h < 2; h++) {
+            qi[h] = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(q + 32 * c + 16 * h), _mm512_cvtepi32_epi8(qi[h]));
+        }
+        int32_t sums[2];
+        if (per == 1) {
+            sums[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(qi[0], qi[1]));
+        } else {
+            sums[0] = _mm512_reduce_add_epi32(qi[0]);
+            sums[1] = _mm512_reduce_add_epi32(qi[1]);
+        }
+        for (int64_t h = 0; h < per; h++) {
+            int64_t at = m * qx->ng + per * c + h;
+            qx->d[at] = dx;
+            qx->s[at] = dx * (float)sums[h];
+            qx->o[at] = -fmt_off(fmt) * sums[h];
+        }
+    }
+}
+
+/* tile_scales with AVX512: the NR rows' scale bytes gathered per block, the same float
+ * operations as group_scales on 16 rows at a time. */
+static inline __m512 half16(__m512i v) { /* the low 16 bits of each dword, an f16 */
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+}
+
+static inline __m512i byte_of(__m512i v, int k) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xff));
+}
+
+static inline __attribute__((always_inline)) void tile_scales_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t rows, int64_t K,
+    const Tile *tl) {
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)row_bytes));
+    const __m512i zero = _mm512_setzero_si512();
+    const uint8_t *base = w + o0 * row_bytes;
+#define GATHER(off) _mm512_mask_i32gather_epi32(zero, keep, idx, (const void *)(base + (off)), 1)
+    if (fmt < Q4_K) {
+        const int bb = block_bytes(fmt);
+        for (int64_t c = 0; c < K / 32; c++) {
+            __m512i g = GATHER(c * bb);
+            _mm512_store_ps(tl->sc + c * NR, half16(g));
+            if (fmt_has_t(fmt)) _mm512_store_ps(tl->t + c * NR, half16(_mm512_srli_epi32(g, 16)));
+        }
+    } else if (fmt == Q6_K) {
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            __m512 d = half16(_mm512_srli_epi32(GATHER(sb * 210 + 206), 16));
+            for (int k = 0; k < 4; k++) {
+                __m512i s4 = GATHER(sb * 210 + 192 + 4 * k);
+                for (int b = 0; b < 4; b++) {
+                    __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(s4, 24 - 8 * b), 24);
+                    _mm512_store_ps(tl->sc + (sb * 16 + 4 * k + b) * NR,
+                                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+                }
+            }
+        }
+    } else { /* Q4_K, Q5_K */
+        const int bb = block_bytes(fmt);
+        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15);
+        const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            __m512i dd = GATHER(sb * bb), s0 = GATHER(sb * bb + 4), s1 = GATHER(sb * bb + 8),
+                    s2 = GATHER(sb * bb + 12);
+            __m512 d = half16(dd), dmin = half16(_mm512_srli_epi32(dd, 16));
+            for (int j = 0; j < 8; j++) {
+                __m512i isc, imn;
+                if (j < 4) {
+                    isc = _mm512_and_si512(byte_of(s0, j), m63);
+                    imn = _mm512_and_si512(byte_of(s1, j), m63);
+                } else {
+                    __m512i hi = byte_of(s2, j - 4);
+                    isc = _mm512_or_si512(
+                        _mm512_and_si512(hi, m15),
+                        _mm512_slli_epi32(_mm512_srli_epi32(byte_of(s0, j - 4), 6), 4));
+                    imn = _mm512_or_si512(
+                        _mm512_srli_epi32(hi, 4),
+                        _mm512_slli_epi32(_mm512_srli_epi32(byte_of(s1, j - 4), 6), 4));
+                }
+                _mm512_store_ps(tl->sc + (sb * 8 + j) * NR,
+                                _mm512_mul_ps(d, _mm512_cvtepi32_ps(isc)));
+                _mm512_store_ps(tl->t + (sb * 8 + j) * NR,
+                                _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(imn)), sign));
             }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < MT; i++) res[g * 4 + i] = _mm512_reduce_add_ps(acc[g][i]);
+#undef GATHER
 }
 
-/* Rows o0..o1-1 of the weight against all M activation rows: two weight rows at a time, in
- * activation tiles of 4, 2, 1 (a tile's codes, 32 KiB at K = 2048, stay in L1; wider tiles
- * spill registers or stream the codes from L2 once per weight row, measured 2-3x slower). */
-static inline __attribute__((always_inline)) void rows_avx512(
-    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t K,
-    const QX *qx, int64_t M, void *out, int out_dtype, int64_t N) {
-    int64_t chunks = K / 32;
-    float res[8];
-    for (int64_t o = o0; o < o1;) {
-        const uint8_t *row = w + o * row_bytes;
-        int g = o + 1 < o1 ? 2 : 1;
-        for (int64_t m0 = 0; m0 < M;) {
-            int64_t left = M - m0;
-            int mt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            if (g == 2) {
-                if (mt == 4) rows_tile(fmt, row, row_bytes, 2, chunks, qx, m0, 4, res);
-                else if (mt == 2) rows_tile(fmt, row, row_bytes, 2, chunks, qx, m0, 2, res);
-                else rows_tile(fmt, row, row_bytes, 2, chunks, qx, m0, 1, res);
-            } else {
-                if (mt == 4) rows_tile(fmt, row, row_bytes, 1, chunks, qx, m0, 4, res);
-                else if (mt == 2) rows_tile(fmt, row, row_bytes, 1, chunks, qx, m0, 2, res);
-                else rows_tile(fmt, row, row_bytes, 1, chunks, qx, m0, 1, res);
+/* 16 vectors of 16 dwords transposed in place: r[j] lane i = the input's r[i] lane j. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int a = 0; a < 16; a += 4) { /* r[a + b] 128-bit lane L: rows a..a+3, dword 4L + b */
+        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        __m512i s0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);
+        __m512i s1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xee);
+        __m512i s2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+        __m512i s3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xee);
+        t[b] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        t[4 + b] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+        t[8 + b] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        t[12 + b] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+    }
+    for (int j = 0; j < 16; j++) r[j] = t[j];
+}
+
+/* A tile's codes: the NR rows' pairs decoded as dequant_avx512 does (a pair's 16 dwords:
+ * four codes each), transposed to the tile's [K / 4][NR][4] layout (a last odd chunk's zero
+ * half lands past K / 4, in the tile's slack; rows past the weight's end are zeros). */
+static inline __attribute__((always_inline)) void tile_avx512(const int fmt, const uint8_t *w,
+                                                              int64_t row_bytes, int64_t o0,
+                                                              int64_t rows, int64_t K,
+                                                              const Tile *tl) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i r[16];
+        for (int64_t i = 0; i < NR; i++)
+            r[i] = i < rows ? decode_avx512(fmt, w + (o0 + i) * row_bytes, p, chunks).q
+                            : _mm512_setzero_si512();
+        transpose16(r);
+        for (int j = 0; j < 16; j++)
+            _mm512_store_si512((void *)(tl->q + (16 * p + j) * 64), r[j]);
+    }
+    tile_scales_avx512(fmt, w, row_bytes, o0, rows, K, tl);
+}
+
+/* MT x rows from m0 against a tile: acc[i] lane r = the chain of x row m0 + i and output row
+ * o0 + r (see quant_gemm). Two integer accumulators per row (exact, added at the end) halve
+ * the vpdpbusd dependency chain. */
+static inline __attribute__((always_inline)) void dots_avx512(const int fmt, const Tile *tl,
+                                                              const QX *qx, int64_t m0,
+                                                              const int MT, __m512 *acc) {
+    const int gv = group_values(fmt), nq = gv / 4;
+    const int64_t K = qx->K, ng = qx->ng;
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i W[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < nq; j++)
+            W[j] = _mm512_load_si512((const void *)(tl->q + (g * nq + j) * 64));
+        const __m512 scv = _mm512_load_ps(tl->sc + g * NR);
+        const __m512 tv = fmt_has_t(fmt) ? _mm512_load_ps(tl->t + g * NR) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
+            const int64_t at = (m0 + i) * ng + g;
+            const int8_t *xq = qx->q + (m0 + i) * K + g * gv;
+            __m512i a0 = fmt_off(fmt) ? _mm512_set1_epi32(qx->o[at]) : _mm512_setzero_si512();
+            __m512i a1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int j = 0; j < nq; j += 2) {
+                a0 = _mm512_dpbusd_epi32(a0, W[j], _mm512_set1_epi32((int)rd32((const uint8_t *)xq + 4 * j)));
+                a1 = _mm512_dpbusd_epi32(a1, W[j + 1],
+                                         _mm512_set1_epi32((int)rd32((const uint8_t *)xq + 4 * j + 4)));
             }
-            for (int r = 0; r < g; r++)
-                for (int i = 0; i < mt; i++)
-                    store(out, out_dtype, (m0 + i) * N + o + r, res[r * 4 + i]);
-            m0 += mt;
+            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+            acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(scv, _mm512_set1_ps(qx->d[at])), acc[i]);
+            if (fmt_has_t(fmt))
+                acc[i] = _mm512_fmadd_ps(tv, _mm512_set1_ps(qx->s[at]), acc[i]);
         }
-        o += g;
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
+    const QX *qx, int64_t M, void *out, int out_dtype, const Tile *tl) {
+    __m512 acc[MR];
+    for (int64_t rg = g0; rg < g1; rg++) {
+        const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+        tile_avx512(fmt, w, row_bytes, o0, rows, qx->K, tl);
+        const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int64_t mt = M - m0 < MR ? M - m0 : MR;
+            switch (mt) {
+            case 1: dots_avx512(fmt, tl, qx, m0, 1, acc); break;
+            case 2: dots_avx512(fmt, tl, qx, m0, 2, acc); break;
+            case 3: dots_avx512(fmt, tl, qx, m0, 3, acc); break;
+            case 4: dots_avx512(fmt, tl, qx, m0, 4, acc); break;
+            case 5: dots_avx512(fmt, tl, qx, m0, 5, acc); break;
+            default: dots_avx512(fmt, tl, qx, m0, MR, acc);
+            }
+            for (int64_t i = 0; i < mt; i++) {
+                if (out_dtype == F32) {
+                    _mm512_mask_storeu_ps((float *)out + (m0 + i) * N + o0, keep, acc[i]);
+                } else {
+                    float tmp[NR];
+                    _mm512_storeu_ps(tmp, acc[i]);
+                    for (int64_t r = 0; r < rows; r++)
+                        ((uint16_t *)out)[(m0 + i) * N + o0 + r] = to_bf16(tmp[r]);
+                }
+            }
+        }
     }
 }
 
@@ -525,9 +679,9 @@ static inline __attribute__((always_inline)) void dequant_avx512(
 }
 
 #define PER_FORMAT(F)                                                                          \
-    static void rows_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1, int64_t K, \
-                                const QX *qx, int64_t M, void *out, int dt, int64_t N) {         \
-        rows_avx512(F, w, rb, o0, o1, K, qx, M, out, dt, N);                                   \
+    static void gemm_avx512_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N, \
+                                const QX *qx, int64_t M, void *out, int dt, const Tile *tl) {    \
+        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl);                                  \
     }                                                                                          \
     static void dequant_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1,         \
                                    int64_t K, void *out, int dt) {                             \
@@ -555,7 +709,218 @@ PER_FORMAT(Q6_K)
     }
 #endif
 
+/* ---------------------------------------------------------------- AMX-INT8 (M >= AMX_ROWS) */
+/* The same arithmetic as dots_avx512 with the integer dots of 16 output rows x 16 x rows x
+ * one group in one tdpbusd: A = the 16 output rows' codes of the group (u8, row-major), B = the
+ * 16 x rows' codes of the group in the VNNI layout ([GV / 4][16][4], s8), C = int32 [16 out][16
+ * x rows]; then per output row o the chain of every x row at once (lanes = x rows):
+ * acc[o] = fma(float(C[o] + o_x), sc[o] * dx, acc[o]) [+ fma(t[o], dx * sum qx, acc[o])],
+ * the very operations of dots_avx512 (sc[o] * dx is one product either way). */
+#if defined(QG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16 /* fewer x rows: the VNNI path (the same bits) */
+#define AMX_GROUPS 16 /* groups whose integer dots run before their float chains */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static int amx_state = -1; /* -1 unknown, 0 refused by the OS, 1 usable */
+
+static int amx_usable(void) {
+    if (amx_state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: once per process */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+/* x codes for AMX: per block of 16 x rows (zeros past M) and 4 values, the 16 rows' 4 codes:
+ * [M / 16][K / 4][16][4]; and per block and group the 16 rows' o, d and s: [M / 16][ng][16]. */
+typedef struct {
+    uint8_t *q;
+    int32_t *o;
+    float *d, *s;
+    int64_t blocks, kq; /* kq: 4-value steps per block, whole pairs (the slack of an odd chunk) */
+} XT;
+
+static void x_for_amx(const QX *qx, int64_t M, const XT *xt, int64_t b) {
+    const int64_t K = qx->K, pairs = (K / 32 + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t m = 16 * b + i;
+            /* the last chunk of an odd count reads 32 bytes of slack: they land past K / 4 */
+            r[i] = m < M ? _mm512_loadu_si512((const void *)(qx->q + m * K + 64 * p))
+                         : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++)
+            _mm512_store_si512((void *)(xt->q + (b * xt->kq + 16 * p + j) * 64), r[j]);
+    }
+    for (int64_t g = 0; g < qx->ng; g++)
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t m = 16 * b + i, at = (b * qx->ng + g) * 16 + i;
+            xt->o[at] = m < M ? qx->o[m * qx->ng + g] : 0;
+            xt->d[at] = m < M ? qx->d[m * qx->ng + g] : 0.0f;
+            xt->s[at] = m < M ? qx->s[m * qx->ng + g] : 0.0f;
+        }
+}
+
+/* The NR output rows' codes row-major ([NR][kpad], kpad = whole pairs of chunks) and scales. */
+static inline __attribute__((always_inline)) void tile_rows_avx512(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t rows, int64_t K,
+    uint8_t *a, int64_t kpad, const Tile *tl) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2;
+    for (int64_t i = 0; i < NR; i++)
+        for (int64_t p = 0; p < pairs; p++)
+            _mm512_store_si512((void *)(a + i * kpad + 64 * p),
+                               i < rows ? decode_avx512(fmt, w + (o0 + i) * row_bytes, p, chunks).q
+                                        : _mm512_setzero_si512());
+    tile_scales_avx512(fmt, w, row_bytes, o0, rows, K, tl);
+}
+
+static inline __attribute__((always_inline)) void gemm_amx(
+    const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
+    const QX *qx, const XT *xt, int64_t M, void *out, int out_dtype, const Tile *tl,
+    uint8_t *a, int32_t *cbuf) {
+    const int gv = group_values(fmt);
+    const int64_t K = qx->K, ng = qx->ng, kpad = xt->kq * 4;
+    for (int64_t rg = g0; rg < g1; rg++) {
+        const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+        tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
+        for (int64_t b = 0; b < xt->blocks; b++) {
+            __m512 acc[NR];
+            for (int o = 0; o < NR; o++) acc[o] = _mm512_setzero_ps();
+            const uint8_t *xb = xt->q + b * xt->kq * 64;
+            for (int64_t gc = 0; gc < ng; gc += AMX_GROUPS) {
+                const int64_t ge = gc + AMX_GROUPS < ng ? gc + AMX_GROUPS : ng;
+                /* the integer dots of AMX_GROUPS groups first, then their float chains: the
+                 * tile unit and the vector units work apart */
+                for (int64_t g = gc; g < ge; g++) {
+                    int32_t *c = cbuf + (g - gc) * 256;
+                    if (g & 1) {
+                        _tile_zero(3);
+                        _tile_loadd(1, a + g * gv, kpad);
+                        _tile_loadd(2, xb + g * gv * 16, 64);
+                        _tile_dpbusd(3, 1, 2);
+                        _tile_stored(3, c, 64);
+                    } else {
+                        _tile_zero(0);
+                        _tile_loadd(4, a + g * gv, kpad);
+                        _tile_loadd(5, xb + g * gv * 16, 64);
+                        _tile_dpbusd(0, 4, 5);
+                        _tile_stored(0, c, 64);
+                    }
+                }
+                for (int64_t g = gc; g < ge; g++) {
+                    const int32_t *c = cbuf + (g - gc) * 256;
+                    const int64_t at = (b * ng + g) * 16;
+                    const __m512i ov = _mm512_loadu_si512((const void *)(xt->o + at));
+                    const __m512 dv = _mm512_loadu_ps(xt->d + at);
+                    const __m512 sv = _mm512_loadu_ps(xt->s + at);
+                    const float *sc = tl->sc + g * NR, *t = tl->t + g * NR;
+#pragma GCC unroll 16
+                    for (int o = 0; o < NR; o++) {
+                        __m512i ci = _mm512_load_si512((const void *)(c + 16 * o));
+                        if (fmt_off(fmt)) ci = _mm512_add_epi32(ci, ov);
+                        acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci),
+                                                 _mm512_mul_ps(_mm512_set1_ps(sc[o]), dv), acc[o]);
+                        if (fmt_has_t(fmt))
+                            acc[o] = _mm512_fmadd_ps(_mm512_set1_ps(t[o]), sv, acc[o]);
+                    }
+                }
+            }
+            /* acc[o] lane i = (x row 16 b + i, output o0 + o): transposed to rows of out */
+            __m512i r[16];
+            for (int o = 0; o < 16; o++) r[o] = _mm512_castps_si512(acc[o]);
+            transpose16(r);
+            const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+            for (int64_t i = 0; i < 16 && 16 * b + i < M; i++) {
+                float *dst = (float *)out + (16 * b + i) * N + o0;
+                if (out_dtype == F32) {
+                    _mm512_mask_storeu_ps(dst, keep, _mm512_castsi512_ps(r[i]));
+                } else {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, _mm512_castsi512_ps(r[i]));
+                    for (int64_t o = 0; o < rows; o++)
+                        ((uint16_t *)out)[(16 * b + i) * N + o0 + o] = to_bf16(tmp[o]);
+                }
+            }
+        }
+    }
+}
+
+#define PER_FORMAT_AMX(F)                                                                      \
+    static void gemm_amx_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N,   \
+                             const QX *qx, const XT *xt, int64_t M, void *out, int dt,          \
+                             const Tile *tl, uint8_t *a, int32_t *c) {                          \
+        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c);                           \
+    }
+PER_FORMAT_AMX(Q4_0)
+PER_FORMAT_AMX(Q4_1)
+PER_FORMAT_AMX(Q5_0)
+PER_FORMAT_AMX(Q5_1)
+PER_FORMAT_AMX(Q8_0)
+PER_FORMAT_AMX(Q4_K)
+PER_FORMAT_AMX(Q5_K)
+PER_FORMAT_AMX(Q6_K)
+#endif
+
 /* ---------------------------------------------------------------- entry points */
+#if defined(QG_AMX)
+/* quant_gemm's AMX path: x laid out for tdpbusd, then each thread's row groups. */
+static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, const QX *qx,
+                        int64_t M, void *out, int x_dtype, int nthreads, int64_t groups,
+                        char *tiles, size_t tq, size_t ts) {
+    const int64_t K = qx->K, ng = qx->ng, pairs = (K / 32 + 1) / 2, gv = group_values(fmt);
+    XT xt;
+    xt.blocks = (M + 15) / 16;
+    xt.kq = pairs * 16;
+    size_t xbytes = (size_t)(xt.blocks * xt.kq * 64), nb = (size_t)(xt.blocks * ng * 16);
+    char *xbuf = (char *)aligned_alloc(64, xbytes + nb * 12);
+    /* per thread: the row group's codes row-major and two C tiles */
+    size_t abytes = (size_t)(NR * pairs * 64) + AMX_GROUPS * 256 * 4;
+    char *abuf = (char *)aligned_alloc(64, (size_t)nthreads * abytes);
+    if (!xbuf || !abuf) {
+        free(xbuf);
+        free(abuf);
+        return 3;
+    }
+    xt.q = (uint8_t *)xbuf;
+    xt.o = (int32_t *)(xbuf + xbytes);
+    xt.d = (float *)(xt.o + nb);
+    xt.s = xt.d + nb;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < xt.blocks; b++) x_for_amx(qx, M, &xt, b);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        char *mine = tiles + (size_t)t * (tq + 2 * ts);
+        Tile tl = {(uint8_t *)mine, (float *)(mine + tq), (float *)(mine + tq + ts)};
+        uint8_t *a = (uint8_t *)(abuf + (size_t)t * abytes);
+        int32_t *c = (int32_t *)(a + NR * pairs * 64);
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 6; i++) {
+            int kind = i % 3; /* 0: C [16][16] int32, 1: A [16][gv] u8, 2: B [gv / 4][64] s8 */
+            cfg.rows[i] = (uint8_t)(kind == 2 ? gv / 4 : 16);
+            cfg.colsb[i] = (uint16_t)(kind == 1 ? gv : 64);
+        }
+        _tile_loadconfig(&cfg);
+        DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
+        _tile_release();
+    }
+    free(abuf);
+    free(xbuf);
+    return 0;
+}
+#endif
+
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                 int x_dtype, int64_t M, void *out, int nthreads, int portable) {
     (void)portable; /* unused in a build without SIMD paths */
@@ -563,33 +928,65 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
     if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
     if ((x_dtype != F32 && x_dtype != BF16) || M < 1 || N < 1) return 2;
     QX qx;
-    qx.pairs = (K / 32 + 1) / 2;
-    size_t n = (size_t)(M * qx.pairs);
-    void *buf = aligned_alloc(64, n * 256);
+    qx.K = K;
+    qx.ng = K / group_values(fmt);
+    /* 64 bytes of slack: AMX's x layout reads a last odd chunk's pair whole */
+    size_t xq_bytes = ((size_t)(M * K) + 127) / 64 * 64, ngm = (size_t)(M * qx.ng);
+    char *buf = (char *)aligned_alloc(64, xq_bytes + ngm * 12 + 64);
     if (!buf) return 3;
     qx.q = (int8_t *)buf;
-    qx.d = (float *)((char *)buf + n * 64);
-    qx.s = (float *)((char *)buf + n * 128);
-    qx.o = (int32_t *)((char *)buf + n * 192);
-    int off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : fmt == Q6_K ? 32 : 0;
-    for (int64_t m = 0; m < M; m++) quantize_row(x, x_dtype, K, m, off, &qx);
+    qx.d = (float *)(buf + xq_bytes);
+    qx.s = qx.d + ngm;
+    qx.o = (int32_t *)(qx.s + ngm);
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > N) nthreads = (int)N;
+    int64_t groups = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+#if defined(QG_AVX512)
+        if (!portable) {
+            quantize_row_avx512(fmt, x, x_dtype, m, &qx);
+            continue;
+        }
+#endif
+        quantize_row(fmt, x, x_dtype, m, &qx);
+    }
+    if (nthreads > groups) nthreads = (int)groups;
+    /* A tile per thread: codes for whole pairs of chunks (the slack of an odd last chunk). */
+    size_t tq = (size_t)((K / 32 + 1) / 2) * 64 * NR, ts = (size_t)qx.ng * NR * 4;
+    char *tiles = (char *)aligned_alloc(64, (size_t)nthreads * (tq + 2 * ts));
+    if (!tiles) {
+        free(buf);
+        return 3;
+    }
+#if defined(QG_AMX)
+    if (!portable && M >= AMX_ROWS && amx_usable()) {
+        int rc = gemm_amx_all(fmt, w, row_bytes, N, &qx, M, out, x_dtype, nthreads, groups,
+                              tiles, tq, ts);
+        free(tiles);
+        free(buf);
+        return rc;
+    }
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t o0 = N * t / nt, o1 = N * (t + 1) / nt;
+        int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        char *mine = tiles + (size_t)t * (tq + 2 * ts);
+        Tile tl = {(uint8_t *)mine, (float *)(mine + tq), (float *)(mine + tq + ts)};
 #if defined(QG_AVX512)
         if (!portable) {
-            DISPATCH(fmt, rows_avx512, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N)
+            DISPATCH(fmt, gemm_avx512, w, row_bytes, g0, g1, N, &qx, M, out, x_dtype, &tl)
         } else
-#elif defined(QG_AVX2)
-        if (!portable)
-            rows_avx2(fmt, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N);
-        else
 #endif
-            rows_portable(fmt, w, row_bytes, o0, o1, K, &qx, M, out, x_dtype, N);
+        {
+            for (int64_t rg = g0; rg < g1; rg++) {
+                int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+                tile_portable(fmt, w, row_bytes, o0, rows, K, &tl);
+                dots_portable(fmt, &tl, &qx, 0, M, out, x_dtype, N, o0, rows);
+            }
+        }
     }
+    free(tiles);
     free(buf);
     return 0;
 }
@@ -603,6 +1000,16 @@ int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t 
 int quant_gemm_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
     return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1);
+}
+
+/* Whether quant_gemm multiplies AMX_ROWS or more x rows with AMX-INT8 tiles (built for them,
+ * and the OS lets this process use them). */
+int quant_gemm_amx(void) {
+#if defined(QG_AMX)
+    return amx_usable();
+#else
+    return 0;
+#endif
 }
 
 /* Which decode path quant_gemm runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
