@@ -163,20 +163,6 @@ def _embedded_weights_once():
     patch.undo()
 
 
-@pytest.fixture(scope="module")
-def float_quant_kernel():
-    """The embedded model's quantized weights multiply with the float kernel
-    (``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``) in the module: for tests comparing greedy tokens of
-    runs whose attention (or tensor-parallel sums) differ in the last bits (chunked vs
-    unchunked, preempted, speculative, two ranks) outside the deterministic mode. The default
-    int8-activation kernel gives a row the same bits in any step, but it turns such noise
-    into a flipped int8 code now and then, which changes near-tied greedy tokens of random
-    prompts (see tests/test_invariance.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
-        yield
-
-
 @pytest.fixture(scope="session")
 def preemption_reference() -> list[list[int]]:
     """Greedy tokens of the preemption workload (``tests.test_invariance``) run unchunked in
@@ -189,10 +175,8 @@ def preemption_reference() -> list[list[int]]:
         run_staggered,
     )
 
-    with pytest.MonkeyPatch.context() as mp:  # as the modules using it (float_quant_kernel)
-        mp.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
-        engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
-        tokens = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    tokens = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
     assert engine.core.scheduler.num_preemptions == 0
     assert_no_blocks_in_use(engine)
     return tokens

@@ -1,18 +1,5 @@
-"""Chunked, unchunked and preempted runs produce the same greedy tokens (fp32).
-
-The embedded model's weights stay quantized; these runs take the float kernel
-(``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``), as they did before the int8-activation kernel became the
-default. Outside the deterministic mode, attention's last bits change with chunking and
-recomputation (different kernels and sum orders for a chunk against cached blocks); the float
-kernel keeps such noise at rounding level, while int8 activations turn it into a flipped code
-now and then, which changes these random prompts' near-tied greedy tokens (all 8 tests here
-failed that way). The int8 kernel itself gives a row the same bits in any step
-(tests/test_quant.py); with attention batch-invariant too, in the deterministic mode, the
-quantized model's tokens are exactly the same chunked, cached, preempted and beside others
-(tests/test_deterministic.py, tests/test_quant_model.py). tests/test_speculative.py and
-tests/test_tensor_parallel.py use the float kernel for the same reason (and two ranks' split
-sums differ from one process's in the last bits whatever the kernel).
-"""
+"""Chunked, unchunked and preempted runs produce the same greedy tokens (fp32: the embedded
+model's quantized weights multiply in float arithmetic, ``GGUFWeight.matmul``)."""
 
 from __future__ import annotations
 
@@ -23,8 +10,6 @@ import pytest
 from chunkserve.engine.engine import Engine
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, pin_step_times, random_prompt
-
-pytestmark = pytest.mark.usefixtures("float_quant_kernel")
 
 MAX_TOKENS = 10
 

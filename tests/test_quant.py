@@ -251,25 +251,34 @@ def test_a_row_has_the_same_bits_in_any_step(weight, path, request):
 
 
 @needs_kernels
-def test_matmul_takes_the_int8_kernel_unless_the_float_one_is_asked(weight, monkeypatch):
-    """By default ``matmul`` is the int8-activation kernel at every row count;
-    ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1`` gives the float decode kernel up to
-    ``DECODE_MAX_ROWS`` rows (the dequantized product up to summation order) and the
-    dequantized model's own product beyond."""
+def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
+    """bf16 x: the int8-activation kernel up to ``INT8_MAX_ROWS`` rows, dequantized tiles
+    beyond (torch's product, the dequantized model's); ``matmul_row_invariant`` the int8
+    kernel at every row count. float32 x (an fp32 engine: float arithmetic only): the float
+    decode kernel up to ``DECODE_MAX_ROWS`` rows (the dequantized product up to summation
+    order), the tiles beyond, and no row-invariant path. ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``
+    gives bf16 the float paths too."""
     qtype, _, w = weight
     k = kernels.load()
-    x = torch.randn(12, w.in_features, generator=torch.Generator().manual_seed(5))
-    for rows in (x[:1], x[:8], x):
-        assert torch.equal(w.matmul(rows), k.gemm(int(qtype), w.data, rows))
-    assert w.row_invariant(x) and not w.row_invariant(x.half())
-    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
-    assert not w.row_invariant(x)
-    many = w.matmul(x)
-    assert torch.equal(many, torch.nn.functional.linear(x, w.dequantize()))
-    assert torch.equal(w.matmul(x[:8]), k.gemm_float(int(qtype), w.data, x[:8]))
+    code = int(qtype)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(kernels.INT8_MAX_ROWS + 3, w.in_features, generator=gen)
+    xb = x.bfloat16()
+    for rows in (xb[:1], xb[:8], xb[: kernels.INT8_MAX_ROWS]):
+        assert torch.equal(w.matmul(rows), k.gemm(code, w.data, rows))
+    many = torch.nn.functional.linear(xb, w.dequantize(torch.bfloat16))
+    assert torch.equal(w.matmul(xb), many)
+    assert w.row_invariant(xb) and torch.equal(w.matmul_row_invariant(xb), k.gemm(code, w.data, xb))
+    assert not w.row_invariant(x) and not w.row_invariant(x.half())
+    tiles = torch.nn.functional.linear(x, w.dequantize())
+    assert torch.equal(w.matmul(x), tiles)
+    assert torch.equal(w.matmul(x[:8]), k.gemm_float(code, w.data, x[:8]))
     # Summation order only: within 2e-5 of sum |x| |w| (the scale of the sums' rounding).
-    scale = 2e-5 * (x.abs() @ w.dequantize().abs().T)
-    assert bool(((w.matmul(x[:8]) - many[:8]).abs() <= scale[:8]).all()), qtype.name
+    scale = 2e-5 * (x[:8].abs() @ w.dequantize().abs().T)
+    assert bool(((w.matmul(x[:8]) - tiles[:8]).abs() <= scale).all()), qtype.name
+    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
+    assert not w.row_invariant(xb)
+    assert torch.equal(w.matmul(xb[:8]), k.gemm_float(code, w.data, xb[:8]))
 
 
 @needs_kernels
@@ -452,19 +461,29 @@ def test_matmul_slices_is_matmul_of_each_slice(kernel, dtype, monkeypatch):
 
 @needs_kernels
 def test_the_deterministic_tiling_skips_row_invariant_weights(weight, monkeypatch):
-    """The deterministic mode's row tiling (64-row calls) is not needed for the int8 kernel:
-    one call for 130 rows, the kernel's own bits; with the float opt-in (not row-invariant)
-    the rows are tiled again."""
+    """The deterministic mode's row tiling (64- and 128-row calls) is not needed for the int8
+    kernel: bf16, one row-invariant call for 130 rows, the kernel's own bits; fp32 (or the
+    float opt-in), not row-invariant: the rows are tiled."""
     from chunkserve.model.layers import DETERMINISTIC_TILING, linear
 
     _, _, w = weight
-    calls: list[int] = []
-    matmul = GGUFWeight.matmul
-    monkeypatch.setattr(GGUFWeight, "matmul", lambda s, x: calls.append(len(x)) or matmul(s, x))
-    x = torch.randn(130, w.in_features)
-    assert torch.equal(linear(x, w, None, DETERMINISTIC_TILING), matmul(w, x))
-    assert calls == [130]
-    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
-    calls.clear()
-    linear(x, w, None, DETERMINISTIC_TILING)
-    assert calls == [64, 64, 64]
+    calls: list[tuple[str, int]] = []
+    matmul, invariant = GGUFWeight.matmul, GGUFWeight.matmul_row_invariant
+    monkeypatch.setattr(
+        GGUFWeight, "matmul", lambda s, x: calls.append(("plain", len(x))) or matmul(s, x)
+    )
+    monkeypatch.setattr(
+        GGUFWeight,
+        "matmul_row_invariant",
+        lambda s, x: calls.append(("invariant", len(x))) or invariant(s, x),
+    )
+    x = torch.randn(130, w.in_features).bfloat16()
+    want = kernels.load().gemm(int(weight[0]), w.data, x)
+    assert torch.equal(linear(x, w, None, DETERMINISTIC_TILING), want)
+    assert calls == [("invariant", 130)]
+    for xin in (x.float(), x):
+        calls.clear()
+        monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1" if xin is x else "0")
+        linear(xin, w, None, DETERMINISTIC_TILING)
+        assert calls and all(kind == "plain" for kind, _ in calls), calls
+        assert sum(n for _, n in calls) == 192  # padded to the tiling's multiple (64)

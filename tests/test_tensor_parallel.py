@@ -30,10 +30,6 @@ from tests.test_invariance import (
 )
 from tests.test_server import MODEL, Server, alive, free_port, wait_for
 
-# Greedy tokens compared across runs whose last bits differ (outside the deterministic mode):
-# the quantized embedded model on its float kernel (see conftest.float_quant_kernel).
-pytestmark = pytest.mark.usefixtures("float_quant_kernel")
-
 BASE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
 # BASE as ``chunkserve serve`` flags.
 SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "64MiB"]

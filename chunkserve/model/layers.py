@@ -253,14 +253,16 @@ def _row_invariant(weight: Weight, x: torch.Tensor) -> bool:
     return all(isinstance(w, QuantizedWeight) and w.row_invariant(x) for w in parts)
 
 
-def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` for a float, quantized or per-part quantized weight."""
+def _matmul(
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, row_invariant: bool = False
+) -> torch.Tensor:
+    """``x W^T + b`` for a float, quantized or per-part quantized weight (``row_invariant``:
+    a quantized weight's row-invariant kernel, ``_row_invariant``)."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    if isinstance(weight, list):
-        y = torch.cat([w.matmul(x) for w in weight], dim=-1)
-    else:
-        y = weight.matmul(x)
+    parts = weight if isinstance(weight, list) else [weight]
+    ys = [w.matmul_row_invariant(x) if row_invariant else w.matmul(x) for w in parts]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     return y if bias is None else y + bias
 
 
@@ -511,8 +513,10 @@ def linear(
     ``Weight``); with ``tiling`` batch-invariant (see ``RowTiling``; a quantized weight whose
     kernel is row-invariant, the GGUF int8-activation kernel, needs no tiling; other ones
     then always run on calls of the same number of rows)."""
-    if tiling is None or _row_invariant(weight, x):
+    if tiling is None:
         return _matmul(x, weight, bias)
+    if _row_invariant(weight, x):
+        return _matmul(x, weight, bias, row_invariant=True)
     t = x.shape[0]
     padded = -(-t // tiling.multiple) * tiling.multiple
     if padded != t:

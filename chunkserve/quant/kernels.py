@@ -1,25 +1,26 @@
 """CPU kernels for GGML block-quantized weights (``csrc/quant_gemm.c``), built on first use
 and cached by ``chunkserve.cbuild``, called through ctypes.
 
-- ``gemm``: the default for every row count (a decode step's row or a prefill chunk of
-  hundreds). The activations are quantized to int8 per row and per 32 values and dotted with
-  the weight's blocks in integer arithmetic (AVX512-VNNI here; portable C, which the compiler
-  vectorizes for AVX2, elsewhere), then one float32 chain per output element over the K
-  groups in a fixed order: the same arithmetic whatever M, the thread count or the SIMD path,
-  so a row's result does not depend on the rows beside it (chunked == unchunked == prefix
-  cached == preempted == TP, bit for bit). NR = 16 output rows are decoded at a time into a
+- ``gemm``: bf16 activations' kernel (``GGUFWeight.matmul``: up to ``INT8_MAX_ROWS`` rows;
+  every row count in the deterministic mode, ``matmul_row_invariant``). The activations are
+  quantized to int8 per row and per 32 values and dotted with the weight's blocks in integer
+  arithmetic (AVX512-VNNI here; portable C, which the compiler vectorizes for AVX2,
+  elsewhere), then one float32 chain per output element over the K groups in a fixed order:
+  the same arithmetic whatever M, the thread count or the SIMD path, so a row's result does
+  not depend on the rows beside it. NR = 16 output rows are decoded at a time into a
   vpdpbusd-shaped tile, reused by every x row (see the C file); with 16 or more rows and
   AMX-INT8 here (``amx``), the integer dots are AMX tile products, the float chains the same.
   Its error against the dequantized float product is that of the int8 activations, ~0.5% of
   the output's norm.
-- ``gemm_float``: decode rows in float arithmetic, opt-in (``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``,
-  with dequantized tiles multiplied in torch beyond ``DECODE_MAX_ROWS`` rows). Each weight block is
+- ``gemm_float``: float32 activations' decode rows (and bf16's with
+  ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``), with dequantized tiles multiplied in torch beyond
+  ``DECODE_MAX_ROWS`` rows. Each weight block is
   dequantized in registers with exactly ``formats.dequantize``'s float32 arithmetic (rounded
   to bf16 when x is bf16) and multiplied with x's rows in float32 with float32 sums: closer to
   the dequantized model (only the order of the sums differs) but 1.2-2.5x slower than bf16
   ``F.linear`` per decode call here, and a row's last bits then depend on its step's size.
 - ``dequantize``: rows of the weight to float32 or bfloat16, bit for bit as gguf-py (and
-  ``formats.dequantize``), for the float opt-in's prefill tiles.
+  ``formats.dequantize``), for the prefill tiles.
 
 No compiler, or a failed build, is not an error: ``load()`` returns None (the reason in
 ``load_error()``, logged once) and ``GGUFWeight.matmul`` runs its torch reference.
@@ -49,11 +50,24 @@ DECODE_MAX_ROWS = 8
 SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
 
 
+# bf16 activations: up to this many rows a product runs the int8-activation kernel (faster
+# than bf16 F.linear there: ``benchmarks/results/quant_kernels_t1.md``); more rows dequantize
+# tiles and multiply in torch (AMX bf16), but in the deterministic mode (every row count).
+INT8_MAX_ROWS = 64
+
+
 def float_kernel() -> bool:
-    """``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``: the float decode kernel and dequantized prefill
-    tiles instead of the int8-activation kernel (closer to the dequantized model, slower, not
-    batch-invariant)."""
+    """``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``: bf16 activations, too, take the float decode
+    kernel and dequantized prefill tiles instead of the int8-activation kernel (closer to the
+    dequantized model, slower)."""
     return os.environ.get("CHUNKSERVE_QUANT_FLOAT_KERNEL", "0") == "1"
+
+
+def int8_activations(x: torch.Tensor) -> bool:
+    """Whether a product with x quantizes x to int8 (``gemm``): bf16 activations on a CPU,
+    unless ``float_kernel()``. float32 activations keep float arithmetic (an fp32 engine is
+    the one that computes as the dequantized model does)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not float_kernel()
 
 
 class QuantKernels:

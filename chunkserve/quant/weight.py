@@ -50,10 +50,15 @@ class QuantizedWeight(abc.ABC):
         """x [..., in] (bf16 or fp32) -> [..., out] in x's dtype."""
 
     def row_invariant(self, x: torch.Tensor) -> bool:
-        """Whether ``matmul(x)`` computes each row's result from that row alone with the same
-        arithmetic whatever the number of rows and threads (then the deterministic mode's
-        row tiling is not needed for this weight)."""
+        """Whether ``matmul_row_invariant(x)`` can compute each row's result from that row
+        alone with the same arithmetic whatever the number of rows and threads (then the
+        deterministic mode's row tiling is not needed for this weight)."""
         return False
+
+    def matmul_row_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """``matmul(x)`` with each row computed the same way whatever the rows beside it
+        (only where ``row_invariant(x)``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no row-invariant matmul")
 
     @abc.abstractmethod
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -267,31 +272,38 @@ class GGUFWeight(QuantizedWeight):
         return GGUFWeight(data, first.format, "+".join(p.name for p in parts))
 
     def row_invariant(self, x: torch.Tensor) -> bool:
-        return (
-            x.dtype in kernels.DTYPES
-            and x.device.type == "cpu"
-            and not kernels.float_kernel()
-            and kernels.load() is not None
-        )
+        return kernels.int8_activations(x) and kernels.load() is not None
+
+    def matmul_row_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8-activation kernel at every row count (bf16 x): a row's bits do not depend
+        on its step's rows or the threads (the deterministic mode's path, no row tiling)."""
+        return self._kernel_matmul(x, row_invariant=True)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The int8-activation kernel for every row count (``kernels.gemm``: ~0.5% error, a
-        row's result independent of the rows beside it). With
-        ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``: decode rows (up to ``kernels.DECODE_MAX_ROWS``)
-        take the float kernel (the weight dequantized exactly in registers, float32 sums:
-        the reference up to the order of the sums), more rows take row tiles dequantized by
-        the kernel exactly as the reference does, multiplied in torch (equal to the
-        reference). No kernel (no compiler, a failed build, ``CHUNKSERVE_QUANT_KERNELS=0``)
-        or a float16 / non-CPU x: the reference."""
+        """bf16 x: the int8-activation kernel (``kernels.gemm``: ~0.5% error, each row
+        computed alone) up to ``kernels.INT8_MAX_ROWS`` rows, where it is faster than bf16
+        ``F.linear``; more rows (prefill chunks) take row tiles dequantized by the kernel
+        exactly as the reference does, multiplied in torch (equal to the reference: torch's
+        AMX bf16 GEMM is faster there). float32 x (or ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``):
+        float arithmetic only, as a model dequantized at load computes, up to the order of the
+        sums: decode rows (up to ``kernels.DECODE_MAX_ROWS``) take the float kernel (the
+        weight dequantized exactly in registers, float32 sums), more rows the tiles. An fp32
+        engine is the one whose chunked, unchunked, cached and preempted runs give the same
+        greedy tokens; int8 activations would turn attention's last-bit differences between
+        those runs into a flipped code now and then. No kernel (no compiler, a failed build,
+        ``CHUNKSERVE_QUANT_KERNELS=0``) or a float16 / non-CPU x: the reference."""
+        return self._kernel_matmul(x, row_invariant=False)
+
+    def _kernel_matmul(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
         self._check_x(x)
         k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
         if k is None or x.numel() == 0:
             return reference_matmul(self, x)
         x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
-        code = self.format.code
-        if not kernels.float_kernel():
+        code, m = self.format.code, x2.shape[0]
+        if kernels.int8_activations(x) and (row_invariant or m <= kernels.INT8_MAX_ROWS):
             out = k.gemm(code, self.data, x2)
-        elif x2.shape[0] <= kernels.DECODE_MAX_ROWS:
+        elif not kernels.int8_activations(x) and m <= kernels.DECODE_MAX_ROWS:
             out = k.gemm_float(code, self.data, x2)
         else:
             out = _tiled(
@@ -301,23 +313,6 @@ class GGUFWeight(QuantizedWeight):
                 lambda r0, r1: k.dequantize(code, self.data[r0:r1], self.shape[1], x.dtype),
             )
         return out.reshape(*x.shape[:-1], self.shape[0])
-
-    def matmul_slices(self, x: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
-        """``matmul`` of each row slice of x [T, in], the weight's tiles dequantized once for
-        all the slices (a 2,048-row prefill in 64-row slices had dequantized the whole weight
-        32 times): slices of more than ``kernels.DECODE_MAX_ROWS`` rows take ``matmul``'s
-        dequantizing path, whose tiles and products are these exactly."""
-        self._check_x(x)
-        k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
-        if min(r1 - r0 for r0, r1 in slices) <= kernels.DECODE_MAX_ROWS:
-            return super().matmul_slices(x, slices)
-
-        def tile(r0: int, r1: int) -> torch.Tensor:
-            if k is None:
-                return self.rows(r0, r1).dequantize(x.dtype)
-            return k.dequantize(self.format.code, self.data[r0:r1], self.shape[1], x.dtype)
-
-        return _tiled(self.shape[0], self.shape[1], x.contiguous(), tile, slices)
 
 
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
