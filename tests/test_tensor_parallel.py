@@ -370,13 +370,13 @@ def test_served_with_a_hung_rank_goes_503_and_leaves_no_process() -> None:
     try:
         client = s.client()
         r = client.completions.create(
-            model=MODEL, prompt=NATURAL_PROMPTS[0], temperature=0.0, max_tokens=8
+            model=MODEL, prompt=NATURAL_PROMPTS[0], temperature=0.0, max_tokens=4
         )
         c = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "Say hi."}],
             temperature=0.0,
-            max_tokens=8,
+            max_tokens=4,
         )
         assert r.choices[0].text and c.choices[0].message.content
         assert s.metrics()["chunkserve:tensor_parallel_comm_seconds_count"] > 0
@@ -458,7 +458,7 @@ def test_two_nodes_on_loopback(engines, monkeypatch) -> None:
             **BASE, max_num_batched_tokens=BUDGET, tensor_parallel_size=2, nnodes=2, node_rank=0
         )
         assert node0.core_infos[0].tp_pids == []  # its rank 1 is node 1's
-        params = SamplingParams(max_tokens=10, temperature=0.0)
+        params = SamplingParams(max_tokens=6, temperature=0.0)
         assert run_all(node0, NATURAL_PROMPTS, params) == run_all(tp1, NATURAL_PROMPTS, params)
         node0.shutdown()
         assert node1.wait(30) == 0  # told to stop: the headless node exits cleanly
@@ -508,10 +508,10 @@ def test_torchrun_starts_one_process_per_rank(engines) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        body = {"model": MODEL, "prompt": NATURAL_PROMPTS[0], "max_tokens": 12}
+        body = {"model": MODEL, "prompt": NATURAL_PROMPTS[0], "max_tokens": 6}
         r = httpx.post(base + "/v1/completions", json={**body, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-        rid = tp1.add_request(NATURAL_PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
+        rid = tp1.add_request(NATURAL_PROMPTS[0], SamplingParams(max_tokens=6, temperature=0))
         text = None
         while text is None:
             for out in tp1.step():
