@@ -13,7 +13,8 @@ requests, 0 hung requests, every bad request a 4xx naming its field, server RSS 
 the control run.
 
     python benchmarks/soak.py                       # 2,000 requests, writes results/soak.*
-    python benchmarks/soak.py --num-requests 150 --out-dir /tmp/soak   # the CI-sized one
+    python benchmarks/soak.py --num-requests 70 --bad-fraction 0.55 --cover --warmup 0 \
+        --out-dir /tmp/soak    # the CI-sized one: every plan and bad kind, few requests
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ class Spec:
     abort_after_s: float = 0.0  # abort_before_first / abort_nonstream
     abort_after_chunks: int = 0  # abort_mid_stream
     bad_param: str | None = None
+    bad_kind: int | None = None  # the index in BAD
 
 
 @dataclass
 class Outcome:
     index: int
     plan: str
+    bad_kind: int | None = None
     status: int | None = None
     error: str | None = None  # an error body or SSE error event, for a valid request
     hung: bool = False
@@ -141,8 +144,11 @@ def prompt_text(rng: random.Random, text: str) -> str:
     return text[start : start + n]
 
 
-def valid_spec(index: int, rng: random.Random, text: str, max_tokens: int) -> Spec:
-    plan = rng.choice(PLANS)
+def valid_spec(
+    index: int, rng: random.Random, text: str, max_tokens: int, plan: str | None = None
+) -> Spec:
+    drawn = rng.choice(PLANS)  # drawn even when given: one draw per request either way
+    plan = plan or drawn
     n_out = rng.randint(max(2, max_tokens // 4), max_tokens)
     base: dict[str, Any] = {"model": MODEL, "max_tokens": n_out, "temperature": 0.0}
     if rng.random() < 0.3:
@@ -184,20 +190,34 @@ def build_specs(args: argparse.Namespace, with_bad: bool) -> list[Spec]:
     text = prose_text()
     rng = random.Random(args.seed)  # the valid requests: the same with and without bad ones
     bad_rng = random.Random(args.seed + 1)
+    # --cover: valid requests take the plans in turn (every kind in any len(PLANS) valid
+    # requests) and bad ones the BAD list in turn (every kind in any len(BAD) bad requests).
+    plans = sorted(set(PLANS))
+    bad_order = list(range(len(BAD)))
+    if args.cover:
+        random.Random(args.seed + 2).shuffle(plans)
+        random.Random(args.seed + 3).shuffle(bad_order)
     specs: list[Spec] = []
+    num_valid = num_bad = 0
     for _ in range(args.num_requests):
         if with_bad and bad_rng.random() < args.bad_fraction:
-            path, body, param = bad_rng.choice(BAD)
+            kind = bad_rng.randrange(len(BAD))
+            if args.cover:
+                kind = bad_order[num_bad % len(BAD)]
+            num_bad += 1
+            path, body, param = BAD[kind]
             if isinstance(body, dict) and path.startswith("/v1") and "model" not in body:
                 body = {"model": MODEL, **body}
-            specs.append(Spec(len(specs), "bad", path, body, False, bad_param=param))
+            specs.append(Spec(len(specs), "bad", path, body, False, bad_param=param, bad_kind=kind))
         else:
-            specs.append(valid_spec(len(specs), rng, text, args.max_tokens))
+            plan = plans[num_valid % len(plans)] if args.cover else None
+            num_valid += 1
+            specs.append(valid_spec(len(specs), rng, text, args.max_tokens, plan))
     return specs
 
 
 async def run_spec(client: httpx.AsyncClient, base: str, spec: Spec, timeout: float) -> Outcome:
-    out = Outcome(spec.index, spec.plan, start=time.perf_counter())
+    out = Outcome(spec.index, spec.plan, spec.bad_kind, start=time.perf_counter())
     try:
         if spec.plan in ("abort_before_first", "abort_nonstream"):
             task = asyncio.ensure_future(_call(client, base, spec, out))
@@ -341,6 +361,7 @@ def summarize(outcomes: list[Outcome], rss: list[tuple[int, float]]) -> dict[str
         "valid": len(valid),
         "bad": len(bad),
         "by_plan": by_plan,
+        "bad_kinds": len({o.bad_kind for o in bad}),
         "valid_errors": sum(o.error is not None for o in valid),
         "valid_error_examples": [o.error for o in valid if o.error][:5],
         "hung": sum(o.hung for o in outcomes),
@@ -375,7 +396,8 @@ def report(doc: dict[str, Any]) -> str:
         f"Measured {meta['date']} on {meta['machine']}; commit {meta['commit']}.",
         f"Server: `{meta['server']}`. Command: `{meta['command']}`.",
         "",
-        f"{soak['requests']} requests ({soak['valid']} valid, {soak['bad']} bad) at "
+        f"{soak['requests']} requests ({soak['valid']} valid, {soak['bad']} bad of "
+        f"{soak['bad_kinds']} kinds) at "
         f"concurrency {meta['concurrency']} in {soak['wall_s']:.0f} s. Plans: "
         + ", ".join(f"{k} {v}" for k, v in sorted(soak["by_plan"].items()))
         + ".",
@@ -424,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=120.0, help="later is 'hung'")
     p.add_argument("--control", action="store_true", help="also run without bad requests")
+    p.add_argument(
+        "--cover",
+        action="store_true",
+        help="plans and bad kinds in turn, not drawn: every kind in few requests",
+    )
+    p.add_argument("--warmup", type=int, default=10, help="valid requests before the soak")
     p.add_argument("--base-url", default=None, help="an existing server (default: start one)")
     p.add_argument(
         "--server-args",
@@ -453,8 +481,10 @@ def main(argv: list[str] | None = None) -> int:
         base = args.base_url.rstrip("/")
     pid = server.proc.pid if server else None
     try:
-        warm = argparse.Namespace(**{**vars(args), "num_requests": 10, "seed": args.seed + 7})
-        asyncio.run(run_phase(base, build_specs(warm, with_bad=False), args, pid))
+        if args.warmup > 0:
+            warm = {"num_requests": args.warmup, "seed": args.seed + 7}
+            warm_args = argparse.Namespace(**{**vars(args), **warm})
+            asyncio.run(run_phase(base, build_specs(warm_args, with_bad=False), args, pid))
         control = None
         if args.control:
             outcomes, rss = asyncio.run(run_phase(base, build_specs(args, False), args, pid))

@@ -25,12 +25,18 @@ def test_short_soak_serves_everything_and_leaks_nothing(tmp_path: Path) -> None:
     assert len(soak.BAD) >= 30  # distinct bad inputs, each a 4xx naming its field
     status = soak.main(
         [
+            # 70 requests with every client plan and every bad kind taken in turn: 30 valid
+            # (each of the 10 plans 3 times, beside each other at concurrency 6) and 40 bad
+            # (all 34 kinds).
             "--num-requests",
-            "160",
+            "70",
+            "--cover",
+            "--warmup",
+            "0",
             "--concurrency",
             "6",
             "--bad-fraction",
-            "0.25",
+            "0.55",
             "--max-tokens",
             "12",
             "--request-timeout",
@@ -49,16 +55,15 @@ def test_short_soak_serves_everything_and_leaks_nothing(tmp_path: Path) -> None:
     assert s["bad_not_4xx"] == 0, s["bad_examples"]
     assert s["bad_wrong_param"] == 0
     assert s["hung"] == 0
-    assert s["bad"] >= 20 and s["valid"] >= 100
-    # Every kind of client behaviour happened, aborts at every stage included.
-    assert set(s["by_plan"]) >= {
-        "abort_before_first",
-        "abort_mid_stream",
-        "abort_nonstream",
-        "n2",
-        "stop",
-        "bad",
-    }
+    assert s["bad"] >= len(soak.BAD) and s["valid"] >= 30
+    assert s["bad_kinds"] == len(soak.BAD)  # every distinct bad input was sent
+    # Every kind of client behaviour happened, aborts at every stage included, each more
+    # than once.
+    assert set(s["by_plan"]) == set(soak.PLANS) | {"bad"}
+    assert min(s["by_plan"].values()) >= 3
+    assert {"abort_before_first", "abort_mid_stream", "abort_nonstream", "n2", "stop"} <= set(
+        soak.PLANS
+    )
     assert end == {"kv_blocks_used": 0, "running": 0, "waiting": 0, "healthy": True}
     assert doc["meta"]["commit"] and "bf16 flags" in doc["meta"]["machine"]
     assert status == 0

@@ -21,13 +21,7 @@ from chunkserve.engine.engine import Engine
 from chunkserve.scheduling.sampling_params import SamplingParams
 from chunkserve.worker.worker import DeviceError
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, pin_step_times, random_prompt
-from tests.test_invariance import (
-    BYTES_PER_BLOCK,
-    PREEMPT_TOKENS,
-    preemption_workload,
-    run_staggered,
-    workload,
-)
+from tests.test_invariance import BYTES_PER_BLOCK, run_staggered, workload
 from tests.test_server import MODEL, Server, alive, free_port, wait_for
 
 BASE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
@@ -144,7 +138,8 @@ def test_logits_match_one_process(engines) -> None:
 
 def test_greedy_tokens_chunked_staggered_and_prefix_hits(engines) -> None:
     tp1, tp2 = engines
-    prompts = workload()  # up to 700 tokens: chunked at 64 a step, beside decodes
+    # 3 to 530 tokens: the long ones chunked at 64 a step, beside decodes.
+    prompts = [workload()[i] for i in (0, 1, 3, 5, 7)]
     assert run_staggered(tp2, prompts) == run_staggered(tp1, prompts)
     assert_no_blocks_in_use(tp2)
     # A shared prefix: the second request's first blocks come from the prefix cache.
@@ -286,25 +281,38 @@ def test_aborts_free_every_block(engines) -> None:
     assert_no_blocks_in_use(tp2)
 
 
-def test_preemption_matches_unpreempted(preemption_reference) -> None:
-    # 30 blocks as in test_invariance; a rank's block holds 2 of the 3 KV heads.
+# A small pool that runs dry: 5 requests admitted as soon as their prompts fit
+# (conservativeness 0), each growing by 24 outputs, in 8 blocks of 16 (128 slots).
+TP_PREEMPT_LENGTHS = (40, 60, 30, 50, 20)
+TP_PREEMPT_TOKENS = 24
+TP_PREEMPT_BLOCKS = 8
+
+
+def test_preemption_matches_unpreempted(engines) -> None:
+    tp1, _ = engines
+    rng = __import__("random").Random(99)
+    prompts = [random_prompt(rng, n) for n in TP_PREEMPT_LENGTHS]
+    # A rank's block holds 2 of the 3 KV heads.
     engine = Engine(
         dtype="float32",
         block_size=16,
         schedule_conservativeness=0.0,
         max_num_batched_tokens=128,
-        kv_cache_memory=31 * BYTES_PER_BLOCK * 2 // 3,
-        max_model_len=480,
+        kv_cache_memory=(TP_PREEMPT_BLOCKS + 1) * BYTES_PER_BLOCK * 2 // 3,
+        max_model_len=TP_PREEMPT_BLOCKS * 16,
         tensor_parallel_size=2,
     )
     try:
-        assert engine.core.worker.num_blocks == 30
-        got = run_staggered(engine, preemption_workload(), PREEMPT_TOKENS)
-        assert got == preemption_reference
+        assert engine.core.worker.num_blocks == TP_PREEMPT_BLOCKS
+        got = run_staggered(engine, prompts, TP_PREEMPT_TOKENS)
         assert engine.core.scheduler.num_preemptions > 0
         assert_no_blocks_in_use(engine)
     finally:
         engine.shutdown()
+    # The reference: one process, a pool with room to spare (never preempted).
+    preemptions = tp1.core.scheduler.num_preemptions
+    assert got == run_staggered(tp1, prompts, TP_PREEMPT_TOKENS)
+    assert tp1.core.scheduler.num_preemptions == preemptions == 0
 
 
 def test_a_killed_rank_ends_the_engine_with_an_error() -> None:
@@ -362,13 +370,13 @@ def test_served_with_a_hung_rank_goes_503_and_leaves_no_process() -> None:
     try:
         client = s.client()
         r = client.completions.create(
-            model=MODEL, prompt=NATURAL_PROMPTS[0], temperature=0.0, max_tokens=8
+            model=MODEL, prompt=NATURAL_PROMPTS[0], temperature=0.0, max_tokens=4
         )
         c = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "Say hi."}],
             temperature=0.0,
-            max_tokens=8,
+            max_tokens=4,
         )
         assert r.choices[0].text and c.choices[0].message.content
         assert s.metrics()["chunkserve:tensor_parallel_comm_seconds_count"] > 0
@@ -450,7 +458,7 @@ def test_two_nodes_on_loopback(engines, monkeypatch) -> None:
             **BASE, max_num_batched_tokens=BUDGET, tensor_parallel_size=2, nnodes=2, node_rank=0
         )
         assert node0.core_infos[0].tp_pids == []  # its rank 1 is node 1's
-        params = SamplingParams(max_tokens=10, temperature=0.0)
+        params = SamplingParams(max_tokens=6, temperature=0.0)
         assert run_all(node0, NATURAL_PROMPTS, params) == run_all(tp1, NATURAL_PROMPTS, params)
         node0.shutdown()
         assert node1.wait(30) == 0  # told to stop: the headless node exits cleanly
@@ -500,10 +508,10 @@ def test_torchrun_starts_one_process_per_rank(engines) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        body = {"model": MODEL, "prompt": NATURAL_PROMPTS[0], "max_tokens": 12}
+        body = {"model": MODEL, "prompt": NATURAL_PROMPTS[0], "max_tokens": 6}
         r = httpx.post(base + "/v1/completions", json={**body, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-        rid = tp1.add_request(NATURAL_PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
+        rid = tp1.add_request(NATURAL_PROMPTS[0], SamplingParams(max_tokens=6, temperature=0))
         text = None
         while text is None:
             for out in tp1.step():
