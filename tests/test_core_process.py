@@ -75,9 +75,16 @@ def remote():
     assert all(not c.process.is_alive() for c in engine._cores)
 
 
-def test_outputs_equal_in_process(remote, shared_engine) -> None:
+@pytest.fixture(scope="module")
+def in_process(shared_engine) -> dict[str, dict]:
+    """``mixed_requests`` run by the shared in-process engine, once for the module: the
+    outputs a core process (or two) must give."""
+    return run(shared_engine, mixed_requests())
+
+
+def test_outputs_equal_in_process(remote, in_process) -> None:
     requests = mixed_requests()
-    assert_same(run(shared_engine, requests), run(remote, requests))
+    assert_same(in_process, run(remote, requests))
     assert remote.kv_blocks_used == 0 and not remote.has_unfinished()
 
 
@@ -239,7 +246,7 @@ def test_a_slow_core_is_not_hung_until_its_longest_steps_allowance(monkeypatch) 
     assert all(not c.process.is_alive() for c in engine._cores)
 
 
-def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
+def test_data_parallel_routes_by_load_and_prefix(in_process) -> None:
     engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2)
     try:
         assert engine.data_parallel_size == 2
@@ -254,7 +261,7 @@ def test_data_parallel_routes_by_load_and_prefix(shared_engine) -> None:
             engine.step()
         assert [load.kv_blocks_used for load in engine.core_loads()] == [0, 0]
         # The same outputs as one in-process core.
-        assert_same(run(shared_engine, requests), run(engine, requests))
+        assert_same(in_process, run(engine, requests))
         # A repeated long prefix goes where it went before, though that core is busier.
         rng = __import__("random").Random(2)
         doc = random_prompt(rng, 256)

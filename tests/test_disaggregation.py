@@ -705,13 +705,13 @@ def test_outputs_identical_to_colocated(pd: Deployment) -> None:
     the decode instance (no kv_transfer_params) the same request runs colocated there."""
     before = pd.prefill.metrics()
     for prompt in [NATURAL_PROMPTS[0], LONG]:
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
         local = _text(_post(pd.decode.base, "/v1/completions", body))
         assert _text(_post(pd.router.base, "/v1/completions", body)) == local
         assert _stream_text(pd.router.base, "/v1/completions", body) == local
     chat = {
         "messages": [{"role": "user", "content": NATURAL_PROMPTS[1]}],
-        "max_tokens": 24,
+        "max_tokens": 8,
         "temperature": 0.0,
     }
     local = _text(_post(pd.decode.base, "/v1/chat/completions", chat))
@@ -855,7 +855,7 @@ def test_torch_connector_served_end_to_end(pd: Deployment) -> None:
     try:
         router = Router("--prefill", pd.prefill.base, "--decode", decode.base)
         for prompt in [NATURAL_PROMPTS[0], LONG]:
-            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
             local = _text(_post(decode.base, "/v1/completions", body))
             # The reference must not lend its cached blocks to the transfer under test.
             assert httpx.post(decode.base + "/reset_prefix_cache", timeout=30).status_code == 200

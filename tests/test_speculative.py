@@ -71,11 +71,16 @@ def spec_counts(engine: Engine) -> tuple[int, int]:
 # ---- greedy: the tokens of decoding without drafts -------------------------------------------
 
 
+# Output tokens per request in the greedy tests: drafts are accepted and rejected, and verified
+# beside prefill chunks, well within these (the prompts' prefill dominates the cost).
+GREEDY_TOKENS = 16
+
+
 @pytest.fixture(scope="module")
 def greedy_reference() -> tuple[list[list[int]], list[list[int]]]:
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=2048)
     prompts = workload() + repetitive_prompts(engine)
-    return prompts, run_staggered(engine, prompts, 24)
+    return prompts, run_staggered(engine, prompts, GREEDY_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +97,7 @@ def test_ngram_greedy_matches_no_speculation(greedy_reference, kwargs) -> None:
     engine = spec_engine(speculative_config=NGRAM, **kwargs)
     steps = []
     engine.step_listeners.append(steps.append)
-    assert run_staggered(engine, prompts, 24) == expected
+    assert run_staggered(engine, prompts, GREEDY_TOKENS) == expected
     drafts, accepted = spec_counts(engine)
     assert drafts > 0 and 0 < accepted < drafts  # drafts were accepted and rejected
     # Drafts were verified in the same steps as prefill chunks.
@@ -104,7 +109,7 @@ def test_ngram_greedy_matches_no_speculation(greedy_reference, kwargs) -> None:
     assert_no_blocks_in_use(engine)
 
 
-def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference) -> None:
+def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference, engines) -> None:
     """The target as its own draft model: every draft token is accepted, and the tokens are
     those of decoding without drafts (its KV cache follows the target's chunks)."""
     prompts, expected = greedy_reference
@@ -117,14 +122,14 @@ def test_draft_model_drafting_for_itself_is_always_accepted(greedy_reference) ->
         speculative_config=spec, max_num_batched_tokens=64, kv_cache_memory=192 << 20
     )
     assert engine.core.worker.draft is not None
-    assert run_staggered(engine, prompts[-4:], 24) == expected[-4:]
+    assert run_staggered(engine, prompts[-4:], GREEDY_TOKENS) == expected[-4:]
     drafts, accepted = spec_counts(engine)
     assert drafts > 0 and accepted == drafts
     # Seeded sampling: the draft samples with the target's keyed noise at each position
     # (coupled draws), so drafting for itself it is still always accepted, and the tokens
     # are those of sampling without drafts.
-    params = SamplingParams(max_tokens=20, temperature=0.9, seed=77)
-    off = make_engine(max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=77)
+    off, _ = engines  # seeded draws do not depend on the budget (the module's plain engine)
     want = _generate(off, prompts[-2:], params)
     got = _generate(engine, prompts[-2:], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -163,12 +168,19 @@ def test_draft_model_of_another_family(tmp_path, hf_dir) -> None:
     assert_no_blocks_in_use(engine)
 
 
+SPEC_PREEMPT_TOKENS = 30
+assert SPEC_PREEMPT_TOKENS < PREEMPT_TOKENS
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_with_preemption_matches(preemption_reference, method: str) -> None:
     """The pool runs dry: requests with drafts are preempted and recomputed, and the greedy
     tokens stay those of a run without preemption or drafts."""
+    # 20 blocks of 16 = 320 slots (the longest prompt and its outputs fit alone) for 7
+    # requests admitted as soon as their prompts fit (conservativeness 0): the pool runs dry
+    # within SPEC_PREEMPT_TOKENS outputs each, and requests are preempted and recomputed.
     spec = dict(NGRAM)
-    blocks = 31 * BYTES_PER_BLOCK
+    blocks = 21 * BYTES_PER_BLOCK
     if method == "draft_model":
         spec = {"method": "draft_model", "model": str(embedded_model_path())}
         blocks *= 2  # both models' KV per block
@@ -177,10 +189,12 @@ def test_speculation_with_preemption_matches(preemption_reference, method: str) 
         schedule_conservativeness=0.0,
         max_num_batched_tokens=128,
         kv_cache_memory=blocks,
-        max_model_len=480,
+        max_model_len=320,
     )
-    assert engine.core.worker.num_blocks == 30
-    assert run_staggered(engine, preemption_workload(), PREEMPT_TOKENS) == preemption_reference
+    assert engine.core.worker.num_blocks == 20
+    # Greedy: the first SPEC_PREEMPT_TOKENS of the session's reference (PREEMPT_TOKENS each).
+    expected = [t[:SPEC_PREEMPT_TOKENS] for t in preemption_reference]
+    assert run_staggered(engine, preemption_workload(), SPEC_PREEMPT_TOKENS) == expected
     assert engine.core.scheduler.num_preemptions > 0
     assert spec_counts(engine)[1] > 0
     assert_no_blocks_in_use(engine)
@@ -735,17 +749,17 @@ def test_served_with_speculation_streams_and_counts(engines) -> None:
     off, _ = engines
     prompt = off.tokenizer.decode(repetitive_prompts(off)[1])
     expected = _generate(
-        off, [off.tokenizer.encode(prompt)], SamplingParams(max_tokens=40, temperature=0.0)
+        off, [off.tokenizer.encode(prompt)], SamplingParams(max_tokens=20, temperature=0.0)
     )[0].text
     server = Server("--speculative-config", json.dumps(NGRAM))
     try:
         client = server.client()
         whole = client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=40, temperature=0.0
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0.0
         )
         assert whole.choices[0].text == expected
         stream = client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=40, temperature=0.0, stream=True
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0.0, stream=True
         )
         assert "".join(c.choices[0].text for c in stream if c.choices) == expected
         m = server.wait_idle()
@@ -761,7 +775,7 @@ def test_served_with_speculation_streams_and_counts(engines) -> None:
             m["chunkserve:spec_decode_num_accepted_tokens_per_pos_total"]
             == (m["chunkserve:spec_decode_num_accepted_tokens_total"])
         )
-        assert m["chunkserve:generation_tokens_total"] == 80
+        assert m["chunkserve:generation_tokens_total"] == 40
         assert m["chunkserve:kv_cache_blocks_used"] == 0
     finally:
         server.stop()
