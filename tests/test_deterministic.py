@@ -52,17 +52,18 @@ def run(
     params: SamplingParams | None = None,
     max_tokens: int = MAX_TOKENS,
     cached: list[int] | None = None,
+    per_arrival: int = 2,
 ) -> Result:
     """The result (token ids, logprobs with their top-2) of ``prompts[at]``, the prompts
-    added two at a time every other step (so chunks, decodes and arrivals mix); its
-    prompt tokens taken from the prefix cache appended to ``cached``."""
+    added ``per_arrival`` at a time every other step (so chunks, decodes and arrivals mix);
+    its prompt tokens taken from the prefix cache appended to ``cached``."""
     params = params or SamplingParams(
         max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=2
     )
     pending, ids, results, step = list(prompts), [], {}, 0
     while engine.has_unfinished() or pending:
         if pending and step % 2 == 0:
-            for _ in range(min(2, len(pending))):
+            for _ in range(min(per_arrival, len(pending))):
                 ids.append(engine.add_request(pending.pop(0), params))
         for out in engine.step():
             if out.finished:
@@ -136,8 +137,8 @@ def test_beside_37_others_under_every_budget(engines, alone, target, dtype, budg
     engine = engines(dtype, budget)
     steps = []
     engine.step_listeners.append(steps.append)
-    try:
-        got = run(engine, [*others(20), target, *others(37)[20:]], at=20)
+    try:  # 6 arrive every other step: the 38 are all in within 13 steps
+        got = run(engine, [*others(20), target, *others(37)[20:]], at=20, per_arrival=6)
     finally:
         engine.step_listeners.remove(steps.append)
     assert got == alone(dtype)
@@ -167,25 +168,26 @@ def test_prefix_cache_hit(engines, alone, target, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_preemption(alone, target, dtype) -> None:
+def test_preemption(engines, alone, target, dtype) -> None:
     """A pool too small for everyone: requests are preempted and recomputed (as one longer
     prompt: the prompt and the outputs so far), and the target's tokens stay the same."""
     size = 2 if dtype == "bfloat16" else 4
     block = 2 * 30 * 3 * 64 * size * 16  # K+V of 16 tokens over 30 layers
+    # 8 blocks (128 slots) for 5 requests of 20 to 45 prompt tokens growing by 16 each
+    # (the target, the last to arrive, is preempted once it has 8).
     engine = make(
         dtype,
-        kv_cache_memory=13 * block,
-        max_model_len=192,
+        kv_cache_memory=9 * block,
+        max_model_len=128,
         schedule_conservativeness=0.0,
         max_num_batched_tokens=64,
     )
     rng = random.Random(7)
     prompts = [random_prompt(rng, n) for n in (30, 45, 20, 38)]
-    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0, logprobs=2)
-    got = run(engine, [*prompts[:2], target, *prompts[2:]], at=2, params=params)
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=2)
+    got = run(engine, [*prompts, target], at=4, params=params)  # the target among the preempted
     assert engine.core.scheduler.num_preemptions > 0
-    reference = run(make(dtype, enable_chunked_prefill=False), [target], params=params)
-    assert got == reference
+    assert got == run(engines(dtype, "off"), [target], params=params)
     assert got[0][:MAX_TOKENS] == alone(dtype)[0]
 
 
@@ -225,11 +227,12 @@ def test_structured_outputs(engines, target) -> None:
 
 def test_another_thread_count(alone, target) -> None:
     """An instance at 2 threads (a data-parallel replica or a decode instance may run another
-    ``--num-threads``) gives the 1-thread instance's bf16 results."""
+    ``--num-threads``) gives the 1-thread instance's bf16 results (the target beside 3
+    others, all arriving at once, in chunks of 16)."""
     try:
         engine = make("bfloat16", num_threads=2, max_num_batched_tokens=16)
         assert torch.get_num_threads() == 2
-        assert run(engine, [*others(5), target], at=5) == alone("bfloat16")
+        assert run(engine, [*others(3), target], at=3, per_arrival=4) == alone("bfloat16")
     finally:
         torch.set_num_threads(1)
 
@@ -284,7 +287,7 @@ def test_prefill_decode_pair_behind_the_router_equals_colocated() -> None:
     try:
         router = Router("--prefill", prefill.base, "--decode", decode.base)
         for prompt in (TARGET_TEXT, "Write a haiku about rain. " * 6):
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
             body["logprobs"] = 2
             routed = httpx.post(router.base + "/v1/completions", json=body, timeout=300)
             local = httpx.post(decode.base + "/v1/completions", json=body, timeout=300)

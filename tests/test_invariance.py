@@ -11,13 +11,14 @@ from chunkserve.engine.engine import Engine
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import NATURAL_PROMPTS, assert_no_blocks_in_use, pin_step_times, random_prompt
 
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 
 
 def workload() -> list[list[int]]:
-    """10 prompts of mixed lengths; several are longer than the small budgets and than 512."""
+    """6 prompts of mixed lengths (with the 2 natural ones, 8): several are longer than the
+    small budgets, one than 512."""
     rng = random.Random(1234)
-    lengths = [3, 17, 64, 150, 333, 530, 700, 41]
+    lengths = [3, 17, 64, 150, 530, 41]
     prompts = [random_prompt(rng, n) for n in lengths]
     return prompts
 
@@ -116,6 +117,8 @@ def test_long_steps_match_unchunked(reference) -> None:
 
 
 def preemption_workload() -> list[list[int]]:
+    """The workload of ``preemption_reference`` (tests/conftest.py), shared with the
+    speculative and tensor-parallel preemption tests."""
     rng = random.Random(99)
     return [random_prompt(rng, n) for n in (40, 90, 150, 200, 260, 33, 120)]
 
@@ -124,19 +127,40 @@ PREEMPT_TOKENS = 60
 BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # fp32 K+V of 16 tokens over 30 layers
 
 
+def short_preemption_workload() -> list[list[int]]:
+    """This file's preemption workload: half the shared one's prompt lengths."""
+    rng = random.Random(99)
+    return [random_prompt(rng, n) for n in (20, 45, 75, 100, 130, 17, 60)]
+
+
+SHORT_PREEMPT_TOKENS = 30
+PREEMPT_BLOCKS = 15
+
+
+@pytest.fixture(scope="module")
+def short_preemption_reference() -> list[list[int]]:
+    """The short workload unchunked in a pool with room to spare: nobody preempted."""
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=1024)
+    tokens = run_staggered(engine, short_preemption_workload(), SHORT_PREEMPT_TOKENS)
+    assert engine.core.scheduler.num_preemptions == 0
+    assert_no_blocks_in_use(engine)
+    return tokens
+
+
 @pytest.mark.parametrize("chunked", [True, False])
-def test_preemption_matches_unpreempted(preemption_reference, chunked: bool) -> None:
-    # 30 blocks of 16 = 480 slots for 7 requests that grow by 60 outputs each, admitted as
+def test_preemption_matches_unpreempted(short_preemption_reference, chunked: bool) -> None:
+    # 15 blocks of 16 = 240 slots for 7 requests that grow by 30 outputs each, admitted as
     # soon as their prompts fit (conservativeness 0): the pool runs dry and requests are
     # preempted and recomputed.
     engine = make_engine(
         schedule_conservativeness=0.0,
         enable_chunked_prefill=chunked,
-        max_num_batched_tokens=128 if chunked else 1024,
-        kv_cache_memory=31 * BYTES_PER_BLOCK,
-        max_model_len=480,
+        max_num_batched_tokens=64 if chunked else 1024,
+        kv_cache_memory=(PREEMPT_BLOCKS + 1) * BYTES_PER_BLOCK,
+        max_model_len=PREEMPT_BLOCKS * 16,
     )
-    assert engine.core.worker.num_blocks == 30
-    assert run_staggered(engine, preemption_workload(), PREEMPT_TOKENS) == preemption_reference
+    assert engine.core.worker.num_blocks == PREEMPT_BLOCKS
+    got = run_staggered(engine, short_preemption_workload(), SHORT_PREEMPT_TOKENS)
+    assert got == short_preemption_reference
     assert engine.core.scheduler.num_preemptions > 0
     assert_no_blocks_in_use(engine)

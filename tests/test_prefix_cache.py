@@ -79,8 +79,21 @@ def uncached() -> list[list[int]]:
     return run(make_engine(enable_prefix_caching=False), shared_prefix_prompts(), stagger=4)
 
 
-def test_cache_on_matches_off(uncached) -> None:
-    engine = make_engine()
+@pytest.fixture(scope="module")
+def module_engine() -> Engine:
+    return make_engine()
+
+
+@pytest.fixture
+def engine(module_engine: Engine) -> Engine:
+    """The module's engine of ``make_engine()``'s settings, its prefix cache emptied (no
+    hit on an earlier test's blocks); left with every request finished."""
+    module_engine.reset_prefix_cache()
+    yield module_engine
+    assert_no_blocks_in_use(module_engine)
+
+
+def test_cache_on_matches_off(uncached, engine) -> None:
     stats: list = []
     assert run(engine, shared_prefix_prompts(), stagger=4, stats=stats) == uncached
     assert sum(s.prefix_cache_hits for s in stats) > 0
@@ -96,16 +109,15 @@ def test_cache_on_unchunked_matches(uncached) -> None:
 
 def test_cache_under_preemption_matches(uncached) -> None:
     # Admission reserves nothing for outputs and long prompts are not limited: several
-    # run at once and the 25-block pool runs dry (16 outputs each: preemptions under the
-    # shortest-first and the arrival order alike).
+    # run at once and the 21-block pool (the longest request's 328 tokens fit) runs dry
+    # under their 8 outputs each.
     engine = make_engine(
-        kv_cache_memory=26 * BYTES_PER_BLOCK,
-        max_model_len=400,
+        kv_cache_memory=22 * BYTES_PER_BLOCK,
+        max_model_len=336,
         schedule_conservativeness=0.0,
         long_prefill_token_threshold=0,
     )
-    expected = run(make_engine(enable_prefix_caching=False), shared_prefix_prompts(), 16, 4)
-    assert run(engine, shared_prefix_prompts(), stagger=1, max_tokens=16) == expected
+    assert run(engine, shared_prefix_prompts(), stagger=1) == uncached
     assert engine.core.scheduler.num_preemptions > 0
     assert engine.core.kv.num_hit_tokens > 0
     assert_no_blocks_in_use(engine)
@@ -118,8 +130,7 @@ def prefill_tokens(engine: Engine, prompt: list[int]) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(("shared", "expected_hit"), [(160, 160), (170, 160), (7, 0)])
-def test_hit_lowers_computed_tokens(shared: int, expected_hit: int) -> None:
-    engine = make_engine()
+def test_hit_lowers_computed_tokens(engine, shared: int, expected_hit: int) -> None:
     rng = random.Random(11)
     doc = random_prompt(rng, 300)
     computed, hit = prefill_tokens(engine, doc)
@@ -131,8 +142,7 @@ def test_hit_lowers_computed_tokens(shared: int, expected_hit: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "expected"), [(64, 16), (65, 1), (70, 6)])
-def test_whole_prompt_cached_still_computes_its_last_token(n: int, expected: int) -> None:
-    engine = make_engine()
+def test_whole_prompt_cached_still_computes_its_last_token(engine, n: int, expected: int) -> None:
     prompt = random_prompt(random.Random(n), n)
     prefill_tokens(engine, prompt)
     computed, hit = prefill_tokens(engine, prompt)
@@ -168,10 +178,9 @@ def test_reuse_while_first_request_is_still_prefilling() -> None:
     assert_no_blocks_in_use(engine)
 
 
-def test_reset_prefix_cache_leaves_running_requests_unaffected() -> None:
+def test_reset_prefix_cache_leaves_running_requests_unaffected(engine) -> None:
     """A request decoding on cached blocks when the cache is reset ends with the tokens it
     would have had; a request added after the reset hits nothing; the cache fills again."""
-    engine = make_engine()
     prompt = random_prompt(random.Random(21), 100)  # 6 full blocks
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
     (reference,) = run(engine, [prompt], max_tokens=12)

@@ -343,24 +343,36 @@ def test_outputs_satisfy_their_constraints_greedy_and_sampled(engine) -> None:
         assert_all_valid(run(engine, reqs), checks)
 
 
-def test_chunked_unchunked_and_preempted_give_the_same_valid_outputs() -> None:
-    def outputs(**kwargs):
-        engine = Engine(dtype="float32", max_model_len=128, **kwargs)
-        reqs, checks = constrained_requests(engine, 0.0, max_tokens=80)
-        stats = []
-        engine.step_listeners.append(stats.append)
-        outs = run(engine, reqs)
-        assert_all_valid(outs, checks)
-        return [o.token_ids for o in outs], stats
+def constrained_outputs(**kwargs) -> tuple[list[list[int]], list, Engine]:
+    """The greedy token ids of ``constrained_requests`` (80 tokens at most) on an engine
+    made with ``kwargs`` (a 128-token context), checked valid; its step stats; the engine."""
+    engine = Engine(dtype="float32", max_model_len=128, **kwargs)
+    if "speculative_config" in kwargs:
+        pin_step_times(engine)  # which drafts pay: from step times, the same on any machine
+    reqs, checks = constrained_requests(engine, 0.0, max_tokens=80)
+    stats = []
+    engine.step_listeners.append(stats.append)
+    outs = run(engine, reqs)
+    assert_all_valid(outs, checks)
+    return [o.token_ids for o in outs], stats, engine
 
-    whole, _ = outputs(enable_chunked_prefill=False, kv_cache_memory=64 << 20)
-    chunked, stats = outputs(max_num_batched_tokens=32, kv_cache_memory=64 << 20)
+
+@pytest.fixture(scope="module")
+def whole() -> list[list[int]]:
+    """The constrained requests' greedy tokens with chunking off: the reference of the
+    chunked, preempted and speculative runs."""
+    tokens, _, _ = constrained_outputs(enable_chunked_prefill=False, kv_cache_memory=64 << 20)
+    return tokens
+
+
+def test_chunked_unchunked_and_preempted_give_the_same_valid_outputs(whole) -> None:
+    chunked, stats, _ = constrained_outputs(max_num_batched_tokens=32, kv_cache_memory=64 << 20)
     assert chunked == whole
     assert any(s.num_prefill_seqs and s.num_decode_tokens for s in stats)  # mixed steps
     # 10 blocks of 16 tokens (fp32 K and V: 30 layers x 3 heads x 64) for five requests
     # that need 21 together: preemption.
     block = 16 * 30 * 2 * 3 * 64 * 4
-    preempted, stats = outputs(
+    preempted, stats, _ = constrained_outputs(
         max_num_batched_tokens=32, kv_cache_memory=11 * block, schedule_conservativeness=0.0
     )
     assert preempted == whole
@@ -520,22 +532,10 @@ def test_masks_filled_on_their_thread_give_the_same_outputs(engine, monkeypatch)
     assert off == {threading.current_thread().name}
 
 
-def test_speculative_drafts_are_cut_by_the_grammar() -> None:
-    def outputs(spec):
-        engine = Engine(
-            dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, speculative_config=spec
-        )
-        pin_step_times(engine)  # which drafts pay: from step times, the same on any machine
-        reqs, checks = constrained_requests(engine, 0.0)
-        outs = run(engine, reqs)
-        assert_all_valid(outs, checks)
-        return [o.token_ids for o in outs], engine
-
-    base, _ = outputs(None)
-    spec, engine = outputs(
-        {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
-    )
-    assert spec == base
+def test_speculative_drafts_are_cut_by_the_grammar(whole) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+    tokens, _, engine = constrained_outputs(kv_cache_memory=64 << 20, speculative_config=spec)
+    assert tokens == whole
     assert engine.core.speculator.num_draft_tokens > 0
 
 
