@@ -139,7 +139,7 @@ def test_logits_match_one_process(engines) -> None:
 def test_greedy_tokens_chunked_staggered_and_prefix_hits(engines) -> None:
     tp1, tp2 = engines
     # 3 to 530 tokens: the long ones chunked at 64 a step, beside decodes.
-    prompts = [workload()[i] for i in (0, 1, 3, 5, 7)]
+    prompts = [workload()[i] for i in (0, 1, 3, 4, 5)]
     assert run_staggered(tp2, prompts) == run_staggered(tp1, prompts)
     assert_no_blocks_in_use(tp2)
     # A shared prefix: the second request's first blocks come from the prefix cache.
