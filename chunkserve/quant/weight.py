@@ -300,10 +300,10 @@ class GGUFWeight(QuantizedWeight):
         if k is None or x.numel() == 0:
             return reference_matmul(self, x)
         x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
-        code, m = self.format.code, x2.shape[0]
-        if kernels.int8_activations(x) and (row_invariant or m <= kernels.INT8_MAX_ROWS):
+        code, m, int8 = self.format.code, x2.shape[0], kernels.int8_activations(x)
+        if int8 and (row_invariant or m <= kernels.INT8_MAX_ROWS):
             out = k.gemm(code, self.data, x2)
-        elif not kernels.int8_activations(x) and m <= kernels.DECODE_MAX_ROWS:
+        elif not int8 and m <= kernels.DECODE_MAX_ROWS:
             out = k.gemm_float(code, self.data, x2)
         else:
             out = _tiled(
