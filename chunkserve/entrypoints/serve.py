@@ -133,10 +133,9 @@ def _serve(args: argparse.Namespace) -> int:
             )
         spec = launch.launcher_rank(config)
         if spec is not None and spec.rank != 0:  # a launcher's rank: compute, serve nothing
-            from chunkserve.worker.tp_rank import run_rank
+            from chunkserve.worker.tp_rank import run_rank_and_exit
 
-            run_rank(config, spec)
-            return 0
+            run_rank_and_exit(config, spec)
         if spec is None and config.node_rank > 0:  # a node other than 0: its ranks only
             return launch.run_headless(config)
     if args.core_process:
