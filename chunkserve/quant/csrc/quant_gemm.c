@@ -1760,13 +1760,14 @@ PER_FORMAT_F(Q6_K)
  * (rounded to bf16 for bf16 x), the same 16 running sums per x row (values 0-7 and 16-23 of
  * a chunk into the low 8, 8-15 and 24-31 into the high 8, in order), products and sums
  * rounded apart (no FMA: the portable path is built without contraction), then the same
- * sequential sum of the 16. A weight row is decoded once per MT x rows (up to MR2). */
+ * sequential sum of the 16. A weight row is decoded once per FMAX x rows (16 accumulators
+ * for 8 rows: some live in L1, cheaper than decoding the row twice). */
 static inline __attribute__((always_inline)) void frow_tile_avx2(const int fmt,
                                                                  const uint8_t *row, int64_t K,
                                                                  const float *x, const int MT,
                                                                  int bf, float *res) {
-    __m256 lo[MR2], hi[MR2];
-#pragma GCC unroll 4
+    __m256 lo[FMAX], hi[FMAX];
+#pragma GCC unroll 8
     for (int i = 0; i < MT; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < K / 32; c++) {
         __m256 v[4];
@@ -1774,7 +1775,7 @@ static inline __attribute__((always_inline)) void frow_tile_avx2(const int fmt,
         if (bf)
             for (int k = 0; k < 4; k++) v[k] = round_bf16_avx2(v[k]);
         const float *xp = x + 32 * c;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < MT; i++) {
             lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(v[0], _mm256_loadu_ps(xp + i * K)));
             hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(v[1], _mm256_loadu_ps(xp + i * K + 8)));
@@ -1783,7 +1784,7 @@ static inline __attribute__((always_inline)) void frow_tile_avx2(const int fmt,
         }
     }
     float lanes[16];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
         _mm256_storeu_ps(lanes, lo[i]);
         _mm256_storeu_ps(lanes + 8, hi[i]);
@@ -1797,17 +1798,21 @@ static inline __attribute__((always_inline)) void frows_avx2(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t K,
     const float *xf, int64_t M, void *out, int out_dtype, int64_t N) {
     const int bf = out_dtype == BF16;
-    float res[MR2];
+    float res[FMAX];
     for (int64_t o = o0; o < o1; o++) {
         const uint8_t *row = w + o * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += MR2) {
-            const int64_t mt = M - m0 < MR2 ? M - m0 : MR2;
+        for (int64_t m0 = 0; m0 < M; m0 += FMAX) {
+            const int64_t mt = M - m0 < FMAX ? M - m0 : FMAX;
             const float *x = xf + m0 * K;
             switch (mt) {
             case 1: frow_tile_avx2(fmt, row, K, x, 1, bf, res); break;
             case 2: frow_tile_avx2(fmt, row, K, x, 2, bf, res); break;
             case 3: frow_tile_avx2(fmt, row, K, x, 3, bf, res); break;
-            default: frow_tile_avx2(fmt, row, K, x, MR2, bf, res);
+            case 4: frow_tile_avx2(fmt, row, K, x, 4, bf, res); break;
+            case 5: frow_tile_avx2(fmt, row, K, x, 5, bf, res); break;
+            case 6: frow_tile_avx2(fmt, row, K, x, 6, bf, res); break;
+            case 7: frow_tile_avx2(fmt, row, K, x, 7, bf, res); break;
+            default: frow_tile_avx2(fmt, row, K, x, FMAX, bf, res);
             }
             for (int64_t i = 0; i < mt; i++) store(out, out_dtype, (m0 + i) * N + o, res[i]);
         }
