@@ -21,8 +21,8 @@ AVX-VNNI); ``--with-portable`` also times the int8 and float kernels' portable C
 rounds (the ratios say what the SIMD path gains over what the compiler makes of plain C);
 ``--stem`` names the result files:
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py --threads 1 \
-        --cflags=-mno-avx512f --with-portable --stem quant_kernels_avx2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py --threads 1 --with-portable
+        --cflags='-mno-avx512f -mno-avxvnni' --stem quant_kernels_avx2   (one command line)
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ def main() -> None:
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument(
         "--cflags",
-        nargs="*",
-        default=[],
-        help="extra compiler flags for the kernels' build, e.g. --cflags=-mno-avx512f",
+        default="",
+        help="extra compiler flags for the kernels' build, one string: "
+        "--cflags='-mno-avx512f -mno-avxvnni'",
     )
     ap.add_argument(
         "--with-portable",
@@ -152,8 +152,9 @@ def main() -> None:
     ap.add_argument("--stem", help="result files' name (default quant_kernels_t<threads>)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.cflags:
-        k = kernels._load(tuple(args.cflags))
+    cflags = args.cflags.split()
+    if cflags:
+        k = kernels._load(tuple(cflags))
     else:
         k = kernels.load()
         if k is None:
@@ -213,7 +214,7 @@ def main() -> None:
         "cpu_flags": cpu_flags(),
         "kernel_simd": k.simd,
         "kernel_amx": k.amx,
-        "kernel_cflags": [*kernels.CFLAGS, *args.cflags],
+        "kernel_cflags": [*kernels.CFLAGS, *cflags],
         "torch": torch.__version__,
         "threads": args.threads,
         "clock": args.clock,
