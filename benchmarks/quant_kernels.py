@@ -150,6 +150,7 @@ def main() -> None:
         help="also time the int8 and float kernels' portable C path",
     )
     ap.add_argument("--stem", help="result files' name (default quant_kernels_t<threads>)")
+    ap.add_argument("--note", default="", help="added to the result's note (e.g. the env)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cflags = args.cflags.split()
@@ -220,7 +221,7 @@ def main() -> None:
         "clock": args.clock,
         "load_average_at_end": os.getloadavg(),
         "note": "machine shared with other jobs (2 cores); the calls take turns, so load "
-        "slows all alike",
+        "slows all alike" + (f"; {args.note}" if args.note else ""),
         "command": " ".join(["benchmarks/quant_kernels.py", *sys.argv[1:]]),
         "commit": git_commit(),
         "results": rows,
