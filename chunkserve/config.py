@@ -928,13 +928,14 @@ class EngineConfig:
     quantization: str | None = _flag(
         None,
         "float (HF) checkpoints: quantize the linear layers' weights at load, weight-only "
-        "(int8: per-channel scales; int4: per-group of 128 columns) (CPU)",
+        "(int8: per-channel scales; int4: per-group of 32 columns) (CPU)",
         choices=QUANTIZATIONS,
     )
     """Weight-only quantization of a float (bf16/fp32 HF safetensors) checkpoint at load:
     each linear layer's weight is quantized as it streams in (``quant.weight_only``: int8 with
-    one scale per output channel; int4 in groups of 128 input columns, or 64/32 where the
-    columns are not a multiple of 128, asymmetric), activations stay in ``dtype``. The
+    one scale per output channel; int4 in groups of 32 input columns, asymmetric, as
+    llama.cpp's Q4_1: ``benchmarks/results/int4_group_sizes.md``), activations stay in
+    ``dtype``. The
     embedding, the LM head, norms, MoE experts and routers stay float. A GGUF file (already
     quantized) or an HF checkpoint with its own ``quantization_config`` is refused, as vLLM
     does; CPU only."""

@@ -367,14 +367,21 @@ def check_group_size(group_size: object, name: str = "weight") -> int:
     return group_size
 
 
-# The int4 group ``--quantization int4`` prefers (quality: benchmarks/quant_quality.py).
-LOAD_GROUP_SIZE = 128
+# The int4 group ``--quantization int4`` prefers: 32, as llama.cpp's Q4_0 / Q4_1 (this is
+# round-to-nearest, no calibration). ``benchmarks/results/int4_group_sizes.md`` (1 thread,
+# 2048x2048 and 5632x2048): torch's int4 kernel and the dequantized tiles take the same time
+# at every group size (within 5%, the noise), the weight's error is 0.78x group 128's on
+# normal values and 0.65x on heavy-tailed ones (Student-t(4)), and its bytes are 1.26x (11
+# bits a weight against 8.75, the kernel's packed copy included). Perplexity
+# (``quant_quality_int4_groups.md``, SmolLM2 135M): group 64 costs +33%; group 32 is exact
+# there (that copy's weights are Q4_1's, groups of 32).
+LOAD_GROUP_SIZE = 32
 
 
 def load_group_size(in_features: int, preferred: int | None = None) -> int | None:
     """The int4 group for a weight of ``in_features`` columns quantized at load: the largest
     of ``INT4_GROUP_SIZES`` up to ``preferred`` (default ``LOAD_GROUP_SIZE``) that divides
-    the columns (SmolLM2's 576 = 9 x 64), None when none does."""
+    the columns, None when none does."""
     preferred = check_group_size(LOAD_GROUP_SIZE if preferred is None else preferred)
     fits = [g for g in INT4_GROUP_SIZES if g <= preferred and in_features % g == 0]
     return max(fits) if fits else None
