@@ -278,20 +278,36 @@ def test_the_cache_holds_one_latent_per_token_and_layer(dirs) -> None:
 
 
 # ---- chunking, prefix cache, preemption, tensor parallel -----------------------------------
+# V2's grouped softmax router and V3's noaux_tc (sigmoid, correction bias, groups ranked by
+# their best two), both over the latent cache.
+INVARIANT = ["v2", "v3"]
+
+
 @pytest.fixture(scope="module")
-def unchunked(dirs) -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(21)
-    work = [random_prompt(rng, n) for n in CHUNK_WORK]
-    base = make_engine(dirs["v2"], enable_chunked_prefill=False, max_num_batched_tokens=2048)
-    expected = run_staggered(base, work, CHUNK_TOKENS)
-    assert base.core.scheduler.num_preemptions == 0
-    return work, expected
+def unchunked(dirs):
+    """Per model: the work (prompts) and its tokens unchunked, computed once."""
+    done: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[list[list[int]], list[list[int]]]:
+        if name not in done:
+            rng = random.Random(21)
+            work = [random_prompt(rng, n) for n in CHUNK_WORK]
+            base = make_engine(
+                dirs[name], enable_chunked_prefill=False, max_num_batched_tokens=2048
+            )
+            expected = run_staggered(base, work, CHUNK_TOKENS)
+            assert base.core.scheduler.num_preemptions == 0
+            done[name] = work, expected
+        return done[name]
+
+    return get
 
 
+@pytest.mark.parametrize("name", INVARIANT)
 @pytest.mark.parametrize("budget", [16, 256])
-def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget) -> None:
-    work, expected = unchunked
-    chunked = make_engine(dirs["v2"], max_num_batched_tokens=budget)
+def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget, name) -> None:
+    work, expected = unchunked(name)
+    chunked = make_engine(dirs[name], max_num_batched_tokens=budget)
     steps = []
     chunked.step_listeners.append(steps.append)
     assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
@@ -302,22 +318,43 @@ def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget) -> N
     assert_no_blocks_in_use(chunked)
 
 
-def test_preempted_matches_unchunked(dirs, unchunked) -> None:
-    work, expected = unchunked
-    assert_preempted_matches(dirs["v2"], make_engine(dirs["v2"]), work, expected)
+@pytest.mark.parametrize("name", INVARIANT)
+def test_preempted_matches_unchunked(dirs, unchunked, name) -> None:
+    work, expected = unchunked(name)
+    assert_preempted_matches(dirs[name], make_engine(dirs[name]), work, expected)
 
 
+TP_WORK = [*prompts(), random_prompt(random.Random(3), 100)]
+TP_PARAMS = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def one_process(dirs):
+    """Per model: the tokens and logits of ``TP_WORK`` in one process, computed once."""
+    done: dict[str, tuple[list[list[int]], list[torch.Tensor]]] = {}
+
+    def get(name: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+        if name not in done:
+            tp1 = make_engine(dirs[name], max_num_batched_tokens=64)
+            ref = record_logits(tp1)
+            done[name] = run_all(tp1, TP_WORK, TP_PARAMS), ref
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", INVARIANT)
 @pytest.mark.parametrize("ep", [False, True], ids=["tensor-parallel", "expert-parallel"])
-def test_tensor_and_expert_parallel_match_one_process(dirs, ep: bool) -> None:
+def test_tensor_and_expert_parallel_match_one_process(
+    dirs, one_process, ep: bool, name: str
+) -> None:
     """Each rank its half of the heads (q, kv_b rows; o columns) over the whole latent
-    cache, and its columns of every expert (expert parallel: half the experts, whole):
-    tokens and logits of one process."""
-    path = dirs["v2"]
-    tp1 = make_engine(path, max_num_batched_tokens=64)
-    work = [*prompts(), random_prompt(random.Random(3), 100)]
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
-    ref = record_logits(tp1)
-    want = run_all(tp1, work, params)
+    cache, and its columns of every expert (expert parallel: half the experts, whole; V3:
+    every rank routes over all experts with the whole correction bias): tokens and logits
+    of one process."""
+    path = dirs[name]
+    work, params = TP_WORK, TP_PARAMS
+    want, ref = one_process(name)
     tp2 = make_engine(
         path, max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=ep
     )
@@ -335,11 +372,12 @@ def test_tensor_and_expert_parallel_match_one_process(dirs, ep: bool) -> None:
         tp2.shutdown()
 
 
-def test_speculative_decoding_matches(dirs, unchunked) -> None:
+@pytest.mark.parametrize("name", INVARIANT)
+def test_speculative_decoding_matches(dirs, unchunked, name) -> None:
     """n-gram drafts verified as short chunks over the cached latents (expanded)."""
-    work, expected = unchunked
+    work, expected = unchunked(name)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
-    engine = make_engine(dirs["v2"], max_num_batched_tokens=64, speculative_config=spec)
+    engine = make_engine(dirs[name], max_num_batched_tokens=64, speculative_config=spec)
     assert run_staggered(engine, work, CHUNK_TOKENS) == expected
     assert_no_blocks_in_use(engine)
 
