@@ -456,11 +456,12 @@ def test_a_published_config_json_reads(dirs, tmp_path) -> None:
     assert config.shared_expert_intermediate_size == 2 * 32 and not config.shared_expert_gate
 
 
-def test_v3_multi_token_prediction_layers_are_skipped(dirs, tmp_path) -> None:
-    """DeepSeek-V3's checkpoints carry ``num_nextn_predict_layers`` MTP layers after the
-    decoder's (``model.layers.{num_hidden_layers}.*``, with their own ``enorm``, ``hnorm``,
-    ``eh_proj``, ``shared_head``): not run, skipped at load; with the key 0 they are
-    unexpected weights, named."""
+@pytest.fixture(scope="module")
+def mtp_dir(dirs, tmp_path_factory) -> Path:
+    """V3 with one multi-token-prediction layer as DeepSeek-V3's checkpoints carry them
+    (``num_nextn_predict_layers``, ``model.layers.{num_hidden_layers}.*``: a decoder layer's
+    tensors, here a copy of the last one's, and its own ``enorm``, ``hnorm``, ``eh_proj``,
+    ``embed_tokens``, ``shared_head.norm`` / ``shared_head.head``)."""
     layers = hf_config("v3").num_hidden_layers
 
     def mtp_layer(tensors: dict) -> dict:
@@ -472,16 +473,25 @@ def test_v3_multi_token_prediction_layers_are_skipped(dirs, tmp_path) -> None:
         }
         h = tensors["model.norm.weight"]
         out.update({mtp + "enorm.weight": h.clone(), mtp + "hnorm.weight": h.clone()})
-        out[mtp + "eh_proj.weight"] = torch.zeros(h.shape[0], 2 * h.shape[0])
+        out[mtp + "eh_proj.weight"] = torch.randn(h.shape[0], 2 * h.shape[0])
         out[mtp + "shared_head.norm.weight"] = h.clone()
+        out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        out[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
         return out
 
-    path = variant(dirs["v3"], tmp_path / "mtp", num_nextn_predict_layers=1)
+    path = variant(dirs["v3"], tmp_path_factory.mktemp("mtp") / "m", num_nextn_predict_layers=1)
     rewrite(path, mtp_layer)
+    return path
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(dirs, mtp_dir, tmp_path) -> None:
+    """The MTP layers (after the decoder's) are not run, skipped at load; with the key 0
+    they are unexpected weights, named."""
+    layers = hf_config("v3").num_hidden_layers
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
     want = run_all(make_engine(dirs["v3"]), prompts(1), params)
-    assert run_all(make_engine(path), prompts(1), params) == want
-    bad = variant(path, tmp_path / "no-key", num_nextn_predict_layers=0)
+    assert run_all(make_engine(mtp_dir), prompts(1), params) == want
+    bad = variant(mtp_dir, tmp_path / "no-key", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match=f"unexpected weight 'model.layers.{layers}."):
         make_engine(bad)
 
@@ -560,3 +570,87 @@ def test_gguf_what_we_cannot_honour_is_refused_naming_it(dirs, tmp_path, name, e
     path = write_gguf(dirs[name], tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
     with pytest.raises(ValueError, match=named):
         make_engine(path)
+
+
+def test_gguf_multi_token_prediction_blocks_are_skipped(dirs, mtp_dir, tmp_path) -> None:
+    """A V3 / R1 GGUF with ``deepseek2.nextn_predict_layers`` (block_count counts the MTP
+    block, the last: a decoder block's tensors plus ``blk.N.nextn.*``): the model runs
+    block_count - 1 layers, as the directory with the MTP layer does, and gives the tokens
+    of the same file without it."""
+    from chunkserve.model.loader import _field, gguf_model_config, iter_gguf_weights, open_gguf
+    from tests.test_gguf import write_gguf
+
+    layers = hf_config("v3").num_hidden_layers
+    path = write_gguf(mtp_dir, tmp_path / "mtp.gguf", split_kv_b=True)
+    reader = open_gguf(path)
+    assert _field(reader, "deepseek2.block_count") == layers + 1
+    names = {t.name for t in reader.tensors}
+    assert f"blk.{layers}.nextn.eh_proj.weight" in names
+    assert f"blk.{layers}.attn_k_b.weight" in names
+    config = gguf_model_config(reader)
+    assert (config.num_layers, config.num_nextn_predict_layers) == (layers, 1)
+    assert config.moe_layers == hf_model_config_of(mtp_dir).moe_layers
+    # The loader yields nothing of the MTP block (so reads nothing of it: its joined
+    # kv_b would be read whole).
+    got = {name for name, _ in iter_gguf_weights(reader, config, torch.float32)}
+    assert f"model.layers.{layers - 1}.self_attn.kv_b_proj.weight" in got
+    assert not [n for n in got if n.startswith(f"model.layers.{layers}.")]
+    engine = make_engine(path)
+    assert len(engine.core.worker.model.layers) == layers
+    # (transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1: "v3" has the
+    # key and no MTP layer, as a checkpoint stripped of it)
+    without = variant(dirs["v3"], tmp_path / "plain", num_nextn_predict_layers=0)
+    without = write_gguf(without, tmp_path / "plain.gguf", split_kv_b=True)
+    assert _field(open_gguf(without), "deepseek2.block_count") == layers
+    plain = make_engine(without)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    assert run_all(engine, prompts(), params) == run_all(plain, prompts(), params)
+
+
+def hf_model_config_of(path: Path):
+    from chunkserve.model.loader import hf_model_config
+
+    return hf_model_config(path)
+
+
+def _nextn_on_block(block: int):
+    def edit(tensors: dict) -> None:
+        tensors[f"blk.{block}.nextn.eh_proj.weight"] = tensors.pop(
+            next(n for n in tensors if n.endswith("nextn.eh_proj.weight"))
+        )
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "src, extra, edit, named",
+    [
+        # As many MTP blocks as blocks.
+        ("v3", {"deepseek2.nextn_predict_layers": 2}, None,
+         r"deepseek2.nextn_predict_layers: 2, expected 0 to deepseek2.block_count - 1 \(1\)"),
+        # The key without the MTP block counted (block_count the decoder's): the last
+        # decoder block would be dropped.
+        ("v3", {"deepseek2.nextn_predict_layers": 1}, None,
+         r"'blk.1.nextn.eh_proj.weight': missing: block 1 is a multi-token-prediction block"),
+        # An MTP tensor on a decoder block.
+        ("mtp", None, _nextn_on_block(1),
+         r"'blk.1.nextn.eh_proj.weight': a multi-token-prediction tensor on block 1.*"
+         r"nextn_predict_layers: 1"),
+        # MTP tensors with the key 0: on a decoder block.
+        ("mtp", {"deepseek2.nextn_predict_layers": 0}, None,
+         r"'blk.2.nextn.eh_proj.weight': a multi-token-prediction tensor on block 2, one of "
+         r"the model's 3 decoder blocks \(key deepseek2.nextn_predict_layers: 0"),
+    ],
+)  # fmt: skip
+def test_gguf_inconsistent_multi_token_prediction_is_refused(
+    dirs, mtp_dir, tmp_path, src, extra, edit, named
+) -> None:
+    from chunkserve.model.loader import gguf_model_config, open_gguf
+    from tests.test_gguf import write_gguf
+
+    path = mtp_dir
+    if src == "v3":  # no key, block_count the decoder's
+        path = variant(dirs["v3"], tmp_path / "d", num_nextn_predict_layers=0)
+    gguf = write_gguf(path, tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
+    with pytest.raises(ValueError, match=named):
+        gguf_model_config(open_gguf(gguf))

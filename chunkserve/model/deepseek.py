@@ -264,7 +264,10 @@ class LatentAttention(nn.Module):
 # / expert_group_used_count are n_group / topk_group (newer converters write them for V2
 # too: with softmax and more than one group, V2's group_limited_greedy, whose groups rank by
 # their best expert as DeepSeek-V2's code does; llama.cpp's graph ranks every family's groups
-# by their best two, as V3's).
+# by their best two, as V3's). V3 / R1 files with their multi-token-prediction layers:
+# nextn_predict_layers of the block_count blocks are MTP blocks, the last (a block's tensors
+# and blk.N.nextn.*), not run: the model is the block_count - nextn_predict_layers before
+# them (the loader's ``_check_blocks`` refuses a file where that does not hold).
 _DEEPSEEK_TENSORS, _DEEPSEEK_EXPERTS = gguf_moe_names(DEEPSEEK_NAMES, shared=True)
 _DEEPSEEK_TENSORS.update(
     {
@@ -293,6 +296,7 @@ _DEEPSEEK_KEYS = {
     "expert_gating_func": "_gating_func",
     "expert_group_count": "_group_count",
     "expert_group_used_count": "_group_used_count",
+    "nextn_predict_layers": "_nextn",
 }
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (V2's, and a file without the key) and
 # _SIGMOID (V3's).
@@ -352,6 +356,16 @@ def _deepseek_gguf_fields(f: dict) -> dict:
             f"model: GGUF key {prefix}expert_group_used_count: {used} groups of "
             f"expert_group_count {groups}"
         )
+    # V3 / R1's multi-token-prediction layers: the last ``nextn_predict_layers`` of the
+    # ``block_count`` blocks (the loader skips them, as ``load_weights`` skips them from a
+    # directory); the decoder runs the rest.
+    blocks, nextn = int(f["num_layers"]), int(f.get("_nextn") or 0)
+    if not 0 <= nextn < blocks:
+        raise ValueError(
+            f"model: GGUF key {prefix}nextn_predict_layers: {nextn}, expected 0 to "
+            f"{prefix}block_count - 1 ({blocks - 1})"
+        )
+    layers = blocks - nextn
     router: dict = dict(n_group=groups, topk_group=used if groups > 1 else 1)
     if gating == _SIGMOID_GATING:
         router.update(architecture="deepseek_v3", topk_method="noaux_tc")
@@ -362,11 +376,13 @@ def _deepseek_gguf_fields(f: dict) -> dict:
         qk_nope_head_dim=qk - rope,
         num_kv_heads=f["num_heads"],  # transformers' config: one KV head per head
         shared_expert_gate=False,
+        num_layers=layers,
+        num_nextn_predict_layers=nextn,
         **router,
     )
     if f.get("num_experts"):
         first = int(f.get("_leading_dense") or 0)
-        out["moe_layers"] = tuple(range(first, f["num_layers"])) if first else None
+        out["moe_layers"] = tuple(range(first, layers)) if first else None
         out["shared_expert_intermediate_size"] = int(f.get("_shared_count") or 0) * int(
             f.get("moe_intermediate_size") or 0
         )

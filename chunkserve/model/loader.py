@@ -26,7 +26,9 @@ module applies it generically:
   Q/K row permutation (its ``LlamaModel.permute``, applied by the Llama-derived converters
   only); ``norm_offset``
   undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
-  A tensor neither table names is a ValueError naming it.
+  A tensor neither table names is a ValueError naming it. Multi-token-prediction blocks
+  (``{arch}.nextn_predict_layers``, a family's key: the last blocks, ``blk.N.nextn.*``
+  beside a block's tensors) are checked against ``block_count`` and not read.
 
 Adding a family's GGUF support (check llama.cpp's ``convert_hf_to_gguf.py`` for what its
 converter class writes and changes, gguf-py's ``constants.py`` ``MODEL_TENSORS`` for its tensor
@@ -113,6 +115,22 @@ _GGUF_TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Multi-token-prediction (MTP, "nextn") blocks: llama.cpp's converters write a family's
+# ``num_nextn_predict_layers`` MTP layers as the last blocks (``block_count`` counts them,
+# ``{arch}.nextn_predict_layers`` says how many), each a decoder block's tensors plus these
+# (GGUF name after "blk.N." -> the HF name after "model.layers.N."). They are not part of
+# the model's forward: a family that declares the key runs ``block_count -
+# nextn_predict_layers`` layers and the loader reads nothing of the MTP blocks.
+_GGUF_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+}
+# Those an MTP block must have (llama.cpp requires them; the others are optional).
+_GGUF_NEXTN_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
 
 
 @dataclass
@@ -312,12 +330,47 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     for name in tensors:
         if _gguf_to_hf(name, spec) is None:
             raise _refuse(f"tensor {name!r}", f"not a tensor of {arch!r} models we know")
+    _check_blocks(tensors, prefix, fields["num_layers"], fields.get("num_nextn_predict_layers", 0))
     # Fields named "_..." are a spec's scratch values for its ``derive``, not ModelConfig's.
     fields = {k: v for k, v in fields.items() if not k.startswith("_")}
     try:
         return ModelConfig(**fields)
     except TypeError as exc:  # a spec naming a field ModelConfig lacks
         raise _refuse(f"file of {arch!r}", str(exc)) from None
+
+
+def _check_blocks(tensors: dict[str, Any], prefix: str, layers: int, nextn: int) -> None:
+    """Every ``blk.N`` tensor within ``block_count`` (``layers`` decoder blocks, then
+    ``nextn`` multi-token-prediction blocks); MTP tensors on MTP blocks only; an MTP block
+    in the file with its required tensors (a file whose ``block_count`` left the MTP blocks
+    out would otherwise lose its last decoder layer, silently)."""
+    blocks: dict[int, set[str]] = {}
+    for name in tensors:
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            blocks.setdefault(int(idx), set()).add(rest)
+    key = f"key {prefix}nextn_predict_layers"
+    for b, names in sorted(blocks.items()):
+        mtp = sorted(n for n in names if n in _GGUF_NEXTN_NAMES)
+        if b >= layers + nextn:
+            raise _refuse(
+                f"tensor 'blk.{b}.{min(names)}'",
+                f"block {b} is beyond {prefix}block_count {layers + nextn}",
+            )
+        if b < layers and mtp:
+            raise _refuse(
+                f"tensor 'blk.{b}.{mtp[0]}'",
+                f"a multi-token-prediction tensor on block {b}, one of the model's "
+                f"{layers} decoder blocks ({key}: {nextn}, of {prefix}block_count "
+                f"{layers + nextn})",
+            )
+        missing = [n for n in _GGUF_NEXTN_REQUIRED if n not in names]
+        if b >= layers and missing:
+            raise _refuse(
+                f"tensor 'blk.{b}.{missing[0]}'",
+                f"missing: block {b} is a multi-token-prediction block ({key}: {nextn}, of "
+                f"{prefix}block_count {layers + nextn})",
+            )
 
 
 def _gguf_rope(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -373,6 +426,8 @@ def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
     join = spec.join_of(rest)
     if join is not None:
         return (prefix + join.hf,)
+    if rest in _GGUF_NEXTN_NAMES:
+        return (prefix + _GGUF_NEXTN_NAMES[rest],)
     hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
     if hf is not None:
         return (prefix + hf,)
@@ -409,6 +464,8 @@ def iter_gguf_weights(
     loaded: set[str] = set()
     others: dict[str, int] = {}
     for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".", 2)[1]) >= config.num_layers:
+            continue  # a multi-token-prediction block (``_check_blocks``): not run, not read
         names = _gguf_to_hf(t.name, spec)
         if not names:
             continue  # consumed by the config (rope_freqs), or derived again
