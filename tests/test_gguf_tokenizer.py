@@ -37,7 +37,7 @@ TEXTS = [
     # space, letters beside ASCII punctuation; between letters, those NFC changes (U+1F7D,
     # U+1FBE, U+1FD3, U+1FDB, U+2126 ohm, U+212A kelvin) and two NFC forms.
     "（全角）！？ ‘quoted’ “double” カタカナとひらがな　한국어 텍스트 x.y_z+=1 @home #tag",
-    "é\u1f7dé é\u1fbeé é\u1fd3é é\u1fdbé é\u2126é é\u212aé é\u03ceé éKé [a]{b}",
+    "é\u1f7dé é\u1fbeé é\u1fd3é é\u1fdbé é\u2126é é\u212aé é\u03ceé éKé [a]{b} 🙂   x",
 ]
 # A word the vocabulary has whole but its merges never build (not in the training text):
 # Llama 3's tokenizer.json takes it whole (``ignore_merges``), BPE alone would not.
@@ -229,6 +229,10 @@ def test_byte_level_bpe_matches_transformers(trained, tmp_path, pre) -> None:
     got = encodings(ours(write_tokenizer_gguf(tmp_path / "t.gguf", vocab, merges, pre, **flags)))
     assert got == want
     ours_tok = ours(tmp_path / "t.gguf")
+    # The pre-tokenizer's pieces themselves (a split no merge crosses shows here only).
+    for text in TEXTS:
+        mine = ours_tok._tk.pre_tokenizer.pre_tokenize_str(text)
+        assert mine == hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text), text
     decoded = [hf.decode(ids, skip_special_tokens=True) for ids in want]
     assert [ours_tok.decode(ids) for ids in got] == decoded
     if ignore:  # and it matters here
