@@ -8,6 +8,7 @@ and sliced it afterwards fails these tests."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import types
 from pathlib import Path
@@ -214,3 +215,68 @@ def test_quantized_safetensors_rank_reads_its_blocks(tmp_path, counted_safetenso
     assert next(weights, None) is None
     assert 0.45 * total < sum(seen) < 0.55 * total, (sum(seen), total)
     torch.testing.assert_close(got, whole[src])
+
+
+def _counted_by_tensor(reader) -> tuple[types.SimpleNamespace, dict[str, list[int]]]:
+    """``_counted_reader`` with the bytes read counted per GGUF tensor."""
+    seen: dict[str, list[int]] = {t.name: [] for t in reader.tensors}
+    tensors = [t._replace(data=_CountedArray(t.data, seen[t.name])) for t in reader.tensors]
+    return types.SimpleNamespace(fields=reader.fields, tensors=tensors), seen
+
+
+def _read(seen: dict[str, list[int]], suffix: str) -> int:
+    return sum(sum(v) for k, v in seen.items() if k.endswith(suffix))
+
+
+@pytest.mark.parametrize(
+    "family, suffixes",
+    [
+        # MLA's kv_b_proj joined from attn_k_b and attn_v_b: a rank's heads of each.
+        ("deepseek", ("attn_k_b.weight", "attn_v_b.weight")),
+        # F32 vectors: Q/K/V biases, a rank's heads' values.
+        ("qwen2", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+    ],
+)
+def test_gguf_joins_and_vectors_rank_reads_its_share(
+    tmp_path, hf_dir: Path, family: str, suffixes: tuple[str, ...]
+) -> None:
+    """Each rank of 2 reads half the bytes of those tensors (TP=1 all of them), and loads
+    the rows one process loads."""
+    from tests.test_gguf import write_gguf
+
+    if family == "deepseek":
+        from tests.test_deepseek import hf_config as deepseek_config
+
+        src = write_model(tmp_path / family, deepseek_config("lite"), hf_dir)
+        hf_name = "layers.0.attn.kv_b.weight"
+    else:
+        from tests.test_model_families import hf_config
+
+        src = write_model(tmp_path / family, hf_config(family), hf_dir)
+        hf_name = "layers.0.attn.qkv.bias"
+    reader = open_gguf(write_gguf(src, tmp_path / "m.gguf", split_kv_b=True))
+    config = gguf_model_config(reader)
+    counted, seen = _counted_by_tensor(reader)
+    total = {s: sum(t.data.nbytes for t in reader.tensors if t.name.endswith(s)) for s in suffixes}
+    assert all(total.values())
+    one = _params(_load(config, iter_gguf_weights(counted, config, torch.float32), 0, 1))
+    assert {s: _read(seen, s) for s in suffixes} == total
+    for rank in (0, 1):
+        for v in seen.values():
+            v.clear()
+        got = _params(_load(config, iter_gguf_weights(counted, config, torch.float32), rank))
+        assert {s: 2 * _read(seen, s) for s in suffixes} == total, rank
+        if family == "deepseek":  # this rank's heads' rows of kv_b_proj
+            per_rank = one[hf_name].shape[0] // 2
+            want = one[hf_name][rank * per_rank : (rank + 1) * per_rank]
+            torch.testing.assert_close(got[hf_name], want)
+        else:  # q then k then v: each its rank's half
+            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            bounds = [0, q, q + kv, q + 2 * kv]
+            want = torch.cat(
+                [
+                    one[hf_name][a:b][rank * (b - a) // 2 : (rank + 1) * (b - a) // 2]
+                    for a, b in itertools.pairwise(bounds)
+                ]
+            )
+            torch.testing.assert_close(got[hf_name], want)

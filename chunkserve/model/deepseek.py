@@ -48,6 +48,7 @@ from chunkserve.model.layers import (
     Target,
     _yarn_mscale,
 )
+from chunkserve.model.lazy import LazyTensor
 from chunkserve.model.moe import MOE_NAMES, gguf_moe_names
 from chunkserve.model.registry import GGUFJoin, GGUFSpec, KVLayout, register
 
@@ -320,6 +321,30 @@ def _kv_b_from_k_b_v_b(config: ModelConfig, arrays: list) -> object:
     return np.concatenate((k, v_b.reshape(heads, v, rank)), axis=1).reshape(-1, rank)
 
 
+def _kv_b_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    """``_kv_b_from_k_b_v_b`` over the parts as ``LazyTensor``s: a box of kv_b_proj's rows
+    reads only the heads it touches (a tensor-parallel rank's) of attn_k_b and attn_v_b."""
+    k_b, v_b = parts
+    heads, rank = config.num_heads, config.kv_lora_rank
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    if tuple(k_b.shape) != (heads, rank, nope) or tuple(v_b.shape) != (heads, v, rank):
+        raise ValueError(
+            f"attn_k_b {tuple(k_b.shape)} / attn_v_b {tuple(v_b.shape)} do not hold {heads} "
+            f"heads of [{rank} x {nope}] / [{v} x {rank}]"
+        )
+    per = nope + v
+
+    def read(box: tuple[slice, ...]) -> torch.Tensor:
+        rows, cols = box
+        h0, h1 = rows.start // per, (rows.stop - 1) // per + 1
+        k = k_b[h0:h1].transpose(1, 2)  # [h, nope, rank]: W_UK
+        kv = torch.cat((k, v_b[h0:h1]), dim=1).reshape(-1, rank)
+        first = rows.start - h0 * per
+        return kv[first : rows.stop - h0 * per : rows.step, cols]
+
+    return LazyTensor((heads * per, rank), torch.float32, read)
+
+
 def _deepseek_gguf_fields(f: dict) -> dict:
     """ModelConfig's MLA and MoE fields from the deepseek2 keys (see above)."""
     prefix = "deepseek2."
@@ -403,7 +428,10 @@ DEEPSEEK_GGUF = GGUFSpec(
     keys=_DEEPSEEK_KEYS,
     joins=(
         GGUFJoin(
-            "self_attn.kv_b_proj.weight", ("attn_k_b.weight", "attn_v_b.weight"), _kv_b_from_k_b_v_b
+            "self_attn.kv_b_proj.weight",
+            ("attn_k_b.weight", "attn_v_b.weight"),
+            _kv_b_from_k_b_v_b,
+            lazy=_kv_b_lazy,
         ),
     ),
     derive=_deepseek_gguf_fields,

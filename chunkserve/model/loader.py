@@ -59,9 +59,10 @@ keys): the GGUF must give the directory's logits and greedy tokens.
 by whole rows of blocks, Q/K rows through llama.cpp's permutation); a quantized HF
 checkpoint's raw tensors the same way, under ``hf_quant.LazyDequant``; a GGUF file's kept
 quantized tensors as ``GGUFWeight``s over the map, copied where ``take_quantized`` keeps
-their rows or columns. Whole reads remain where a tensor is needed whole: joins (MLA's
-``kv_b_proj``, GPT-OSS's gate/up), norms with an offset, vectors, a permuted Q/K weight kept
-quantized.
+their rows or columns; a join with a ``lazy`` form (MLA's ``kv_b_proj`` from ``attn_k_b``
+and ``attn_v_b``: a rank's heads) from boxes of its parts; F32/F16 vectors (biases) by the
+rank's values. Whole reads remain where a tensor is needed whole: other joins (GPT-OSS's
+gate/up), norms with an offset, 1-D block tensors, a permuted Q/K weight kept quantized.
 """
 
 from __future__ import annotations
@@ -475,15 +476,20 @@ def iter_gguf_weights(
         join = spec.join_of(rest) if rest else None
         if join is not None:  # parts of one HF tensor (MLA's k_b + v_b, GPT-OSS's gate + up)
             have = held.setdefault((names[0], join.parts[0]), {})
-            have[rest] = _float_array(t, shape)
+            # A join that reads by boxes (``GGUFJoin.lazy``): its parts as LazyTensors.
+            have[rest] = _lazy_part(t, shape) if join.lazy else _float_array(t, shape)
             if len(have) < len(join.parts):
                 continue
             del held[(names[0], join.parts[0])]
             try:
-                arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
+                if join.lazy is not None:
+                    lazy = join.lazy(config, [have[p] for p in join.parts])
+                    parts = iter([(names[0], lazy.to(dtype))])
+                else:
+                    arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
+                    parts = _float_parts(t, arr, names, spec, config, dtype)
             except ValueError as exc:
                 raise _refuse(f"tensor {t.name!r}", str(exc)) from None
-            parts = _float_parts(t, arr, names, spec, config, dtype)
         elif quantized and code in FORMATS and len(shape) >= 2:
             parts = _quantized_parts(t, shape, names, spec, config)
         else:
@@ -556,6 +562,14 @@ def _float_array(t: Any, shape: tuple[int, ...]) -> np.ndarray:
     return arr.reshape(shape)
 
 
+def _lazy_part(t: Any, shape: tuple[int, ...]) -> LazyTensor:
+    """Tensor ``t`` (a join's part) as a float32 ``LazyTensor`` of ``shape`` (HF's axis
+    order) over the file's map."""
+    code = int(t.tensor_type)
+    data = t.data.reshape(shape) if code in (0, 1) else t.data
+    return LazyTensor(shape, torch.float32, _gguf_box_reader(data, code, None))
+
+
 def _float_parts(
     t: Any,
     arr: np.ndarray,
@@ -592,10 +606,12 @@ def _lazy_float_parts(
     """Tensor ``t``'s HF parts in ``dtype``, as ``_float_parts`` gives them, but as
     ``LazyTensor``s over the file's memory map: a part's ``[src]`` reads (F32, F16) or
     dequantizes (block types: whole rows of blocks, then the columns cut) only the rows
-    ``src`` selects (a Q/K projection's rows through llama.cpp's permutation). Norms with the
-    family's offset, vectors and 1-D block tensors are read whole."""
+    ``src`` selects (a Q/K projection's rows through llama.cpp's permutation; a bias its
+    rank's values). Norms with the family's offset and 1-D block tensors are read whole."""
     code = int(t.tensor_type)
-    if len(shape) < 2 or (spec.norm_offset and any(n.endswith("norm.weight") for n in names)):
+    if (len(shape) < 2 and code not in (0, 1)) or (
+        spec.norm_offset and any(n.endswith("norm.weight") for n in names)
+    ):
         yield from _float_parts(t, _float_array(t, shape), names, spec, config, dtype)
         return
     data = t.data  # a view of the map: F32/F16 values, else rows of block bytes
