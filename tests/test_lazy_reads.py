@@ -8,7 +8,6 @@ and sliced it afterwards fails these tests."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import types
 from pathlib import Path
@@ -114,10 +113,9 @@ def llama_dir(tmp_path_factory, hf_dir: Path) -> Path:
     return write_model(root / "llama", transformers.LlamaConfig(**SMALL), hf_dir)
 
 
-def _load(config, weights, rank: int, size: int = 2):
-    model = build_model(
-        config, torch.float32, torch.device("cpu"), 64, shard=plan_shards(config, size, rank)
-    )
+def _load(config, weights, rank: int, size: int = 2, ep: bool = False):
+    shard = plan_shards(config, size, rank, expert_parallel=ep)
+    model = build_model(config, torch.float32, torch.device("cpu"), 64, shard=shard)
     model.load_weights(weights)
     return model
 
@@ -228,55 +226,64 @@ def _read(seen: dict[str, list[int]], suffix: str) -> int:
     return sum(sum(v) for k, v in seen.items() if k.endswith(suffix))
 
 
+_GPT_OSS_EXPERTS = (
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
+    "ffn_gate_exps.bias",
+    "ffn_up_exps.bias",
+)
+
+
 @pytest.mark.parametrize(
-    "family, suffixes",
+    "family, suffixes, ep",
     [
         # MLA's kv_b_proj joined from attn_k_b and attn_v_b: a rank's heads of each.
-        ("deepseek", ("attn_k_b.weight", "attn_v_b.weight")),
+        ("deepseek", ("attn_k_b.weight", "attn_v_b.weight"), False),
         # F32 vectors: Q/K/V biases, a rank's heads' values.
-        ("qwen2", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+        ("qwen2", ("attn_q.bias", "attn_k.bias", "attn_v.bias"), False),
+        # GPT-OSS's interleaved gate_up_proj (and its bias) joined from gate and up, its
+        # down_proj transposed: tensor parallel, a rank's rows of every expert's gate and up
+        # (its even / odd columns) and columns of down; expert parallel, its experts.
+        ("gpt_oss", _GPT_OSS_EXPERTS, False),
+        ("gpt_oss", _GPT_OSS_EXPERTS, True),
     ],
+    ids=["deepseek-kv_b", "qwen2-biases", "gpt_oss-tp", "gpt_oss-ep"],
 )
 def test_gguf_joins_and_vectors_rank_reads_its_share(
-    tmp_path, hf_dir: Path, family: str, suffixes: tuple[str, ...]
+    tmp_path, hf_dir: Path, family: str, suffixes: tuple[str, ...], ep: bool
 ) -> None:
     """Each rank of 2 reads half the bytes of those tensors (TP=1 all of them), and loads
-    the rows one process loads."""
+    what it loads from the directory the file was written from."""
     from tests.test_gguf import write_gguf
 
     if family == "deepseek":
-        from tests.test_deepseek import hf_config as deepseek_config
+        from tests.test_deepseek import hf_config as make_config
 
-        src = write_model(tmp_path / family, deepseek_config("lite"), hf_dir)
-        hf_name = "layers.0.attn.kv_b.weight"
+        hf = make_config("lite")
+    elif family == "gpt_oss":
+        from tests.test_gpt_oss import gpt_oss_config
+
+        hf = gpt_oss_config()
     else:
         from tests.test_model_families import hf_config
 
-        src = write_model(tmp_path / family, hf_config(family), hf_dir)
-        hf_name = "layers.0.attn.qkv.bias"
+        hf = hf_config(family)
+    src = write_model(tmp_path / family, hf, hf_dir)
     reader = open_gguf(write_gguf(src, tmp_path / "m.gguf", split_kv_b=True))
     config = gguf_model_config(reader)
     counted, seen = _counted_by_tensor(reader)
     total = {s: sum(t.data.nbytes for t in reader.tensors if t.name.endswith(s)) for s in suffixes}
     assert all(total.values())
-    one = _params(_load(config, iter_gguf_weights(counted, config, torch.float32), 0, 1))
+    _load(config, iter_gguf_weights(counted, config, torch.float32), 0, 1)
     assert {s: _read(seen, s) for s in suffixes} == total
     for rank in (0, 1):
         for v in seen.values():
             v.clear()
-        got = _params(_load(config, iter_gguf_weights(counted, config, torch.float32), rank))
+        weights = iter_gguf_weights(counted, config, torch.float32)
+        got = _params(_load(config, weights, rank, ep=ep))
         assert {s: 2 * _read(seen, s) for s in suffixes} == total, rank
-        if family == "deepseek":  # this rank's heads' rows of kv_b_proj
-            per_rank = one[hf_name].shape[0] // 2
-            want = one[hf_name][rank * per_rank : (rank + 1) * per_rank]
-            torch.testing.assert_close(got[hf_name], want)
-        else:  # q then k then v: each its rank's half
-            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-            bounds = [0, q, q + kv, q + 2 * kv]
-            want = torch.cat(
-                [
-                    one[hf_name][a:b][rank * (b - a) // 2 : (rank + 1) * (b - a) // 2]
-                    for a, b in itertools.pairwise(bounds)
-                ]
-            )
-            torch.testing.assert_close(got[hf_name], want)
+        want = _params(_load(config, iter_hf_weights(src, torch.float32), rank, ep=ep))
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, msg=name)

@@ -60,9 +60,12 @@ by whole rows of blocks, Q/K rows through llama.cpp's permutation); a quantized 
 checkpoint's raw tensors the same way, under ``hf_quant.LazyDequant``; a GGUF file's kept
 quantized tensors as ``GGUFWeight``s over the map, copied where ``take_quantized`` keeps
 their rows or columns; a join with a ``lazy`` form (MLA's ``kv_b_proj`` from ``attn_k_b``
-and ``attn_v_b``: a rank's heads) from boxes of its parts; F32/F16 vectors (biases) by the
-rank's values. Whole reads remain where a tensor is needed whole: other joins (GPT-OSS's
-gate/up), norms with an offset, 1-D block tensors, a permuted Q/K weight kept quantized.
+and ``attn_v_b``: a rank's heads; GPT-OSS's interleaved gate/up: a rank's experts' rows of
+gate or of up) from boxes of its parts; F32/F16 vectors (biases) by the rank's values.
+Whole reads remain where a tensor is needed whole: a join without a ``lazy`` form, norms
+with an offset, 1-D block tensors, a permuted Q/K weight kept quantized; a block type's
+box reads whole rows of blocks (a column slice, e.g. a tensor-parallel rank's of MXFP4
+``ffn_down_exps``, reads every column's blocks of its rows).
 """
 
 from __future__ import annotations
