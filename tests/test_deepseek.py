@@ -572,16 +572,34 @@ def test_gguf_what_we_cannot_honour_is_refused_naming_it(dirs, tmp_path, name, e
         make_engine(path)
 
 
-def test_gguf_multi_token_prediction_blocks_are_skipped(dirs, mtp_dir, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def mtp_ggufs(dirs, mtp_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """The V3 with its MTP layer as a GGUF, and the same model without it (transformers'
+    DeepseekV3Config defaults num_nextn_predict_layers to 1: "v3" has the key and no MTP
+    layer, as a checkpoint stripped of it; here the key is 0)."""
+    from tests.test_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("mtp-gguf")
+    with_mtp = write_gguf(mtp_dir, root / "mtp.gguf", split_kv_b=True)
+    plain = variant(dirs["v3"], root / "plain", num_nextn_predict_layers=0)
+    return with_mtp, write_gguf(plain, root / "plain.gguf", split_kv_b=True)
+
+
+def test_gguf_multi_token_prediction_blocks_are_skipped(mtp_dir, mtp_ggufs) -> None:
     """A V3 / R1 GGUF with ``deepseek2.nextn_predict_layers`` (block_count counts the MTP
     block, the last: a decoder block's tensors plus ``blk.N.nextn.*``): the model runs
     block_count - 1 layers, as the directory with the MTP layer does, and gives the tokens
     of the same file without it."""
-    from chunkserve.model.loader import _field, gguf_model_config, iter_gguf_weights, open_gguf
-    from tests.test_gguf import write_gguf
+    from chunkserve.model.loader import (
+        _field,
+        gguf_model_config,
+        hf_model_config,
+        iter_gguf_weights,
+        open_gguf,
+    )
 
     layers = hf_config("v3").num_hidden_layers
-    path = write_gguf(mtp_dir, tmp_path / "mtp.gguf", split_kv_b=True)
+    path, without = mtp_ggufs
     reader = open_gguf(path)
     assert _field(reader, "deepseek2.block_count") == layers + 1
     names = {t.name for t in reader.tensors}
@@ -589,68 +607,72 @@ def test_gguf_multi_token_prediction_blocks_are_skipped(dirs, mtp_dir, tmp_path)
     assert f"blk.{layers}.attn_k_b.weight" in names
     config = gguf_model_config(reader)
     assert (config.num_layers, config.num_nextn_predict_layers) == (layers, 1)
-    assert config.moe_layers == hf_model_config_of(mtp_dir).moe_layers
-    # The loader yields nothing of the MTP block (so reads nothing of it: its joined
-    # kv_b would be read whole).
+    assert config.moe_layers == hf_model_config(mtp_dir).moe_layers
+    # The loader yields nothing of the MTP block (so reads nothing of it).
     got = {name for name, _ in iter_gguf_weights(reader, config, torch.float32)}
     assert f"model.layers.{layers - 1}.self_attn.kv_b_proj.weight" in got
     assert not [n for n in got if n.startswith(f"model.layers.{layers}.")]
     engine = make_engine(path)
     assert len(engine.core.worker.model.layers) == layers
-    # (transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1: "v3" has the
-    # key and no MTP layer, as a checkpoint stripped of it)
-    without = variant(dirs["v3"], tmp_path / "plain", num_nextn_predict_layers=0)
-    without = write_gguf(without, tmp_path / "plain.gguf", split_kv_b=True)
     assert _field(open_gguf(without), "deepseek2.block_count") == layers
     plain = make_engine(without)
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
     assert run_all(engine, prompts(), params) == run_all(plain, prompts(), params)
 
 
-def hf_model_config_of(path: Path):
-    from chunkserve.model.loader import hf_model_config
+class _Field:
+    def __init__(self, value: int) -> None:
+        self.value = value
 
-    return hf_model_config(path)
+    def contents(self) -> int:
+        return self.value
 
 
-def _nextn_on_block(block: int):
-    def edit(tensors: dict) -> None:
-        tensors[f"blk.{block}.nextn.eh_proj.weight"] = tensors.pop(
-            next(n for n in tensors if n.endswith("nextn.eh_proj.weight"))
-        )
+def _edited(reader, nextn: int | None = None, nextn_on: int | None = None):
+    """``reader`` with the key ``deepseek2.nextn_predict_layers`` set (``nextn``) or its
+    MTP block's eh_proj moved to block ``nextn_on``: a file's metadata, as written."""
+    import types
 
-    return edit
+    fields = dict(reader.fields)
+    if nextn is not None:
+        fields["deepseek2.nextn_predict_layers"] = _Field(nextn)
+    tensors = list(reader.tensors)
+    if nextn_on is not None:
+        tensors = [
+            t._replace(name=f"blk.{nextn_on}.nextn.eh_proj.weight")
+            if t.name.endswith("nextn.eh_proj.weight")
+            else t
+            for t in tensors
+        ]
+    return types.SimpleNamespace(fields=fields, tensors=tensors)
 
 
 @pytest.mark.parametrize(
-    "src, extra, edit, named",
+    "src, nextn, nextn_on, named",
     [
         # As many MTP blocks as blocks.
-        ("v3", {"deepseek2.nextn_predict_layers": 2}, None,
+        ("plain", 2, None,
          r"deepseek2.nextn_predict_layers: 2, expected 0 to deepseek2.block_count - 1 \(1\)"),
         # The key without the MTP block counted (block_count the decoder's): the last
         # decoder block would be dropped.
-        ("v3", {"deepseek2.nextn_predict_layers": 1}, None,
+        ("plain", 1, None,
          r"'blk.1.nextn.eh_proj.weight': missing: block 1 is a multi-token-prediction block"),
         # An MTP tensor on a decoder block.
-        ("mtp", None, _nextn_on_block(1),
+        ("mtp", None, 1,
          r"'blk.1.nextn.eh_proj.weight': a multi-token-prediction tensor on block 1.*"
          r"nextn_predict_layers: 1"),
         # MTP tensors with the key 0: on a decoder block.
-        ("mtp", {"deepseek2.nextn_predict_layers": 0}, None,
+        ("mtp", 0, None,
          r"'blk.2.nextn.eh_proj.weight': a multi-token-prediction tensor on block 2, one of "
          r"the model's 3 decoder blocks \(key deepseek2.nextn_predict_layers: 0"),
     ],
 )  # fmt: skip
 def test_gguf_inconsistent_multi_token_prediction_is_refused(
-    dirs, mtp_dir, tmp_path, src, extra, edit, named
+    mtp_ggufs, src, nextn, nextn_on, named
 ) -> None:
     from chunkserve.model.loader import gguf_model_config, open_gguf
-    from tests.test_gguf import write_gguf
 
-    path = mtp_dir
-    if src == "v3":  # no key, block_count the decoder's
-        path = variant(dirs["v3"], tmp_path / "d", num_nextn_predict_layers=0)
-    gguf = write_gguf(path, tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
+    reader = open_gguf(mtp_ggufs[0 if src == "mtp" else 1])
+    gguf_model_config(reader)  # as written: consistent
     with pytest.raises(ValueError, match=named):
-        gguf_model_config(open_gguf(gguf))
+        gguf_model_config(_edited(reader, nextn, nextn_on))
