@@ -9,7 +9,9 @@ A tiny random Qwen2-MoE model (transformers' config class, ``tests.test_moe``'s 
   logprobs. A batch changes how many tokens each expert gets in a step (its matmul's row
   count): the experts' matmuls run on ``RowTiling``'s fixed row tiles, so a token's expert
   output does not depend on it (``test_an_experts_row_does_not_depend_on_its_load`` checks
-  the layer alone). Without the mode bf16 results change with the batch.
+  the layer alone, in both dtypes; end to end, experts run untiled fail the fp32 cases: at
+  these tiny shapes and row counts oneDNN's bf16 rows happen not to change). Without the
+  mode bf16 results change with the batch.
 - tensor parallel 2 (gloo group, sums through shared memory) and expert parallel 2: alone
   = beside 37 others = after a prefix-cache hit, bitwise. Not the same bits as one
   process: each row-parallel matmul (attention's output projection, the MLP's and the
@@ -58,11 +60,20 @@ Result = tuple[list[int], list]
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory, hf_dir: Path) -> Path:
     """Qwen2-MoE as ``tests.test_moe`` builds it (8 experts top 4 of 32 columns, a shared
-    expert of 96), 3 layers, layer 0 a dense MLP (``mlp_only_layers``), routers drawn
-    wider so routing is not a coin toss."""
+    expert of 96), 3 layers, layer 0 a dense MLP (``mlp_only_layers``). Routers drawn
+    wider so routing is not a coin toss; the MLPs' and experts' weights 10x HF's N(0, 0.02)
+    init so their outputs weigh in the residual stream as a trained model's do (at 0.02 an
+    expert's last-bit differences vanish in the residual's rounding, and the fp32 cases
+    below did not notice the experts' matmuls run untiled)."""
     config = moe_hf_config("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[0])
     path = write_model(tmp_path_factory.mktemp("moe") / "qwen2_moe", config, hf_dir)
-    rewrite(path, lambda t: {k: v * 20 for k, v in t.items() if k.endswith("gate.weight")})
+
+    def edit(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {k: v * 20 for k, v in tensors.items() if k.endswith("gate.weight")}
+        mlp = {k: v * 10 for k, v in tensors.items() if ".mlp." in k and k.endswith("proj.weight")}
+        return out | mlp
+
+    rewrite(path, edit)
     return path
 
 
