@@ -256,29 +256,36 @@ def test_an_experts_row_does_not_depend_on_its_load(dtype) -> None:
 # ---- tensor and expert parallel -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def parallel(moe_dir):
-    """Two-rank engines (bf16, budget 16, the mode) by ``enable_expert_parallel``, built on
-    first use; shut down at the end."""
-    made: dict[bool, Engine] = {}
+    """Two-rank engines (budget 16, the mode) by (``enable_expert_parallel``, dtype), built
+    on first use; shut down at the end."""
+    made: dict[tuple[bool, str], Engine] = {}
 
-    def get(ep: bool) -> Engine:
-        if ep not in made:
-            made[ep] = make(
-                moe_dir, "bfloat16", tensor_parallel_size=2, enable_expert_parallel=ep,
+    def get(ep: bool, dtype: str) -> Engine:
+        if (ep, dtype) not in made:
+            made[ep, dtype] = make(
+                moe_dir, dtype, tensor_parallel_size=2, enable_expert_parallel=ep,
                 max_num_batched_tokens=16,
             )  # fmt: skip
-        return made[ep]
+        return made[ep, dtype]
 
     yield get
     for engine in made.values():
         engine.shutdown()
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tensor-parallel", "expert-parallel"])
-def test_two_ranks_alone_batched_and_cached(parallel, alone, ep) -> None:
+# bf16 (the default) and fp32: at the tiny model's shapes only fp32's matmul rows change
+# with their row count on this CPU, so the fp32 cases are the ones that notice untiled
+# matmuls on the ranks (checked); bf16's notice attention.
+@pytest.mark.parametrize(
+    ("ep", "dtype"),
+    [(False, "bfloat16"), (False, "float32"), (True, "float32")],
+    ids=["tensor-parallel-bf16", "tensor-parallel-fp32", "expert-parallel-fp32"],
+)
+def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     """Two ranks: the target alone, beside 37 others (chunked in 16s), and after a
     prefix-cache hit (beside 3 others), bitwise the same. One process's bits are not
     promised (another reduction of the row-parallel matmuls), and they differ here."""
-    engine = parallel(ep)
+    engine = parallel(ep, dtype)
     mlp = engine.core.worker.model.layers[1].mlp
     assert engine.core.worker.shard.size == 2
     assert mlp.w13.shape[0] == (4 if ep else 8)
@@ -289,5 +296,5 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep) -> None:
     cached: list[int] = []
     assert run(engine, [TARGET, *others(3)], cached=cached) == first
     assert cached == [32]
-    # What the mode does not give: TP 2's bits equal to one process's.
-    assert [lp[1] for lp in first[1]] != [lp[1] for lp in alone("bfloat16")[1]]
+    # What the mode does not give: two ranks' bits equal to one process's.
+    assert [lp[1] for lp in first[1]] != [lp[1] for lp in alone(dtype)[1]]
