@@ -256,15 +256,16 @@ def test_an_experts_row_does_not_depend_on_its_load(dtype) -> None:
 # ---- tensor and expert parallel -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def parallel(moe_dir):
-    """Two-rank engines (budget 16, the mode) by (``enable_expert_parallel``, dtype), built
-    on first use; shut down at the end."""
+    """Two-rank engines (budget 64, the mode) by (``enable_expert_parallel``, dtype), built
+    on first use; shut down at the end. Budget 64: the target alone is one whole-prompt
+    chunk, beside others it is cut where the others leave room."""
     made: dict[tuple[bool, str], Engine] = {}
 
     def get(ep: bool, dtype: str) -> Engine:
         if (ep, dtype) not in made:
             made[ep, dtype] = make(
                 moe_dir, dtype, tensor_parallel_size=2, enable_expert_parallel=ep,
-                max_num_batched_tokens=16,
+                max_num_batched_tokens=64,
             )  # fmt: skip
         return made[ep, dtype]
 
@@ -275,15 +276,16 @@ def parallel(moe_dir):
 
 # bf16 (the default) and fp32: at the tiny model's shapes only fp32's matmul rows change
 # with their row count on this CPU, so the fp32 cases are the ones that notice untiled
-# matmuls on the ranks (checked); bf16's notice attention.
+# matmuls on the ranks (checked); bf16's notices the attention of a chunk against a whole
+# prompt's (checked: without the mode it fails).
 @pytest.mark.parametrize(
     ("ep", "dtype"),
     [(False, "bfloat16"), (False, "float32"), (True, "float32")],
     ids=["tensor-parallel-bf16", "tensor-parallel-fp32", "expert-parallel-fp32"],
 )
 def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
-    """Two ranks: the target alone, beside 37 others (chunked in 16s), and after a
-    prefix-cache hit (beside 3 others), bitwise the same. One process's bits are not
+    """Two ranks: the target alone, beside 37 others (chunked), and after a prefix-cache
+    hit (beside 3 others), bitwise the same. One process's bits are not
     promised (another reduction of the row-parallel matmuls), and they differ here."""
     engine = parallel(ep, dtype)
     mlp = engine.core.worker.model.layers[1].mlp
@@ -291,7 +293,13 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     assert mlp.w13.shape[0] == (4 if ep else 8)
     assert engine.core.worker.group.shm is not None
     first = run(engine, [TARGET])
-    assert beside_37(engine) == first
+    steps = []
+    engine.step_listeners.append(steps.append)
+    try:
+        assert beside_37(engine) == first
+    finally:
+        engine.step_listeners.remove(steps.append)
+    assert any(s.kind == "mixed" for s in steps)
     run(engine, [TARGET[:32] + random_prompt(random.Random(3), 7)])
     cached: list[int] = []
     assert run(engine, [TARGET, *others(3)], cached=cached) == first
