@@ -291,7 +291,7 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     mlp = engine.core.worker.model.layers[1].mlp
     assert engine.core.worker.shard.size == 2
     assert mlp.w13.shape[0] == (4 if ep else 8)
-    assert engine.core.worker.group.shm is not None
+    assert engine.core.worker.group.shm is not None and engine.core.worker.group.ordered_sums
     first = run(engine, [TARGET])
     steps = []
     engine.step_listeners.append(steps.append)
@@ -306,3 +306,49 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     assert cached == [32]
     # What the mode does not give: two ranks' bits equal to one process's.
     assert [lp[1] for lp in first[1]] != [lp[1] for lp in alone(dtype)[1]]
+
+
+# ---- the all-reduce ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ordered_sums_over_three_ranks_do_not_depend_on_the_rows(dtype) -> None:
+    """Three ranks (gloo, threads of this process, no shared memory: the path of sums too
+    large for it or of ranks on several hosts): with ``ordered_sums`` a row's sum is the
+    same alone as among 3 or 300 rows, on every rank, and the shared-memory path's
+    (``sum_in_rank_order``); gloo's own all-reduce's is not (bf16)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from chunkserve.distributed.group import TPGroup
+    from chunkserve.distributed.shm import sum_in_rank_order
+
+    size, sizes = 3, (1, 3, 300)
+    store = dist.HashStore()
+    parts = [torch.randn(300, 64, generator=torch.Generator().manual_seed(r)).to(dtype)
+             for r in range(size)]  # fmt: skip
+    got: dict[tuple[bool, int, int], torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pg = dist.ProcessGroupGloo(store, r, size, datetime.timedelta(seconds=60))
+            for ordered in (True, False):
+                group = TPGroup(r, size, pg, None, ordered_sums=ordered)
+                for m in sizes:
+                    got[ordered, r, m] = group.all_reduce(parts[r][:m].clone())
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == 2 * size * len(sizes)
+    want = sum_in_rank_order(torch.empty_like(parts[0]), parts)
+    for r in range(size):
+        for m in sizes:
+            assert torch.equal(got[True, r, m], want[:m]), (r, m)
+    if dtype == torch.bfloat16:  # what the ordered sums are for
+        assert not all(torch.equal(got[False, 0, m][:1], got[False, 0, 1]) for m in sizes)
