@@ -912,8 +912,7 @@ class EngineConfig:
     rank's matmuls tiled, the all-reduce adding the ranks' parts in rank order whatever the
     step's size: ``TPGroup.all_reduce``), but they are not one process's bits, nor another
     size's or expert parallel's: a row-parallel matmul adds its ranks' partial products, a
-    different reduction from the unsharded one (``tests/test_deterministic_e2e.py``; known
-    gap: fp32 MoE at tensor parallel 2)."""
+    different reduction from the unsharded one (``tests/test_deterministic_e2e.py``)."""
     load_format: str = _flag(
         "auto",
         "dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
