@@ -11,13 +11,15 @@ A tiny random Qwen2-MoE model (transformers' config class, ``tests.test_moe``'s 
   output does not depend on it (``test_an_experts_row_does_not_depend_on_its_load`` checks
   the layer alone, in both dtypes; end to end, experts run untiled fail the fp32 cases: at
   these tiny shapes and row counts oneDNN's bf16 rows happen not to change). The same with
-  its experts quantized (Q8_0 GGUF). Without the mode bf16 results change with the batch
-  (chunked against whole-prompt prefill).
+  its experts quantized (Q8_0 GGUF). The shared expert's sigmoid gate ([T, 1]) runs on
+  fixed slices (``moe.shared_gate``; ``test_a_moe_layers_row_does_not_depend_on_the_batch``).
+  Without the mode bf16 results change with the batch (chunked against whole-prompt
+  prefill).
 - tensor parallel 2 (bf16, fp32; sums through shared memory) and expert parallel 2: alone
   = beside 37 others = after a prefix-cache hit, bitwise. Not the same bits as one
   process: each row-parallel matmul (attention's output projection, the shared expert's
-  and the experts' down projections) adds its ranks' partial products, another reduction than the
-  unsharded one over all of K; the mode promises invariance to the batch within one
+  and the experts' down projections) adds its ranks' partial products, another reduction
+  than the unsharded one over all of K; the mode promises invariance to the batch within one
   tensor-parallel size and layout (``EngineConfig.deterministic``).
 - the all-reduce itself: every path adds the ranks' parts in rank order, whatever the
   tensor's size (gloo's ring over 3 or more ranks adds a row's parts in an order that
