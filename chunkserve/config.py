@@ -905,9 +905,14 @@ class EngineConfig:
     the matmuls run on fixed 64-row tiles (``model.layers.RowTiling``) and every attention
     row in the C kernel's tile path over key ranges aligned on fixed blocks
     (``cpu_kernels``).
-    CPU only, with the ``cpu`` attention backend (a clear error otherwise). Tensor parallel
-    is not covered: a row's sum over ranks is a different reduction from the unsharded one
-    (the same tensor-parallel size gives the same results)."""
+    CPU only, with the ``cpu`` attention backend (a clear error otherwise). Mixture-of-experts
+    models too: an expert's matmul runs on the same row tiles however many of the step's
+    tokens picked it. Tensor (and expert) parallel: a request's results do not depend on its
+    batch, chunking, cache or preemption within one tensor-parallel size and layout (every
+    rank's matmuls tiled, the all-reduce adding the ranks' parts in rank order whatever the
+    step's size: ``TPGroup.all_reduce``), but they are not one process's bits, nor another
+    size's or expert parallel's: a row-parallel matmul adds its ranks' partial products, a
+    different reduction from the unsharded one (``tests/test_deterministic_e2e.py``)."""
     load_format: str = _flag(
         "auto",
         "dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
