@@ -87,6 +87,41 @@ def perplexity(llm: LLM, windows: int, window: int, reference: list | None) -> d
     }
 
 
+def best_ms(f, calls: int, rounds: int = 5) -> float:
+    f()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f()
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+    return min(times)
+
+
+def kernel_table(shapes: list[tuple[int, int]], rows: list[int]) -> list[dict]:
+    """Best-of-5 ms of one bf16 ``matmul`` per weight kind, the kinds interleaved per shape."""
+    from chunkserve.quant.weight_only import Int4Weight, Int8Weight
+
+    table = []
+    for out, inn in shapes:
+        w = torch.randn(out, inn, generator=torch.Generator().manual_seed(0)) * 0.02
+        kinds = {
+            "int4_before (Int4Weight g32)": Int4Weight.quantize(w, 32),
+            "int4_after (Q4_1)": weight_only.quantize_blocks(w, "Q4_1"),
+            "int8 (Int8Weight)": Int8Weight.quantize(w),
+            "int8 as Q8_0": weight_only.quantize_blocks(w, "Q8_0"),
+        }
+        for m in rows:
+            x = torch.randn(m, inn).to(torch.bfloat16)
+            calls = max(3, int(2e5 // (out * inn // 1000 * m)))
+            row = {"shape": f"{out}x{inn}", "M": m, "load": os.getloadavg()[0]}
+            for name, q in kinds.items():
+                row[name] = round(best_ms(lambda q=q, x=x: q.matmul(x), calls), 4)
+            print(row, flush=True)
+            table.append(row)
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf-dir", default=str(ROOT / ".cache" / "tests" / "smollm2-hf"))
@@ -98,8 +133,16 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--int8", action="store_true", help="also int8 per channel against Q8_0")
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--kernels-only", action="store_true", help="only the per-call table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernels_only:
+        shapes = [(960, 576), (3072, 576), (576, 1536), (2048, 2048), (5632, 2048)]
+        table = kernel_table(shapes, [1, 4, 16, 64, 256])
+        out = Path(args.out_dir) / "int4_q4_1_kernels.json"
+        doc = {"machine": cpu_description(), "threads": args.threads, "commit": git_commit()}
+        out.write_text(json.dumps({**doc, "rows": table}, indent=2) + "\n")
+        return
     hf_dir = embedded_hf_copy(Path(args.hf_dir))
     common = dict(
         model=str(hf_dir),
