@@ -187,7 +187,9 @@ def test_bad_input_is_refused_by_name():
         q.matmul(torch.zeros(1, 32))
     with pytest.raises(ValueError, match="o: rows 2:5"):
         q.rows(2, 5)
-    assert isinstance(quantize_weight(torch.randn(4, 64), "int8"), Int8Weight)
+    q8 = quantize_weight(torch.randn(4, 64), "int8")
+    assert isinstance(q8, GGUFWeight) and q8.qtype == "Q8_0" and q8.nbytes == 4 * 2 * 34
+    assert isinstance(quantize_weight(torch.randn(4, 48), "int8"), Int8Weight)  # not blocks
 
 
 # --- int4 at the load's group (32) as GGML Q4_1 blocks (``weight_only.quantize_blocks``) ---

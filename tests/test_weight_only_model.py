@@ -1,5 +1,5 @@
 """``--quantization int8|int4`` on a float HF checkpoint (a tiny random Llama): the linear
-layers hold ``Int8Weight`` / GGML Q4_1 ``GGUFWeight`` blocks (int4 in groups of 32; the
+layers hold GGML Q8_0 / Q4_1 ``GGUFWeight`` blocks (int8 / int4 in groups of 32; the
 embedding and the LM head stay float), the
 model computes what the same model with those weights dequantized computes, close to the
 unquantized model; a GGUF file, an HF checkpoint with its own quantization and a bad value
@@ -15,7 +15,7 @@ import torch
 
 from chunkserve.engine.engine import Engine
 from chunkserve.quant.weight import GGUFWeight
-from chunkserve.quant.weight_only import Int4Weight, Int8Weight
+from chunkserve.quant.weight_only import Int4Weight
 from tests.test_model_families import hf_config, write_model
 from tests.test_model_parity import all_row_logits
 
@@ -44,20 +44,19 @@ def linear_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
-@pytest.mark.parametrize(("method", "cls"), [("int8", Int8Weight), ("int4", GGUFWeight)])
-def test_linear_layers_quantized_at_load(llama_dir, plain, method, cls):
+@pytest.mark.parametrize(("method", "qtype", "bits"), [("int8", "Q8_0", 8.5), ("int4", "Q4_1", 5)])
+def test_linear_layers_quantized_at_load(llama_dir, plain, method, qtype, bits):
     engine = Engine(model=str(llama_dir), quantization=method, **BASE)
     try:
         model = engine.core.worker.model
         assert engine.core.worker.weights_format == method
         linears = linear_modules(model)
         assert len(linears) == 2 * 4  # qkv, o, gate_up, down
-        assert all(isinstance(m.qweight, cls) and m.weight is None for m in linears)
+        assert all(isinstance(m.qweight, GGUFWeight) and m.weight is None for m in linears)
+        assert {m.qweight.qtype for m in linears} == {qtype}  # blocks of 32
+        params = sum(m.qweight.shape[0] * m.qweight.shape[1] for m in linears)
+        assert sum(m.qweight.nbytes for m in linears) * 8 == bits * params
         assert model.embed_tokens.qweight is None and model.embed_tokens.weight is not None
-        if method == "int4":
-            assert {m.qweight.qtype for m in linears} == {"Q4_1"}  # blocks of 32
-            params = sum(m.qweight.shape[0] * m.qweight.shape[1] for m in linears)
-            assert sum(m.qweight.nbytes for m in linears) * 8 == 5 * params  # 5 bits a weight
         assert model.weight_bytes() < plain.core.worker.model.weight_bytes()
         got = all_row_logits(engine, PROMPT, 5)
         want = all_row_logits(plain, PROMPT, 5)
@@ -93,7 +92,8 @@ def test_dummy_weights_are_quantized_too(llama_dir):
     engine = Engine(model=str(llama_dir), quantization="int8", load_format="dummy", **BASE)
     try:
         assert all(
-            isinstance(m.qweight, Int8Weight) for m in linear_modules(engine.core.worker.model)
+            isinstance(m.qweight, GGUFWeight) and m.qweight.qtype == "Q8_0"
+            for m in linear_modules(engine.core.worker.model)
         )
     finally:
         engine.shutdown()
