@@ -14,8 +14,8 @@ the first token, one short prompt), the time of one ``--prefill``-token prompt t
 token, and perplexity on ``--windows`` windows of the shipped prose (``quant_quality.py``'s
 teacher forcing) with the unquantized model's as reference.
 
-``--int8``: also ``--quantization int8`` as loaded (``Int8Weight``, one fp32 scale a row,
-torch's ``_weight_int8pack_mm``) against the same weights as GGML Q8_0 blocks (patched in here).
+``--int8``: also ``--quantization int8`` before (``Int8Weight``, one fp32 scale a row, torch's
+``_weight_int8pack_mm``; forced the same way) and after (GGML Q8_0 blocks).
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python benchmarks/int4_q4_1.py --threads 1 --int8
 """
@@ -42,7 +42,6 @@ from quant_quality import row_log_probs
 from chunkserve import LLM, SamplingParams
 from chunkserve.bench.embedded_hf import embedded_hf_copy
 from chunkserve.bench.prose import prose_prompts, prose_tokens
-from chunkserve.model import decoder
 from chunkserve.model.layers import ColumnParallelLinear, RowParallelLinear
 from chunkserve.provenance import cpu_description, git_commit
 from chunkserve.quant import kernels, weight_only
@@ -152,19 +151,14 @@ def main() -> None:
         kv_cache_memory=64 << 20,
     )
     real = weight_only.quantize_blocks
-    weight_only.quantize_blocks = lambda *a, **k: None  # the previous path
+    weight_only.quantize_blocks = lambda *a, **k: None  # the previous paths
     engines = {"int4_before": LLM(**common, quantization="int4")}
+    if args.int8:
+        engines["int8_before"] = LLM(**common, quantization="int8")
     weight_only.quantize_blocks = real
     engines["int4_after"] = LLM(**common, quantization="int4")
     if args.int8:
-        engines["int8_per_channel"] = LLM(**common, quantization="int8")
-        # Q8_0 blocks in int8's place (a measurement; not what --quantization int8 loads).
-        plain_q = decoder.quantize_weight
-        decoder.quantize_weight = lambda w, method, name, *a: (
-            weight_only.quantize_blocks(w, "Q8_0", name) or plain_q(w, method, name, *a)
-        )
-        engines["int8_as_q8_0"] = LLM(**common, quantization="int8")
-        decoder.quantize_weight = plain_q
+        engines["int8_after"] = LLM(**common, quantization="int8")
     tok = engines["int4_after"].tokenizer
     short = prose_prompts(tok, [24], random.Random(1))[0]
     long = prose_prompts(tok, [args.prefill], random.Random(2))[0]
