@@ -933,14 +933,14 @@ class EngineConfig:
     quantization: str | None = _flag(
         None,
         "float (HF) checkpoints: quantize the linear layers' weights at load, weight-only "
-        "(int8: per-channel scales; int4: per-group of 32 columns) (CPU)",
+        "(int8 / int4: GGUF Q8_0 / Q4_1 blocks of 32 columns) (CPU)",
         choices=QUANTIZATIONS,
     )
     """Weight-only quantization of a float (bf16/fp32 HF safetensors) checkpoint at load:
-    each linear layer's weight is quantized as it streams in (``quant.weight_only``: int8 with
-    one scale per output channel; int4 in groups of 32 input columns, asymmetric, as
-    llama.cpp's Q4_1: ``benchmarks/results/int4_group_sizes.md``), activations stay in
-    ``dtype``. The
+    each linear layer's weight is quantized as it streams in (``quant.weight_only``) into
+    GGUF blocks of 32 input columns and run as a GGUF file's are: int8 as Q8_0 (one fp16
+    scale a block, 8.5 bits a weight), int4 as Q4_1 (asymmetric, fp16 scale and min, 5 bits
+    a weight): ``benchmarks/results/int4_q4_1.md``. The
     embedding, the LM head, norms, MoE experts and routers stay float. A GGUF file (already
     quantized) or an HF checkpoint with its own ``quantization_config`` is refused, as vLLM
     does; CPU only."""
