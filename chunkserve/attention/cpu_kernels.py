@@ -53,6 +53,15 @@ class PagedAttentionKernel:
         # Built with the bf16 tile path (the CPU has AVX512-BF16): bf16 chunks run at about
         # twice the rate of the fp32 tiles (see csrc).
         self.bf16_tiles = bool(lib.paged_attention_bf16_tiles())
+        lib.paged_attention_amx.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.paged_attention_amx.restype = ctypes.c_int
+        self._amx = lib.paged_attention_amx
+
+    def amx(self, head_dim: int, block_size: int) -> bool:
+        """Whether the deterministic mode's bf16 tiles run on AMX here (the build has
+        AMX-BF16, the OS grants the tile state, the shapes fit); else on AVX512-BF16, with other
+        bits: the mode's bf16 results are the same on machines of one kind, not across kinds."""
+        return bool(self._amx(head_dim, block_size))
 
     def __call__(
         self,
@@ -79,7 +88,8 @@ class PagedAttentionKernel:
         tensor contiguous, on the CPU; the index tensors int64. ``fixed_range`` F > 0:
         batch-invariant (the deterministic mode): every run of rows on the tile path, a
         sequence's blocks reduced in ranges of F aligned on multiples of F, whatever the
-        batch or the thread count."""
+        batch or the thread count; bf16 on AMX tiles where ``amx`` says so (groups of 64
+        keys, aligned), else on the AVX512-BF16 tiles."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if sinks is not None and (
             sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1

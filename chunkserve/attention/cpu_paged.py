@@ -38,7 +38,10 @@ from chunkserve.attention.torch_ref import TorchAttentionBackend, _Opts, _TorchM
 KERNEL_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
 BF16_TILES_MAX_ROWS = 128
 # The deterministic mode: every row of every step (first chunks too) goes to the kernel, its
-# keys reduced in ranges of this many blocks aligned on multiples of it (``cpu_kernels``).
+# keys reduced in ranges of this many blocks aligned on multiples of it (``cpu_kernels``); in
+# bf16 on AMX tiles where the CPU has them (a 2,048-token prompt's attention about 1.7x
+# faster than on the AVX512-BF16 tiles, 1 thread, the embedded model's shapes), for every row:
+# a machine with AMX and one without give different bits (each the same whatever the batch).
 DETERMINISTIC_RANGE_BLOCKS = 32
 
 
