@@ -581,8 +581,8 @@ static inline void transpose16x16(__m512i *r) { /* 16 rows of 16 dwords, in plac
 static void tile_group_amx(const uint32_t *restrict qt2, const uint16_t *const *kb,
                            const int64_t *ks, const uint32_t *restrict vp, int64_t D,
                            float scale, int64_t first, int64_t kmin, int64_t kmax, v16f low,
-                           v16f lim, float cap, v16f *m, v16f *l, float *restrict acc,
-                           float *restrict pv) {
+                           v16f lim, int inside, float cap, v16f *m, v16f *l,
+                           float *restrict acc, float *restrict pv) {
     float raw[AMX_KEYS][TL] __attribute__((aligned(64)));
     _tile_zero(0);
     _tile_zero(1);
@@ -609,8 +609,11 @@ static void tile_group_amx(const uint32_t *restrict qt2, const uint16_t *const *
         }
         v16f x = loadu(raw[t]) * scale;
         if (cap > 0.f) x = softcap16(x, cap);
-        const v16f kv = zero + (float)key;
-        s[t] = select16((kv < lim) & (kv >= low), x, ninf);
+        if (!inside) { /* else every row sees every key of the group: the mask keeps all */
+            const v16f kv = zero + (float)key;
+            x = select16((kv < lim) & (kv >= low), x, ninf);
+        }
+        s[t] = x;
         bmax = max16v(bmax, s[t]);
     }
     const v16f mnew = max16v(*m, bmax);
@@ -640,11 +643,19 @@ static void tile_group_amx(const uint32_t *restrict qt2, const uint16_t *const *
     }
     _tile_loadd(4, pa[0], 64);
     _tile_loadd(5, pa[1], 64);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        PV_STEP(0);
-        PV_STEP(1);
-        PV_STEP(2);
-        PV_STEP(3);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) { /* two column tiles, four value tiles */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, vp + d0, D * 4);
+        _tile_loadd(6, vp + d0 + 16, D * 4);
+        _tile_loadd(3, vp + 16 * D + d0, D * 4);
+        _tile_loadd(7, vp + 16 * D + d0 + 16, D * 4);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(0, 5, 3);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_stored(0, pv + d0, D * 4);
+        _tile_stored(1, pv + d0 + 16, D * 4);
     }
     for (int i = 0; i < TL; i++) {
         const __m512 cr = _mm512_set1_ps(corr[i]);
@@ -698,6 +709,7 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
     const int rowmajor = amx && pairs; /* AMX: every tile's accumulators [16][D] */
     float top[tiles];    /* the most keys a row of the tile sees */
     float bottom[tiles]; /* the first key a row of the tile sees */
+    float hilow[tiles];  /* the last row's first key (rows in order: the most) */
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
         for (int64_t x = 0; x < nt * TL; x++) { /* lane x % TL of tile x / TL: row (j, g) */
             const int64_t tile = kvh * nt + x / TL, lane = x % TL, j = x / G;
@@ -712,7 +724,9 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             }
             if (x >= R) continue; /* padding lanes see no key */
             const int64_t i = j * H + kvh * G + x % G;
-            if (pairs) {
+            if (rowmajor) {
+                /* its queries below, 16 lanes at a time */
+            } else if (pairs) {
                 const uint32_t *row = (const uint32_t *)q + i * D / 2;
                 uint32_t *q2 = (uint32_t *)qt + tile * D * TL;
                 for (int64_t d2 = 0; d2 < D / 2; d2++) q2[d2 * TL + lane] = row[d2];
@@ -723,8 +737,25 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             low[tile][lane] = window > 0 && lim[tile][lane] > window ? lim[tile][lane] - window : 0;
             top[tile] = lim[tile][lane];
             if (lane == 0) bottom[tile] = low[tile][lane]; /* rows in order: the least */
+            hilow[tile] = low[tile][lane];
         }
 #ifdef AMX_TILES
+    if (rowmajor) /* the tiles' queries as pairs, [D / 2][16]: 16 rows' 16 pairs transposed */
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t kvh = tile / nt, x0 = (tile % nt) * TL;
+            uint32_t *q2 = (uint32_t *)qt + tile * D * TL;
+            for (int64_t c = 0; c < D / 32; c++) {
+                __m512i rows[TL];
+                for (int64_t lane = 0; lane < TL; lane++) {
+                    const int64_t x = x0 + lane, i = x / G * H + kvh * G + x % G;
+                    rows[lane] = x < R ? _mm512_loadu_si512((const uint32_t *)q + i * D / 2 + 16 * c)
+                                       : _mm512_setzero_si512();
+                }
+                transpose16x16(rows);
+                for (int64_t d2 = 0; d2 < TL; d2++)
+                    _mm512_storeu_si512(q2 + (16 * c + d2) * TL, rows[d2]);
+            }
+        }
     if (rowmajor) { /* AMX: groups of AMX_BLOCKS blocks (aligned), see tile_group_amx */
         static const uint16_t zeros[TL * MAX_DIM];
         uint32_t *vp4 = (uint32_t *)kf; /* [32 key pairs][D] (kf and vf) */
@@ -759,11 +790,16 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                         pair_values(vpi, (const uint16_t *)((const char *)vc + at), n, D,
                                     row_stride);
                     }
-                    for (int64_t tile = t0; tile < t1; tile++)
-                        if (top[tile] > (float)lo && bottom[tile] < (float)hi)
-                            tile_group_amx((const uint32_t *)qt + tile * D * TL, kb, ks, vp4, D,
-                                           scale, first, kmin, kmax, low[tile], lim[tile], cap,
-                                           m + tile, l + tile, acct + tile * D * TL, pv);
+                    for (int64_t tile = t0; tile < t1; tile++) {
+                        if (!(top[tile] > (float)lo && bottom[tile] < (float)hi)) continue;
+                        /* the group's keys all the item's, and seen by every row (padding
+                         * lanes included: their results are never read) */
+                        const int inside = lo == first && hi == end && lim[tile][0] >= (float)end &&
+                                           hilow[tile] <= (float)first;
+                        tile_group_amx((const uint32_t *)qt + tile * D * TL, kb, ks, vp4, D,
+                                       scale, first, kmin, kmax, low[tile], lim[tile], inside,
+                                       cap, m + tile, l + tile, acct + tile * D * TL, pv);
+                    }
                 }
             }
         _tile_release();
