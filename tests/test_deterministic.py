@@ -402,14 +402,30 @@ def _attend_batch(kernel, q, kc, vc, table, runs, threads, window=None):
     return [out[starts[i] : starts[i + 1]] for i in range(len(runs))]
 
 
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def bf16_path(request):
+    """The kernel, its deterministic bf16 tiles on AMX (skipped where the CPU has none) or
+    kept off it (the AVX512-BF16 tiles: a CPU without AMX)."""
+    kernel = cpu_kernels.load()
+    if request.param == "amx" and not kernel.amx(64, 16):
+        pytest.skip("no AMX-BF16 here, or CHUNKSERVE_ATTENTION_AMX=0")
+    kernel.allow_amx(request.param == "amx")
+    try:
+        assert kernel.amx(64, 16) == (request.param == "amx")
+        yield kernel
+    finally:
+        kernel.allow_amx(cpu_kernels.amx_allowed())
+
+
 @pytest.mark.parametrize("window", [None, 300])
-def test_kernel_bf16_rows_the_same_in_any_run_and_batch(window) -> None:
+def test_kernel_bf16_rows_the_same_in_any_run_and_batch(bf16_path, window) -> None:
     """bf16, fixed range (AMX tiles where the CPU has them): every row of a 1,100-key prompt
     attended as part of the whole prompt equals the same row as a decode, in chunks cut at
     odd places (mid-block, mid-group, at a 512-key range's edge) after a cached prefix, and in
     calls that batch such runs of the same sequence together, at 1 and 2 threads: tiles
-    holding 1, a few or 16 rows, first in a tile or last, give a row the same bits."""
-    kernel = cpu_kernels.load()
+    holding 1, a few or 16 rows, first in a tile or last, give a row the same bits. On both
+    of the mode's bf16 paths (AMX, AVX512-BF16), which differ from each other."""
+    kernel = bf16_path
     gen = torch.Generator().manual_seed(7)
     ctx, bs, hkv, h, d = 1100, 16, 3, 9, 64
     nb = -(-ctx // bs)
@@ -445,16 +461,29 @@ def test_kernel_bf16_rows_the_same_in_any_run_and_batch(window) -> None:
 
 
 def test_the_mode_pins_amx_tiles_where_the_cpu_has_them() -> None:
-    """bf16 in the mode runs AMX tiles on a CPU with AMX-BF16 (the OS granting it), for
-    every row (the test above), with the engine's block size; never for blocks other than 16
-    tokens or head sizes not a multiple of 64 (the AVX512-BF16 tiles, other bits)."""
+    """bf16 in the mode runs AMX tiles on a CPU with AMX-BF16 (the OS granting it, and
+    ``CHUNKSERVE_ATTENTION_AMX`` not 0), for every row (the test above), with the engine's
+    block size; never for blocks other than 16 tokens or head sizes not a multiple of 64 (the
+    AVX512-BF16 tiles, whose bits differ: checked here)."""
     kernel = cpu_kernels.load()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if "amx_bf16" not in flags:
+    if "amx_bf16" not in flags or not cpu_kernels.amx_allowed():  # CHUNKSERVE_ATTENTION_AMX=0
         assert not kernel.amx(64, 16)
     else:
         assert kernel.amx(64, 16) and kernel.amx(128, 16)
     assert not kernel.amx(64, 8) and not kernel.amx(96, 16)
+    if kernel.amx(64, 16):  # and the two paths' bits differ: the tests above see both
+        gen = torch.Generator().manual_seed(3)
+        kc, vc = (torch.randn(9, 16, 3, 64, generator=gen).bfloat16() for _ in range(2))
+        q = torch.randn(128, 9, 64, generator=gen).bfloat16()
+        table = torch.arange(1, 9)[None, :]
+        (amx,) = _attend_batch(kernel, q, kc, vc, table, [(0, 128)], 1)
+        kernel.allow_amx(False)
+        try:
+            (avx,) = _attend_batch(kernel, q, kc, vc, table, [(0, 128)], 1)
+        finally:
+            kernel.allow_amx(cpu_kernels.amx_allowed())
+        assert (amx.float() - avx.float()).abs().max() < 0.02 and not torch.equal(amx, avx)
 
 
 def test_a_draft_model_attends_and_multiplies_as_the_target_does() -> None:

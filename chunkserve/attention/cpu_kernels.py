@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -56,12 +57,22 @@ class PagedAttentionKernel:
         lib.paged_attention_amx.argtypes = [ctypes.c_int64, ctypes.c_int64]
         lib.paged_attention_amx.restype = ctypes.c_int
         self._amx = lib.paged_attention_amx
+        lib.paged_attention_allow_amx.argtypes = [ctypes.c_int]
+        self._allow_amx = lib.paged_attention_allow_amx
+        self.allow_amx(amx_allowed())
 
     def amx(self, head_dim: int, block_size: int) -> bool:
         """Whether the deterministic mode's bf16 tiles run on AMX here (the build has
-        AMX-BF16, the OS grants the tile state, the shapes fit); else on AVX512-BF16, with other
-        bits: the mode's bf16 results are the same on machines of one kind, not across kinds."""
+        AMX-BF16, the OS grants the tile state, the shapes fit, ``allow_amx``); else on
+        AVX512-BF16, with other bits: the mode's bf16 results are the same on machines of one
+        kind, not across kinds."""
         return bool(self._amx(head_dim, block_size))
+
+    def allow_amx(self, allow: bool) -> None:
+        """False: the deterministic mode's bf16 tiles stay off AMX in this process (they then
+        give the bits of a CPU with AVX512-BF16 and no AMX); set from
+        ``CHUNKSERVE_ATTENTION_AMX`` when the kernel loads."""
+        self._allow_amx(int(allow))
 
     def __call__(
         self,
@@ -123,6 +134,13 @@ class PagedAttentionKernel:
         )
         if rc:  # the backend only sends what the kernel takes: a bug, not a fallback
             raise RuntimeError(f"paged_attention kernel refused its arguments (code {rc})")
+
+
+def amx_allowed() -> bool:
+    """``CHUNKSERVE_ATTENTION_AMX=0``: the deterministic mode's bf16 attention stays off AMX
+    (so an AMX machine computes the bits of an AVX512-BF16 one, e.g. a prefill instance paired
+    with a decode instance on a CPU without AMX)."""
+    return os.environ.get("CHUNKSERVE_ATTENTION_AMX", "1") != "0"
 
 
 def supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:

@@ -994,12 +994,19 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
     return 0;
 }
 
+static int amx_allowed = 1; /* paged_attention_allow_amx */
+
+/* allow 0: the deterministic mode's bf16 tiles never run on AMX in this process (the
+ * AVX512-BF16 tiles, the bits of a machine without AMX); 1: where they can (the default). */
+void paged_attention_allow_amx(int allow) { amx_allowed = allow != 0; }
+
 /* 1 if the deterministic mode's bf16 tiles run on AMX here for this head size and block size
- * (the build has AMX-BF16, the OS grants the tile state, D a multiple of 32, blocks of at most
- * 16 tokens), else 0: they run on AVX512-BF16 (other bits: a machine runs one or the other). */
+ * (allowed, the build has AMX-BF16, the OS grants the tile state, D a multiple of 64, blocks
+ * of 16 tokens), else 0: they run on AVX512-BF16 (other bits: a machine runs one or the
+ * other). */
 int paged_attention_amx(int64_t D, int64_t bs) {
 #ifdef AMX_TILES
-    return D % 64 == 0 && D <= MAX_DIM && bs == TL && amx_usable();
+    return amx_allowed && D % 64 == 0 && D <= MAX_DIM && bs == TL && amx_usable();
 #else
     (void)D;
     (void)bs;
