@@ -1166,6 +1166,7 @@ PER_FORMAT_AVX2(Q6_K)
 #include <unistd.h>
 #define AMX_ROWS 16 /* fewer x rows: the VNNI path (the same bits) */
 #define AMX_GROUPS 16 /* groups whose integer dots run before their float chains */
+#define AMX_MB 8      /* x blocks (of 16 rows) per pass over a thread's row groups */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1232,10 +1233,17 @@ static inline __attribute__((always_inline)) void gemm_amx(
     uint8_t *a, int32_t *cbuf) {
     const int gv = group_values(fmt);
     const int64_t K = qx->K, ng = qx->ng, kpad = xt->kq * 4;
-    for (int64_t rg = g0; rg < g1; rg++) {
+    /* AMX_MB x blocks (128 rows) at a time over all the thread's row groups, each group's
+     * codes decoded again per pass: the output lines they write stay in the cache (a long
+     * prefill's whole 16-column strip at a time, a line per row, did not: M = 2,048, N =
+     * 1,536, K = 576, Q4_1 22.6 -> 18.2 ms at 1 thread; integer dots exact, chains in the same
+     * order: the same bits) */
+    for (int64_t m0 = 0; m0 < xt->blocks; m0 += AMX_MB)
+        for (int64_t rg = g0; rg < g1; rg++) {
         const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+        const int64_t m1 = m0 + AMX_MB < xt->blocks ? m0 + AMX_MB : xt->blocks;
         tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
-        for (int64_t b = 0; b < xt->blocks; b++) {
+        for (int64_t b = m0; b < m1; b++) {
             __m512 acc[NR];
             for (int o = 0; o < NR; o++) acc[o] = _mm512_setzero_ps();
             const uint8_t *xb = xt->q + b * xt->kq * 64;
