@@ -313,6 +313,13 @@ static void dots_portable(const int fmt, const Tile *tl, const QX *qx, int64_t m
 
 /* ---------------------------------------------------------------- AVX512-VNNI decoding */
 #ifdef QG_AVX512
+/* Tiles read ahead of the one decoded (``gemm_avx512``): a decode row's weight comes from
+ * memory (the model does not fit the caches), and with the next tile's lines requested
+ * before they are decoded the embedded model's 120 layer products took ~15-20% less time
+ * (1 thread; 2 and 4 tiles ahead no better). 0: none. */
+#ifndef QG_PF
+#define QG_PF 1
+#endif
 static const uint8_t ZERO_BLOCK[256] = {0}; /* stands in for the missing chunk of an odd row */
 
 /* Two 32-value chunks of a weight row ("a pair"): 64 codes q in value order, and per 4
@@ -610,6 +617,12 @@ static inline __attribute__((always_inline)) void gemm_avx512(
     __m512 acc[MR];
     for (int64_t rg = g0; rg < g1; rg++) {
         const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+        if (QG_PF && rg + QG_PF < g1) { /* a later tile's rows (contiguous), read ahead */
+            const int64_t p0 = o0 + QG_PF * NR, prow = N - p0 < NR ? N - p0 : NR;
+            const uint8_t *nx = w + p0 * row_bytes;
+            for (int64_t b = 0; b < prow * row_bytes; b += 64)
+                _mm_prefetch((const char *)nx + b, _MM_HINT_T0);
+        }
         tile_avx512(fmt, w, row_bytes, o0, rows, qx->K, tl);
         const __mmask16 keep = (__mmask16)((1u << rows) - 1);
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
