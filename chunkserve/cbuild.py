@@ -48,14 +48,16 @@ class OnceLoaded(Generic[T]):
         self._tried = False
 
     def get(self) -> T | None:
+        if self._tried:  # set only once the value is (no lock: called on every product)
+            return self._value
         with self._lock:
             if not self._tried:
-                self._tried = True
                 try:
                     self._value = self._build()
                 except Exception as e:  # any build or load failure: the caller's torch path
                     self.error = f"{type(e).__name__}: {e}"
                     self._log.log(self._level, self._unavailable, self.error)
+                self._tried = True
             return self._value
 
 

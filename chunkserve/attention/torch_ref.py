@@ -290,7 +290,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.write_kv(k, v, k_cache, v_cache, layout)
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T_padded, H, hd]
-        out[layout.num_tokens :] = 0  # padding rows (see ModelRunner.build_layout)
+        if out.shape[0] > layout.num_tokens:
+            out[layout.num_tokens :] = 0  # padding rows (see ModelRunner.build_layout)
         sink = None if sinks is None else sinks.float()  # [H]
         self._forward_prefills(q, k, v, k_cache, v_cache, out, metadata, opts, sink)
         self._forward_runs(q, k_cache, v_cache, out, metadata, opts, sink)

@@ -26,7 +26,12 @@ from chunkserve.disagg.remote import RemotePrefills
 from chunkserve.disagg.sender import KVSender
 from chunkserve.engine.step_log import StepLogger, StepStats
 from chunkserve.engine.step_loop import StepLoop
-from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
+from chunkserve.model.loader import (
+    ModelSource,
+    load_model_config,
+    release_gguf_readers,
+    resolve_model,
+)
 from chunkserve.scheduling.budget import UNPROFILED_WARMUP_STEPS, BudgetController
 from chunkserve.scheduling.costmodel import (
     DEFAULT_PRIOR,
@@ -159,7 +164,8 @@ class EngineCore:
                 revision=config.revision,
                 download_dir=config.download_dir,
             )
-        if model_config is None:
+        own_config = model_config is None
+        if own_config:
             model_config, reader = load_model_config(source)
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
@@ -219,6 +225,15 @@ class EngineCore:
         self.grammars = GrammarCompiler(
             lambda: self._load_tokenizer(source), model_config.vocab_size, eos_token_ids
         )
+        if own_config and source.kind == "gguf":
+            # A core in its own process (it read the config itself): the weights are in,
+            # so the GGUF reader (the file's map, whose copied pages stay resident, and its
+            # parsed header) can go. A core in a front end's process leaves the shared
+            # reader to the front end (``serve`` releases it; tests build many engines
+            # from the cached one). The first grammar's tokenizer parses the file again.
+            reader = None
+            released = release_gguf_readers()
+            logger.debug("released %.0f MiB with the GGUF reader", released / 2**20)
         self.step_count = 0
         self._kv_recorded = (0, 0)  # prefix-cache counters as of the last step's record
         self._log = StepLogger(config.log_stats_interval)

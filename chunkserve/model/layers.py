@@ -260,7 +260,10 @@ def _matmul(
     a quantized weight's row-invariant kernel, ``_row_invariant``)."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    parts = weight if isinstance(weight, list) else [weight]
+    if isinstance(weight, QuantizedWeight):
+        y = weight.matmul_row_invariant(x) if row_invariant else weight.matmul(x)
+        return y if bias is None else y + bias
+    parts = weight
     ys = [w.matmul_row_invariant(x) if row_invariant else w.matmul(x) for w in parts]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     return y if bias is None else y + bias
@@ -926,7 +929,13 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            if self.rotary_dim == self.head_dim:
+            if self.rotary_dim == self.head_dim and self.qk_norm is None:
+                # q's and k's heads side by side in qkv's rows: rotated in one pass (the same
+                # elementwise arithmetic as one pass each; half the ops of a step).
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+                qk = apply_rope(qk, cos, sin)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            elif self.rotary_dim == self.head_dim:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             else:
                 q = apply_partial_rope(q, cos, sin, self.rotary_dim)

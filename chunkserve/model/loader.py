@@ -695,6 +695,24 @@ def open_gguf(path: Path) -> Any:
     return _read_gguf(os.path.realpath(path), st.st_mtime_ns, st.st_size)
 
 
+def release_gguf_readers() -> int:
+    """Drop this process's shared GGUF readers (``open_gguf``) once the weights and the
+    tokenizer are loaded, and give the freed heap back; returns the resident bytes that went.
+    A reader keeps the file's memory map (the pages the load copied from stay resident) and
+    its parsed header (~70 MiB of Python objects for a 49k-token vocabulary): measured on
+    the embedded model's server, ~60 MiB in the front end and ~150 MiB in the engine core.
+    A later ``open_gguf`` (the first grammar's tokenizer) parses the file again."""
+    import gc
+
+    from chunkserve.memory import release_free_heap
+
+    if _read_gguf.cache_info().currsize == 0:
+        return 0
+    _read_gguf.cache_clear()
+    gc.collect()
+    return release_free_heap()
+
+
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
     from chunkserve.model.gguf_reader import GGUFReader

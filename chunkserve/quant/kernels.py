@@ -57,11 +57,27 @@ SIMD_PATHS = {2: "AVX512-VNNI", 3: "AVX2 + AVX-VNNI", 1: "AVX2", 0: "portable C"
 INT8_MAX_ROWS = 64
 
 
+# The process environment's bytes (POSIX): the switches below are read on every product
+# (~120 a decode step of the embedded model), and ``os.environ.get`` encodes the name and
+# decodes the value each time (~1-5 us here); a look-up in its dict of bytes is ~50 ns and
+# sees ``os.environ`` edits (tests set these switches per test).
+_ENVIRON: dict[bytes, bytes] | None = getattr(os.environ, "_data", None)
+if os.name != "posix" or not isinstance(_ENVIRON, dict):
+    _ENVIRON = None
+
+
+def _env_is(name: bytes, value: bytes) -> bool:
+    """Whether the environment variable ``name`` is set to ``value``."""
+    if _ENVIRON is None:
+        return os.environ.get(name.decode()) == value.decode()
+    return _ENVIRON.get(name) == value
+
+
 def float_kernel() -> bool:
     """``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``: bf16 activations, too, take the float decode
     kernel and dequantized prefill tiles instead of the int8-activation kernel (closer to the
     dequantized model, slower)."""
-    return os.environ.get("CHUNKSERVE_QUANT_FLOAT_KERNEL", "0") == "1"
+    return _env_is(b"CHUNKSERVE_QUANT_FLOAT_KERNEL", b"1")
 
 
 def int8_activations(x: torch.Tensor) -> bool:
@@ -134,7 +150,7 @@ class QuantKernels:
 
 
 def enabled() -> bool:
-    return os.environ.get("CHUNKSERVE_QUANT_KERNELS", "1") != "0"
+    return not _env_is(b"CHUNKSERVE_QUANT_KERNELS", b"0")
 
 
 def load() -> QuantKernels | None:

@@ -28,6 +28,9 @@ import torch.nn.functional as F
 
 from chunkserve.quant import formats, kernels
 
+# Inputs a product takes (``QuantizedWeight._check_x``).
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 # The reference dequantizes at most this many values at a time (64 MiB of float32), so a
 # large tied embedding used as the head never exists in full as floats.
 REFERENCE_TILE_VALUES = 1 << 24
@@ -125,7 +128,7 @@ class QuantizedWeight(abc.ABC):
                 f"{self.name}: input of {x.shape[-1]} features for a weight of "
                 f"{self.shape[1]} in_features"
             )
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if x.dtype not in _X_DTYPES:
             raise ValueError(f"{self.name}: input dtype {x.dtype} (takes float32/bfloat16)")
 
     def _check_range(self, what: str, first: int, end: int, size: int) -> None:
@@ -295,12 +298,16 @@ class GGUFWeight(QuantizedWeight):
         return self._kernel_matmul(x, row_invariant=False)
 
     def _kernel_matmul(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
-        self._check_x(x)
+        # (Every decode step calls this ~4 times a layer: the common case's checks first.)
+        if x.shape[-1] != self.shape[1] or x.dtype not in _X_DTYPES:
+            self._check_x(x)
         k = kernels.load() if x.dtype in kernels.DTYPES and x.device.type == "cpu" else None
         if k is None or x.numel() == 0:
             return reference_matmul(self, x)
-        x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
-        code, m, int8 = self.format.code, x2.shape[0], kernels.int8_activations(x)
+        flat = x.dim() == 2 and x.is_contiguous()
+        x2 = x if flat else x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
+        code, m = self.format.code, x2.shape[0]
+        int8 = x.dtype == torch.bfloat16 and not kernels.float_kernel()  # (a CPU x here)
         if int8 and (row_invariant or m <= kernels.INT8_MAX_ROWS):
             out = k.gemm(code, self.data, x2)
         elif not int8 and m <= kernels.DECODE_MAX_ROWS:
@@ -312,7 +319,7 @@ class GGUFWeight(QuantizedWeight):
                 x2,
                 lambda r0, r1: k.dequantize(code, self.data[r0:r1], self.shape[1], x.dtype),
             )
-        return out.reshape(*x.shape[:-1], self.shape[0])
+        return out if flat else out.reshape(*x.shape[:-1], self.shape[0])
 
 
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
