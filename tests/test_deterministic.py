@@ -552,3 +552,38 @@ def test_a_fp32_pair_must_agree_on_threads() -> None:
                 h.check_fits(layout, dtype, deterministic=True, threads=1)
         else:
             h.check_fits(layout, dtype, deterministic=True, threads=1)
+
+
+def test_a_bf16_pair_must_agree_on_the_attention_arithmetic() -> None:
+    """The mode's bf16 attention runs on AMX tiles where the CPU has them and on AVX512-BF16
+    (or widened) tiles elsewhere, with other bits: the backend names its arithmetic, the
+    decode side's handle carries it, and a prefill instance on another one fails the request,
+    naming the field (an older handle without it, or the mode off, is not checked)."""
+    from chunkserve.attention import get_attention_backend
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip(f"the C attention kernel does not build here: {cpu_kernels.load_error()}")
+    cpu = torch.device("cpu")
+    det = get_attention_backend("cpu", cpu, 4, 2, 64, torch.bfloat16, 16, deterministic=True)
+    expected = "amx-bf16" if kernel.amx(64, 16) else "avx512-bf16"
+    assert det.arithmetic == (expected if kernel.bf16_tiles else "widened-bf16")
+    for dtype, deterministic in ((torch.bfloat16, False), (torch.float32, True)):
+        backend = get_attention_backend("cpu", cpu, 4, 2, 64, dtype, 16, deterministic)
+        assert backend.arithmetic == ""  # one arithmetic (or no promise across machines)
+
+    layout = (30, 2, 16, 3, 64)
+    h = KVHandle(
+        "shm", new_transfer_id(), "", 0, 20, 2, layout, "bfloat16", deterministic=True,
+        attention="amx-bf16",
+    )  # fmt: skip
+    assert KVHandle.from_dict(h.as_dict()) == h
+    h.check_fits(layout, "bfloat16", deterministic=True, attention="amx-bf16")
+    with pytest.raises(TransferError, match=r"send\.attention.*amx-bf16.*avx512-bf16"):
+        h.check_fits(layout, "bfloat16", deterministic=True, attention="avx512-bf16")
+    h.check_fits(layout, "bfloat16", deterministic=True, attention="")  # not said: no check
+    old = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != "attention"})
+    old.check_fits(layout, "bfloat16", deterministic=True, attention="avx512-bf16")
+    with pytest.raises(ValueError, match=r"send\.attention"):
+        KVHandle.from_dict({**h.as_dict(), "attention": 3})

@@ -161,6 +161,10 @@ class AttentionBackend(ABC):
     # True when forward launches only fixed-shape work for a decode-only layout (no host
     # values that change between steps), so the step can be captured as a CUDA graph.
     supports_cuda_graphs: bool = False
+    # The deterministic mode's attention arithmetic, where machines may differ in it ("": one
+    # arithmetic everywhere the backend runs): instances that must give the same bits (a
+    # prefill/decode pair) must name the same one.
+    arithmetic: str = ""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads

@@ -73,6 +73,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         dtype: torch.dtype,
         *,
         deterministic: bool = False,
+        block_size: int = 16,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
@@ -84,6 +85,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.fixed_range = DETERMINISTIC_RANGE_BLOCKS if deterministic else 0
         if deterministic:
             self.kernel_max_rows = None
+            if dtype == torch.bfloat16:  # AMX, AVX512-BF16 and widened tiles: other bits
+                if kernel.amx(head_dim, block_size):
+                    self.arithmetic = "amx-bf16"
+                else:
+                    self.arithmetic = "avx512-bf16" if kernel.bf16_tiles else "widened-bf16"
 
     def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
         """Deterministic: every prefill chunk to the kernel (first chunks' keys are in the

@@ -78,6 +78,8 @@ class KVHandle:
     pair: str = ""  # torch: the pair's key in the store (a new one after a failure)
     deterministic: bool = False  # the decode side runs the deterministic mode
     threads: int = 0  # its torch threads (0: not said)
+    # Its deterministic attention arithmetic (``AttentionBackend.arithmetic``; "": not said)
+    attention: str = ""
     windows: tuple[int | None, ...] = (None,)  # the KV groups' windows (None: full)
 
     def plan(self) -> list[tuple[int, int]]:
@@ -111,7 +113,8 @@ class KVHandle:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: not a field of a KV handle")
-        missing = sorted(fields - {"seq", "pair", "windows", "deterministic", "threads"} - set(d))
+        optional = {"seq", "pair", "windows", "deterministic", "threads", "attention"}
+        missing = sorted(fields - optional - set(d))
         if missing:
             raise ValueError(f"{name}.{missing[0]}: missing")
 
@@ -154,6 +157,8 @@ class KVHandle:
         need(isinstance(d.get("deterministic", False), bool), "deterministic", "a boolean")
         need(is_int(d.get("threads", 0)) and d.get("threads", 0) < 1 << 16, "threads", ">= 0")
         need(isinstance(d.get("pair", ""), str) and len(d.get("pair", "")) <= 128, "pair", "str")
+        attention = d.get("attention", "")
+        need(isinstance(attention, str) and len(attention) <= 64, "attention", "a short string")
         return cls(**{**d, "layout": tuple(layout), "windows": windows})
 
     def check_fits(
@@ -163,12 +168,15 @@ class KVHandle:
         windows: tuple[int | None, ...] = (None,),
         deterministic: bool = False,
         threads: int = 0,
+        attention: str = "",
     ) -> None:
         """``TransferError`` unless this instance's KV blocks have the handle's layout and
         KV groups, and it runs the deterministic mode exactly when the decode side does
         (else the KV it computes, and so the decode side's tokens, would depend on this
         side's batches), at the decode side's thread count in fp32 (fp32 matmuls there
-        depend on it; bf16's do not: ``model.layers.RowTiling``)."""
+        depend on it; bf16's do not: ``model.layers.RowTiling``), with the decode side's
+        attention arithmetic (bf16: AMX tiles on one machine, AVX512-BF16 ones on another
+        give other bits)."""
         if tuple(self.layout) != tuple(layout) or self.dtype != dtype:
             raise TransferError(
                 f"kv_transfer_params.send: the decode instance's KV blocks are "
@@ -192,6 +200,13 @@ class KVHandle:
                 f"kv_transfer_params.send.threads: the decode instance runs {self.threads} "
                 f"threads, this prefill instance {threads}; deterministic fp32 results depend "
                 f"on the thread count (run both with the same --num-threads, or bf16)"
+            )
+        if deterministic and self.attention and attention and attention != self.attention:
+            raise TransferError(
+                f"kv_transfer_params.send.attention: the decode instance's deterministic "
+                f"attention runs on {self.attention}, this prefill instance's on {attention} "
+                f"(other bits; CHUNKSERVE_ATTENTION_AMX=0 keeps a machine with AMX on the "
+                f"AVX512-BF16 tiles)"
             )
 
 

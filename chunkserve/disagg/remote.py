@@ -141,6 +141,7 @@ class RemotePrefills(TransferEnd):
         self.connectors = connectors
         self.deterministic = deterministic  # the prefill side must run the mode too
         self.threads = threads  # and, in fp32, at these threads
+        self.attention = worker.attention.arithmetic if deterministic else ""  # and this
         self.worker = worker
         self.scheduler = scheduler
         self.block_size = block_size
@@ -167,6 +168,7 @@ class RemotePrefills(TransferEnd):
             handle = KVHandle(
                 "shm", new_transfer_id(), "", first, end, 0, self.layout, self.dtype,
                 windows=self.windows, deterministic=self.deterministic, threads=self.threads,
+                attention=self.attention,
             )  # fmt: skip
             plan = handle.plan()
             handle = replace(handle, num_blocks=len(plan))

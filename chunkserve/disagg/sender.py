@@ -45,6 +45,7 @@ class KVSender(TransferEnd):
         self.connectors = connectors
         self.deterministic = deterministic  # the decode side must run the mode too
         self.threads = threads  # and, in fp32, at these threads
+        self.attention = worker.attention.arithmetic if deterministic else ""  # and this
         self.worker = worker
         self.block_size = block_size
         self.layout, self.dtype = worker.kv_block_layout()
@@ -57,7 +58,12 @@ class KVSender(TransferEnd):
         handle = KVHandle.from_dict(send)
         try:
             handle.check_fits(
-                self.layout, self.dtype, self.windows, self.deterministic, self.threads
+                self.layout,
+                self.dtype,
+                self.windows,
+                self.deterministic,
+                self.threads,
+                self.attention,
             )
         except TransferError as exc:
             raise ValueError(str(exc)) from None
