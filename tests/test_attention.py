@@ -253,10 +253,13 @@ def test_fp32_prefill_through_sdpa_matches_the_blocked_path(start: int) -> None:
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256)], ids=str)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256), (16, 4, 32), (6, 2, 48)], ids=str
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> None:
-    """Head sizes of 64, 128 and 256 take the kernel's vector path; a lone long decode (a
+    """Head sizes of 32, 64, 128 and 256 take the kernel's vector path (48 its tiles and
+    scalar loops); a lone long decode (a
     prompt's first token after a long prefill) and a few long rows are split over key ranges
     merged at the end; short chunks of several rows see their causal limits."""
     seed = random.randrange(1 << 30)
@@ -272,7 +275,9 @@ def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> N
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256)], ids=str)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256), (16, 4, 32), (6, 2, 48)], ids=str
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_tile_path_for_long_chunks(heads, block_size: int, dtype) -> None:
