@@ -74,7 +74,13 @@ def get_attention_backend(
         from chunkserve.attention.cpu_paged import CpuAttentionBackend
 
         return CpuAttentionBackend(
-            num_heads, num_kv_heads, head_dim, kernel, dtype, deterministic=deterministic
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            kernel,
+            dtype,
+            deterministic=deterministic,
+            block_size=block_size,
         )
     from chunkserve.attention.torch_ref import TorchAttentionBackend
 
