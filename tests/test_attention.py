@@ -340,9 +340,9 @@ def test_cpu_backend_sends_continuing_chunks_to_the_kernel() -> None:
 def test_kernel_or_torch_routing_for_continuing_chunks() -> None:
     """The measured crossovers: fp32 chunks to the kernel's tiles at any length (head_dim 32
     too, now that it has tiles); bf16 up to 128 rows with AVX512-BF16 tiles, 16 where torch's
-    matmuls have AMX, 32 with neither; a shape with only the scalar loops (head_dim not a
-    multiple of 16, blocks over 16 tokens) only what torch calls short; the deterministic
-    mode every row, whatever the shape or CPU."""
+    matmuls have AMX (head_dim over 32), 32 with neither; a shape with only the scalar loops
+    (head_dim not a multiple of 16, blocks over 16 tokens) only what torch calls short; the
+    deterministic mode every row, whatever the shape or CPU."""
     from chunkserve.attention.cpu_paged import kernel_max_rows
     from chunkserve.attention.torch_ref import SHORT_CHUNK_ROWS
 
@@ -351,7 +351,9 @@ def test_kernel_or_torch_routing_for_continuing_chunks() -> None:
         assert kernel_max_rows(f32, hd) is None
         assert kernel_max_rows(f32, hd, amx_bf16=True, bf16_tiles=True) is None
     assert kernel_max_rows(bf16, 64, bf16_tiles=True) == 128
-    assert kernel_max_rows(bf16, 32, bf16_tiles=True, amx_bf16=True) == 16
+    assert kernel_max_rows(bf16, 64, bf16_tiles=True, amx_bf16=True) == 16
+    assert kernel_max_rows(bf16, 128, bf16_tiles=True, amx_bf16=True) == 16
+    assert kernel_max_rows(bf16, 32, bf16_tiles=True, amx_bf16=True) == 128
     assert kernel_max_rows(bf16, 64) == 32
     assert kernel_max_rows(f32, 40) == SHORT_CHUNK_ROWS
     assert kernel_max_rows(f32, 64, 32) == SHORT_CHUNK_ROWS

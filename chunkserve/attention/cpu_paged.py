@@ -43,12 +43,14 @@ from chunkserve.platform import cpu_has_amx_bf16
 # rows, its fp32 tiles (bf16 widened, on other CPUs) up to 32.
 KERNEL_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
 BF16_TILES_MAX_ROWS = 128
-# bf16 where the CPU has AMX-BF16: torch's bf16 matmuls (oneDNN) run on its tiles, about
-# twice the kernel's AVX512-BF16 tiles past 16 rows. Measured at 1 thread on the Intel Xeon
-# (Sapphire Rapids class, AMX) with benchmarks/attention_paths.py, torch / kernel time, 64
-# rows: 0.58-0.79x at head_dim 64 (16/4 and 9/3 heads, 500-4,000 keys), 16 rows 0.85-1.9x
+# bf16 where the CPU has AMX-BF16: torch's bf16 matmuls (oneDNN) run on its tiles and beat
+# the kernel's AVX512-BF16 tiles past 16 rows at head_dim 64 and over. Measured at 1 thread
+# on the Intel Xeon (Sapphire Rapids class, AMX) with benchmarks/attention_paths.py, torch /
+# kernel time, load 1.6: head_dim 64, 16/4 and 9/3 heads, 500-2,000 keys: 16 rows 0.83-1.29,
+# 32-256 rows 0.49-0.97; head_dim 32 (half the products per key read): 16-256 rows 0.88-1.7
 # (benchmarks/results/attention_paths_xeon_amx.json).
 AMX_BF16_MAX_ROWS = 16
+AMX_BF16_SMALL_HEAD_DIM = 32  # at most this: the AVX512-BF16 tiles' limit still
 # The deterministic mode: every row of every step (first chunks too) goes to the kernel, its
 # keys reduced in ranges of this many blocks aligned on multiples of it (``cpu_kernels``).
 DETERMINISTIC_RANGE_BLOCKS = 32
@@ -72,13 +74,15 @@ def kernel_max_rows(
     (head_dim 32 before it had tiles): only what the torch backend itself treats as short.
     Else fp32: any (its tiles at least match torch's SDPA, at head_dim 32 and 64, 16-512 rows
     after 500-4,000 keys, on the EPYC and the AMX Xeon); bf16 as ``KERNEL_MAX_ROWS`` and the
-    constants above say."""
+    constants above say (with AMX: by head_dim)."""
     if deterministic:
         return None
     if head_dim % 16 or block_size > 16:
         return SHORT_CHUNK_ROWS
     if dtype != torch.bfloat16:
         return KERNEL_MAX_ROWS.get(dtype)
+    if amx_bf16 and bf16_tiles and head_dim <= AMX_BF16_SMALL_HEAD_DIM:
+        return BF16_TILES_MAX_ROWS
     if amx_bf16:
         return AMX_BF16_MAX_ROWS
     return BF16_TILES_MAX_ROWS if bf16_tiles else KERNEL_MAX_ROWS[dtype]
