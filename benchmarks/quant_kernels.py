@@ -14,6 +14,15 @@ calls take turns, so a busy machine slows all alike.
 
 Writes ``quant_kernels_t<threads>.json`` and ``.md`` under ``--out-dir``
 (``benchmarks/results``), naming the CPU model, its bf16/VNNI/AMX flags and the load average.
+
+``--cflags`` builds the kernels with extra compiler flags (``-mno-avx512f``: the AVX2 path on
+an AVX512 machine; with ``-mno-avxvnni`` too, its vpmaddubsw dots, as on CPUs without
+AVX-VNNI); ``--with-portable`` also times the int8 and float kernels' portable C in the same
+rounds (the ratios say what the SIMD path gains over what the compiler makes of plain C);
+``--stem`` names the result files:
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py --threads 1 --with-portable
+        --cflags='-mno-avx512f -mno-avxvnni' --stem quant_kernels_avx2   (one command line)
 """
 
 from __future__ import annotations
@@ -83,11 +92,19 @@ def time_turns(
 
 
 PATHS = ["int8_kernel", "float_kernel", "dequant_tiles", "bf16_linear"]
+PORTABLE = ["int8_portable", "float_portable"]
 
 
-def paths(k: kernels.QuantKernels, w: GGUFWeight, dense_w: torch.Tensor, x: torch.Tensor):
+def paths(
+    k: kernels.QuantKernels,
+    w: GGUFWeight,
+    dense_w: torch.Tensor,
+    x: torch.Tensor,
+    with_portable: bool = False,
+):
     """The quantized paths and the bf16 baseline, as calls (the float kernel only where the
-    float opt-in runs it, up to ``kernels.DECODE_MAX_ROWS`` rows: beyond, it is very slow)."""
+    float opt-in runs it, up to ``kernels.DECODE_MAX_ROWS`` rows: beyond, it is very slow);
+    with ``with_portable``, the int8 and float kernels' portable C too."""
     code, k_in = w.format.code, w.in_features
     calls = {
         "int8_kernel": lambda: k.gemm(code, w.data, x),
@@ -95,8 +112,12 @@ def paths(k: kernels.QuantKernels, w: GGUFWeight, dense_w: torch.Tensor, x: torc
         "dequant_tiles": lambda: F.linear(x, k.dequantize(code, w.data, k_in, x.dtype)),
         "bf16_linear": lambda: F.linear(x, dense_w),
     }
+    if with_portable:
+        calls["int8_portable"] = lambda: k.gemm(code, w.data, x, portable=True)
+        calls["float_portable"] = lambda: k.gemm_float(code, w.data, x, portable=True)
     if x.shape[0] > kernels.DECODE_MAX_ROWS:
-        del calls["float_kernel"]
+        calls.pop("float_kernel")
+        calls.pop("float_portable", None)
     return calls
 
 
@@ -117,11 +138,28 @@ def main() -> None:
         "machine shared with other work; meaningful with --threads 1",
     )
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument(
+        "--cflags",
+        default="",
+        help="extra compiler flags for the kernels' build, one string: "
+        "--cflags='-mno-avx512f -mno-avxvnni'",
+    )
+    ap.add_argument(
+        "--with-portable",
+        action="store_true",
+        help="also time the int8 and float kernels' portable C path",
+    )
+    ap.add_argument("--stem", help="result files' name (default quant_kernels_t<threads>)")
+    ap.add_argument("--note", default="", help="added to the result's note (e.g. the env)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    k = kernels.load()
-    if k is None:
-        sys.exit(f"the quant kernels did not build: {kernels.load_error()}")
+    cflags = args.cflags.split()
+    if cflags:
+        k = kernels._load(tuple(cflags))
+    else:
+        k = kernels.load()
+        if k is None:
+            sys.exit(f"the quant kernels did not build: {kernels.load_error()}")
     rows: list[dict[str, Any]] = []
     for name in args.formats:
         for shape in args.shapes:
@@ -132,7 +170,8 @@ def main() -> None:
                 x = torch.randn(m, in_features).bfloat16()
                 load = os.getloadavg()[0]
                 clock = time.process_time if args.clock == "cpu" else time.perf_counter
-                times = time_turns(paths(k, w, dense_w, x), args.repeats, clock)
+                calls = paths(k, w, dense_w, x, args.with_portable)
+                times = time_turns(calls, args.repeats, clock)
                 med = {p: statistics.median(t) for p, t in times.items()}
                 best = {p: min(t) for p, t in times.items()}
                 picked = "int8_kernel"
@@ -151,11 +190,22 @@ def main() -> None:
                     "bf16_weight_gb_s": dense_w.numel() * 2 / tb / 1e9,
                     "speedup_vs_bf16": tb / tq,
                 }
+                for kind in ("int8", "float"):
+                    if f"{kind}_portable" in med:
+                        row[f"{kind}_simd_vs_portable"] = (
+                            med[f"{kind}_portable"] / med[f"{kind}_kernel"]
+                        )
                 rows.append(row)
                 print(
                     f"{name} {out_features}x{in_features} M={m}: "
                     + ", ".join(f"{p} {v * 1e3:.3f} ms" for p, v in med.items())
-                    + f" (median; picked {picked}: {tb / tq:.2f}x bf16; load {load:.2f})",
+                    + f" (median; picked {picked}: {tb / tq:.2f}x bf16; "
+                    + "".join(
+                        f"{kind} {row[kind + '_simd_vs_portable']:.2f}x portable; "
+                        for kind in ("int8", "float")
+                        if kind + "_simd_vs_portable" in row
+                    )
+                    + f"load {load:.2f})",
                     flush=True,
                 )
     result = {
@@ -165,26 +215,31 @@ def main() -> None:
         "cpu_flags": cpu_flags(),
         "kernel_simd": k.simd,
         "kernel_amx": k.amx,
+        "kernel_cflags": [*kernels.CFLAGS, *cflags],
         "torch": torch.__version__,
         "threads": args.threads,
         "clock": args.clock,
         "load_average_at_end": os.getloadavg(),
         "note": "machine shared with other jobs (2 cores); the calls take turns, so load "
-        "slows all alike",
+        "slows all alike" + (f"; {args.note}" if args.note else ""),
         "command": " ".join(["benchmarks/quant_kernels.py", *sys.argv[1:]]),
         "commit": git_commit(),
         "results": rows,
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"quant_kernels_t{args.threads}{'_cpu' if args.clock == 'cpu' else ''}"
+    stem = out / (
+        args.stem or f"quant_kernels_t{args.threads}{'_cpu' if args.clock == 'cpu' else ''}"
+    )
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    portable_head = "| int8 portable | float portable | int8 vs portable | float vs portable "
     lines = [
         f"# Quantized-weight kernels vs bf16 F.linear ({result['date']})",
         "",
         f"- machine: {result['machine']}; flags: {', '.join(result['cpu_flags'])}",
         f"- kernel: {result['kernel_simd']}, AMX-INT8 for 16+ rows: {result['kernel_amx']}; "
-        f"torch {result['torch']}; {args.threads} thread(s)",
+        f"torch {result['torch']}; {args.threads} thread(s); "
+        f"built with `{' '.join(result['kernel_cflags'])}`",
         f"- {result['note']}; load average at the end: "
         + ", ".join(f"{v:.2f}" for v in result["load_average_at_end"]),
         f"- command: `{result['command']}` at commit {result['commit']}",
@@ -199,12 +254,19 @@ def main() -> None:
         "median; load: the 1-minute load average when the row started.",
         "",
         "| format | out x in | M | int8 kernel | float kernel | dequant tiles | bf16 F.linear "
-        "| picked ms/row | picked GB/s | bf16 GB/s | picked vs bf16 | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        + (portable_head if args.with_portable else "")
+        + "| picked ms/row | picked GB/s | bf16 GB/s | picked vs bf16 | load |",
+        "|---|---|---|" + "---|" * (13 if args.with_portable else 9),
     ]
+    shown = PATHS + (PORTABLE if args.with_portable else [])
     for r in rows:
         med, best = r["median_ms"], r["min_ms"]
-        cells = [f"{med[p]:.3f} ({best[p]:.3f})" if p in med else "-" for p in PATHS]
+        cells = [f"{med[p]:.3f} ({best[p]:.3f})" if p in med else "-" for p in shown]
+        if args.with_portable:
+            cells += [
+                f"{r[key]:.2f}x" if key in r else "-"
+                for key in ("int8_simd_vs_portable", "float_simd_vs_portable")
+            ]
         lines.append(
             f"| {r['format']} | {r['shape'][0]}x{r['shape'][1]} | {r['rows']} | "
             + " | ".join(cells)

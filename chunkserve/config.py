@@ -905,9 +905,14 @@ class EngineConfig:
     the matmuls run on fixed 64-row tiles (``model.layers.RowTiling``) and every attention
     row in the C kernel's tile path over key ranges aligned on fixed blocks
     (``cpu_kernels``).
-    CPU only, with the ``cpu`` attention backend (a clear error otherwise). Tensor parallel
-    is not covered: a row's sum over ranks is a different reduction from the unsharded one
-    (the same tensor-parallel size gives the same results)."""
+    CPU only, with the ``cpu`` attention backend (a clear error otherwise). Mixture-of-experts
+    models too: an expert's matmul runs on the same row tiles however many of the step's
+    tokens picked it. Tensor (and expert) parallel: a request's results do not depend on its
+    batch, chunking, cache or preemption within one tensor-parallel size and layout (every
+    rank's matmuls tiled, the all-reduce adding the ranks' parts in rank order whatever the
+    step's size: ``TPGroup.all_reduce``), but they are not one process's bits, nor another
+    size's or expert parallel's: a row-parallel matmul adds its ranks' partial products, a
+    different reduction from the unsharded one (``tests/test_deterministic_e2e.py``)."""
     load_format: str = _flag(
         "auto",
         "dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
@@ -928,13 +933,14 @@ class EngineConfig:
     quantization: str | None = _flag(
         None,
         "float (HF) checkpoints: quantize the linear layers' weights at load, weight-only "
-        "(int8: per-channel scales; int4: per-group of 128 columns) (CPU)",
+        "(int8 / int4: GGUF Q8_0 / Q4_1 blocks of 32 columns) (CPU)",
         choices=QUANTIZATIONS,
     )
     """Weight-only quantization of a float (bf16/fp32 HF safetensors) checkpoint at load:
-    each linear layer's weight is quantized as it streams in (``quant.weight_only``: int8 with
-    one scale per output channel; int4 in groups of 128 input columns, or 64/32 where the
-    columns are not a multiple of 128, asymmetric), activations stay in ``dtype``. The
+    each linear layer's weight is quantized as it streams in (``quant.weight_only``) into
+    GGUF blocks of 32 input columns and run as a GGUF file's are: int8 as Q8_0 (one fp16
+    scale a block, 8.5 bits a weight), int4 as Q4_1 (asymmetric, fp16 scale and min, 5 bits
+    a weight): ``benchmarks/results/int4_q4_1.md``. The
     embedding, the LM head, norms, MoE experts and routers stay float. A GGUF file (already
     quantized) or an HF checkpoint with its own ``quantization_config`` is refused, as vLLM
     does; CPU only."""

@@ -278,20 +278,36 @@ def test_the_cache_holds_one_latent_per_token_and_layer(dirs) -> None:
 
 
 # ---- chunking, prefix cache, preemption, tensor parallel -----------------------------------
+# V2's grouped softmax router and V3's noaux_tc (sigmoid, correction bias, groups ranked by
+# their best two), both over the latent cache.
+INVARIANT = ["v2", "v3"]
+
+
 @pytest.fixture(scope="module")
-def unchunked(dirs) -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(21)
-    work = [random_prompt(rng, n) for n in CHUNK_WORK]
-    base = make_engine(dirs["v2"], enable_chunked_prefill=False, max_num_batched_tokens=2048)
-    expected = run_staggered(base, work, CHUNK_TOKENS)
-    assert base.core.scheduler.num_preemptions == 0
-    return work, expected
+def unchunked(dirs):
+    """Per model: the work (prompts) and its tokens unchunked, computed once."""
+    done: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[list[list[int]], list[list[int]]]:
+        if name not in done:
+            rng = random.Random(21)
+            work = [random_prompt(rng, n) for n in CHUNK_WORK]
+            base = make_engine(
+                dirs[name], enable_chunked_prefill=False, max_num_batched_tokens=2048
+            )
+            expected = run_staggered(base, work, CHUNK_TOKENS)
+            assert base.core.scheduler.num_preemptions == 0
+            done[name] = work, expected
+        return done[name]
+
+    return get
 
 
+@pytest.mark.parametrize("name", INVARIANT)
 @pytest.mark.parametrize("budget", [16, 256])
-def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget) -> None:
-    work, expected = unchunked
-    chunked = make_engine(dirs["v2"], max_num_batched_tokens=budget)
+def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget, name) -> None:
+    work, expected = unchunked(name)
+    chunked = make_engine(dirs[name], max_num_batched_tokens=budget)
     steps = []
     chunked.step_listeners.append(steps.append)
     assert run_staggered(chunked, work, CHUNK_TOKENS) == expected
@@ -302,22 +318,43 @@ def test_chunked_and_prefix_cached_match_unchunked(dirs, unchunked, budget) -> N
     assert_no_blocks_in_use(chunked)
 
 
-def test_preempted_matches_unchunked(dirs, unchunked) -> None:
-    work, expected = unchunked
-    assert_preempted_matches(dirs["v2"], make_engine(dirs["v2"]), work, expected)
+@pytest.mark.parametrize("name", INVARIANT)
+def test_preempted_matches_unchunked(dirs, unchunked, name) -> None:
+    work, expected = unchunked(name)
+    assert_preempted_matches(dirs[name], make_engine(dirs[name]), work, expected)
 
 
+TP_WORK = [*prompts(), random_prompt(random.Random(3), 100)]
+TP_PARAMS = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def one_process(dirs):
+    """Per model: the tokens and logits of ``TP_WORK`` in one process, computed once."""
+    done: dict[str, tuple[list[list[int]], list[torch.Tensor]]] = {}
+
+    def get(name: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+        if name not in done:
+            tp1 = make_engine(dirs[name], max_num_batched_tokens=64)
+            ref = record_logits(tp1)
+            done[name] = run_all(tp1, TP_WORK, TP_PARAMS), ref
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", INVARIANT)
 @pytest.mark.parametrize("ep", [False, True], ids=["tensor-parallel", "expert-parallel"])
-def test_tensor_and_expert_parallel_match_one_process(dirs, ep: bool) -> None:
+def test_tensor_and_expert_parallel_match_one_process(
+    dirs, one_process, ep: bool, name: str
+) -> None:
     """Each rank its half of the heads (q, kv_b rows; o columns) over the whole latent
-    cache, and its columns of every expert (expert parallel: half the experts, whole):
-    tokens and logits of one process."""
-    path = dirs["v2"]
-    tp1 = make_engine(path, max_num_batched_tokens=64)
-    work = [*prompts(), random_prompt(random.Random(3), 100)]
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
-    ref = record_logits(tp1)
-    want = run_all(tp1, work, params)
+    cache, and its columns of every expert (expert parallel: half the experts, whole; V3:
+    every rank routes over all experts with the whole correction bias): tokens and logits
+    of one process."""
+    path = dirs[name]
+    work, params = TP_WORK, TP_PARAMS
+    want, ref = one_process(name)
     tp2 = make_engine(
         path, max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=ep
     )
@@ -335,11 +372,12 @@ def test_tensor_and_expert_parallel_match_one_process(dirs, ep: bool) -> None:
         tp2.shutdown()
 
 
-def test_speculative_decoding_matches(dirs, unchunked) -> None:
+@pytest.mark.parametrize("name", INVARIANT)
+def test_speculative_decoding_matches(dirs, unchunked, name) -> None:
     """n-gram drafts verified as short chunks over the cached latents (expanded)."""
-    work, expected = unchunked
+    work, expected = unchunked(name)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
-    engine = make_engine(dirs["v2"], max_num_batched_tokens=64, speculative_config=spec)
+    engine = make_engine(dirs[name], max_num_batched_tokens=64, speculative_config=spec)
     assert run_staggered(engine, work, CHUNK_TOKENS) == expected
     assert_no_blocks_in_use(engine)
 
@@ -418,11 +456,12 @@ def test_a_published_config_json_reads(dirs, tmp_path) -> None:
     assert config.shared_expert_intermediate_size == 2 * 32 and not config.shared_expert_gate
 
 
-def test_v3_multi_token_prediction_layers_are_skipped(dirs, tmp_path) -> None:
-    """DeepSeek-V3's checkpoints carry ``num_nextn_predict_layers`` MTP layers after the
-    decoder's (``model.layers.{num_hidden_layers}.*``, with their own ``enorm``, ``hnorm``,
-    ``eh_proj``, ``shared_head``): not run, skipped at load; with the key 0 they are
-    unexpected weights, named."""
+@pytest.fixture(scope="module")
+def mtp_dir(dirs, tmp_path_factory) -> Path:
+    """V3 with one multi-token-prediction layer as DeepSeek-V3's checkpoints carry them
+    (``num_nextn_predict_layers``, ``model.layers.{num_hidden_layers}.*``: a decoder layer's
+    tensors, here a copy of the last one's, and its own ``enorm``, ``hnorm``, ``eh_proj``,
+    ``embed_tokens``, ``shared_head.norm`` / ``shared_head.head``)."""
     layers = hf_config("v3").num_hidden_layers
 
     def mtp_layer(tensors: dict) -> dict:
@@ -434,16 +473,25 @@ def test_v3_multi_token_prediction_layers_are_skipped(dirs, tmp_path) -> None:
         }
         h = tensors["model.norm.weight"]
         out.update({mtp + "enorm.weight": h.clone(), mtp + "hnorm.weight": h.clone()})
-        out[mtp + "eh_proj.weight"] = torch.zeros(h.shape[0], 2 * h.shape[0])
+        out[mtp + "eh_proj.weight"] = torch.randn(h.shape[0], 2 * h.shape[0])
         out[mtp + "shared_head.norm.weight"] = h.clone()
+        out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        out[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
         return out
 
-    path = variant(dirs["v3"], tmp_path / "mtp", num_nextn_predict_layers=1)
+    path = variant(dirs["v3"], tmp_path_factory.mktemp("mtp") / "m", num_nextn_predict_layers=1)
     rewrite(path, mtp_layer)
+    return path
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(dirs, mtp_dir, tmp_path) -> None:
+    """The MTP layers (after the decoder's) are not run, skipped at load; with the key 0
+    they are unexpected weights, named."""
+    layers = hf_config("v3").num_hidden_layers
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
     want = run_all(make_engine(dirs["v3"]), prompts(1), params)
-    assert run_all(make_engine(path), prompts(1), params) == want
-    bad = variant(path, tmp_path / "no-key", num_nextn_predict_layers=0)
+    assert run_all(make_engine(mtp_dir), prompts(1), params) == want
+    bad = variant(mtp_dir, tmp_path / "no-key", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match=f"unexpected weight 'model.layers.{layers}."):
         make_engine(bad)
 
@@ -522,3 +570,109 @@ def test_gguf_what_we_cannot_honour_is_refused_naming_it(dirs, tmp_path, name, e
     path = write_gguf(dirs[name], tmp_path / "m.gguf", extra=extra, edit=edit, split_kv_b=True)
     with pytest.raises(ValueError, match=named):
         make_engine(path)
+
+
+@pytest.fixture(scope="module")
+def mtp_ggufs(dirs, mtp_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """The V3 with its MTP layer as a GGUF, and the same model without it (transformers'
+    DeepseekV3Config defaults num_nextn_predict_layers to 1: "v3" has the key and no MTP
+    layer, as a checkpoint stripped of it; here the key is 0)."""
+    from tests.test_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("mtp-gguf")
+    with_mtp = write_gguf(mtp_dir, root / "mtp.gguf", split_kv_b=True)
+    plain = variant(dirs["v3"], root / "plain", num_nextn_predict_layers=0)
+    return with_mtp, write_gguf(plain, root / "plain.gguf", split_kv_b=True)
+
+
+def test_gguf_multi_token_prediction_blocks_are_skipped(mtp_dir, mtp_ggufs) -> None:
+    """A V3 / R1 GGUF with ``deepseek2.nextn_predict_layers`` (block_count counts the MTP
+    block, the last: a decoder block's tensors plus ``blk.N.nextn.*``): the model runs
+    block_count - 1 layers, as the directory with the MTP layer does, and gives the tokens
+    of the same file without it."""
+    from chunkserve.model.loader import (
+        _field,
+        gguf_model_config,
+        hf_model_config,
+        iter_gguf_weights,
+        open_gguf,
+    )
+
+    layers = hf_config("v3").num_hidden_layers
+    path, without = mtp_ggufs
+    reader = open_gguf(path)
+    assert _field(reader, "deepseek2.block_count") == layers + 1
+    names = {t.name for t in reader.tensors}
+    assert f"blk.{layers}.nextn.eh_proj.weight" in names
+    assert f"blk.{layers}.attn_k_b.weight" in names
+    config = gguf_model_config(reader)
+    assert (config.num_layers, config.num_nextn_predict_layers) == (layers, 1)
+    assert config.moe_layers == hf_model_config(mtp_dir).moe_layers
+    # The loader yields nothing of the MTP block (so reads nothing of it).
+    got = {name for name, _ in iter_gguf_weights(reader, config, torch.float32)}
+    assert f"model.layers.{layers - 1}.self_attn.kv_b_proj.weight" in got
+    assert not [n for n in got if n.startswith(f"model.layers.{layers}.")]
+    engine = make_engine(path)
+    assert len(engine.core.worker.model.layers) == layers
+    assert _field(open_gguf(without), "deepseek2.block_count") == layers
+    plain = make_engine(without)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    assert run_all(engine, prompts(), params) == run_all(plain, prompts(), params)
+
+
+class _Field:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def contents(self) -> int:
+        return self.value
+
+
+def _edited(reader, nextn: int | None = None, nextn_on: int | None = None):
+    """``reader`` with the key ``deepseek2.nextn_predict_layers`` set (``nextn``) or its
+    MTP block's eh_proj moved to block ``nextn_on``: a file's metadata, as written."""
+    import types
+
+    fields = dict(reader.fields)
+    if nextn is not None:
+        fields["deepseek2.nextn_predict_layers"] = _Field(nextn)
+    tensors = list(reader.tensors)
+    if nextn_on is not None:
+        tensors = [
+            t._replace(name=f"blk.{nextn_on}.nextn.eh_proj.weight")
+            if t.name.endswith("nextn.eh_proj.weight")
+            else t
+            for t in tensors
+        ]
+    return types.SimpleNamespace(fields=fields, tensors=tensors)
+
+
+@pytest.mark.parametrize(
+    "src, nextn, nextn_on, named",
+    [
+        # As many MTP blocks as blocks.
+        ("plain", 2, None,
+         r"deepseek2.nextn_predict_layers: 2, expected 0 to deepseek2.block_count - 1 \(1\)"),
+        # The key without the MTP block counted (block_count the decoder's): the last
+        # decoder block would be dropped.
+        ("plain", 1, None,
+         r"'blk.1.nextn.eh_proj.weight': missing: block 1 is a multi-token-prediction block"),
+        # An MTP tensor on a decoder block.
+        ("mtp", None, 1,
+         r"'blk.1.nextn.eh_proj.weight': a multi-token-prediction tensor on block 1.*"
+         r"nextn_predict_layers: 1"),
+        # MTP tensors with the key 0: on a decoder block.
+        ("mtp", 0, None,
+         r"'blk.2.nextn.eh_proj.weight': a multi-token-prediction tensor on block 2, one of "
+         r"the model's 3 decoder blocks \(key deepseek2.nextn_predict_layers: 0"),
+    ],
+)  # fmt: skip
+def test_gguf_inconsistent_multi_token_prediction_is_refused(
+    mtp_ggufs, src, nextn, nextn_on, named
+) -> None:
+    from chunkserve.model.loader import gguf_model_config, open_gguf
+
+    reader = open_gguf(mtp_ggufs[0 if src == "mtp" else 1])
+    gguf_model_config(reader)  # as written: consistent
+    with pytest.raises(ValueError, match=named):
+        gguf_model_config(_edited(reader, nextn, nextn_on))

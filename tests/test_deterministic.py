@@ -9,7 +9,9 @@ Engines are shared per setting (``engines``, module-scoped); prompts and outputs
 
 from __future__ import annotations
 
+import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,6 +379,111 @@ def test_kernel_row_the_same_as_decode_chunk_row_and_prompt_row(dtype, window) -
     for rows, threads in ((1, 2), (7, 1), (300, 2), (ctx, 1)):
         got = _attend(kernel, q, kc, vc, table, rows, ctx, 32, threads, window)
         assert torch.equal(got[-1:], decode), (rows, threads)
+
+
+def _attend_batch(kernel, q, kc, vc, table, runs, threads, window=None):
+    """One kernel call (fixed range 32) attending several runs of rows of one sequence, each
+    ``(first, rows)``: rows ``first .. first + rows - 1`` of the sequence, as if its keys up to
+    the run's last row were cached (a decode, a chunk after a cached prefix, a whole prompt);
+    returns each run's outputs."""
+    qs = torch.cat([q[a : a + n] for a, n in runs]).contiguous()
+    out = torch.empty_like(qs)
+    starts = torch.tensor([0] + [n for _, n in runs]).cumsum(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel(
+            qs, kc, vc, out, table.expand(len(runs), -1).contiguous(),
+            starts[:-1].contiguous(), torch.tensor([n for _, n in runs]),
+            torch.tensor([a + n for a, n in runs]), 0.125, window, None, fixed_range=32,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    return [out[starts[i] : starts[i + 1]] for i in range(len(runs))]
+
+
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def bf16_path(request):
+    """The kernel, its deterministic bf16 tiles on AMX (skipped where the CPU has none) or
+    kept off it (the AVX512-BF16 tiles: a CPU without AMX)."""
+    kernel = cpu_kernels.load()
+    if request.param == "amx" and not kernel.amx(64, 16):
+        pytest.skip("no AMX-BF16 here, or CHUNKSERVE_ATTENTION_AMX=0")
+    kernel.allow_amx(request.param == "amx")
+    try:
+        assert kernel.amx(64, 16) == (request.param == "amx")
+        yield kernel
+    finally:
+        kernel.allow_amx(cpu_kernels.amx_allowed())
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_kernel_bf16_rows_the_same_in_any_run_and_batch(bf16_path, window) -> None:
+    """bf16, fixed range (AMX tiles where the CPU has them): every row of a 1,100-key prompt
+    attended as part of the whole prompt equals the same row as a decode, in chunks cut at
+    odd places (mid-block, mid-group, at a 512-key range's edge) after a cached prefix, and in
+    calls that batch such runs of the same sequence together, at 1 and 2 threads: tiles
+    holding 1, a few or 16 rows, first in a tile or last, give a row the same bits. On both
+    of the mode's bf16 paths (AMX, AVX512-BF16), which differ from each other."""
+    kernel = bf16_path
+    gen = torch.Generator().manual_seed(7)
+    ctx, bs, hkv, h, d = 1100, 16, 3, 9, 64
+    nb = -(-ctx // bs)
+    kc = torch.randn(nb + 1, bs, hkv, d, generator=gen).bfloat16()
+    vc = torch.randn(nb + 1, bs, hkv, d, generator=gen).bfloat16()
+    table = torch.randperm(nb, generator=gen)[None, :] + 1
+    q = torch.randn(ctx, h, d, generator=gen).bfloat16()
+    (whole,) = _attend_batch(kernel, q, kc, vc, table, [(0, ctx)], 1, window)
+    # against fp32 attention: the right rows, keys and window
+    k = kc[table[0]].reshape(-1, hkv, d)[:ctx].float().repeat_interleave(h // hkv, 1)
+    v = vc[table[0]].reshape(-1, hkv, d)[:ctx].float().repeat_interleave(h // hkv, 1)
+    pos = torch.arange(ctx)
+    mask = pos[None, :] <= pos[:, None]
+    if window:
+        mask &= pos[None, :] > pos[:, None] - window
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=0.125
+    ).transpose(0, 1)
+    assert (whole.float() - want).abs().max() < 0.02
+    cuts = [0, 1, 37, 63, 64, 300, 511, 512, 513, 700, 1023, 1099, ctx]
+    chunks = [(a, b - a) for a, b in itertools.pairwise(cuts)]
+    decodes = [(i, 1) for i in (0, 15, 16, 63, 511, 512, 777, 1099)]
+    # every row as a decode, in one call: a bf16 output hides most last-bit differences of
+    # the fp32 sums, so it takes many rows to see one
+    every = [(i, 1) for i in range(ctx)]
+    every = torch.cat(_attend_batch(kernel, q, kc, vc, table, every, 2, window))
+    assert torch.equal(every, whole)
+    for threads in (1, 2):
+        for runs in (chunks, decodes, [chunks[3], decodes[-1], chunks[-2], (5, 3), chunks[6]]):
+            got = _attend_batch(kernel, q, kc, vc, table, runs, threads, window)
+            for (a, n), o in zip(runs, got, strict=True):
+                assert torch.equal(o, whole[a : a + n]), (a, n, threads)
+
+
+def test_the_mode_pins_amx_tiles_where_the_cpu_has_them() -> None:
+    """bf16 in the mode runs AMX tiles on a CPU with AMX-BF16 (the OS granting it, and
+    ``CHUNKSERVE_ATTENTION_AMX`` not 0), for every row (the test above), with the engine's
+    block size; never for blocks other than 16 tokens or head sizes not a multiple of 64 (the
+    AVX512-BF16 tiles, whose bits differ: checked here)."""
+    kernel = cpu_kernels.load()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "amx_bf16" not in flags or not cpu_kernels.amx_allowed():  # CHUNKSERVE_ATTENTION_AMX=0
+        assert not kernel.amx(64, 16)
+    else:
+        assert kernel.amx(64, 16) and kernel.amx(128, 16)
+    assert not kernel.amx(64, 8) and not kernel.amx(96, 16)
+    if kernel.amx(64, 16):  # and the two paths' bits differ: the tests above see both
+        gen = torch.Generator().manual_seed(3)
+        kc, vc = (torch.randn(9, 16, 3, 64, generator=gen).bfloat16() for _ in range(2))
+        q = torch.randn(128, 9, 64, generator=gen).bfloat16()
+        table = torch.arange(1, 9)[None, :]
+        (amx,) = _attend_batch(kernel, q, kc, vc, table, [(0, 128)], 1)
+        kernel.allow_amx(False)
+        try:
+            (avx,) = _attend_batch(kernel, q, kc, vc, table, [(0, 128)], 1)
+        finally:
+            kernel.allow_amx(cpu_kernels.amx_allowed())
+        assert (amx.float() - avx.float()).abs().max() < 0.02 and not torch.equal(amx, avx)
 
 
 def test_a_draft_model_attends_and_multiplies_as_the_target_does() -> None:

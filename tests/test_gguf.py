@@ -45,6 +45,11 @@ DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 PERMUTED = {"llama", "mistral", "mixtral", "granite", "smollm3"}
 # One expert's tensor of a mixture of experts: the converters stack them over experts.
 EXPERT = re.compile(r"^(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
+# A multi-token-prediction layer's own tensors (DeepSeek-V3's).
+NEXTN = re.compile(
+    r"^model\.layers\.(\d+)\.(eh_proj|enorm|hnorm|embed_tokens|shared_head\.norm|"
+    r"shared_head\.head)\.weight$"
+)
 # llama.cpp's converters of these store every norm as 1 + w.
 GEMMA = {"gemma2", "gemma3_text"}
 # What a GGUF cannot say, and llama.cpp hard-codes: the directory a family's GGUF is written
@@ -111,7 +116,12 @@ def write_gguf(
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
+    # DeepSeek-V3's multi-token-prediction layers: block_count counts them, the key says
+    # how many (as llama.cpp's converters write MTP layers: Glm4MoeModel's way).
+    nextn = cfg.get("num_nextn_predict_layers") or 0
+    w.add_block_count(cfg["num_hidden_layers"] + nextn)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_head_count(n_head)
     w.add_head_count_kv(1 if family in DEEPSEEK else n_kv)  # MLA written as MQA
     w.add_rope_freq_base(rope["rope_theta"])
@@ -170,7 +180,7 @@ def write_gguf(
     _copy_tokenizer(w, open_gguf(embedded_model_path()))
 
     names = gguf.get_tensor_name_map(
-        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"]
+        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"] + nextn
     )
     tensors = {}
     stacked: dict[str, dict[int, np.ndarray]] = {}  # "...experts.gate_proj" -> expert -> tensor
@@ -191,6 +201,10 @@ def write_gguf(
             data = _permute(data, n_head)
         elif family in PERMUTED and ".k_proj." in name:
             data = _permute(data, n_kv)
+        mtp = NEXTN.match(name)
+        if mtp:  # gguf-py's MODEL_TENSOR.NEXTN_* names
+            tensors[f"blk.{mtp[1]}.nextn.{mtp[2].replace('.', '_')}.weight"] = data
+            continue
         expert = EXPERT.match(name)
         if expert:
             prefix, index, proj = expert.groups()

@@ -33,6 +33,11 @@ TEXTS = [
     "  leading spaces, trailing   ",
     "Numbers: 0 00 000 0000 12345678901234567890; ١٢٣ ٤٥٦",
     "Decomposed: cafe\u0301 nai\u0308ve Ame\u0301lie",  # NFC (Qwen2's normaliser) composes
+    # DeepSeek's splits: full-width and curly punctuation, kana, Hangul, the ideographic
+    # space, letters beside ASCII punctuation; between letters, those NFC changes (U+1F7D,
+    # U+1FBE, U+1FD3, U+1FDB, U+2126 ohm, U+212A kelvin) and two NFC forms.
+    "（全角）！？ ‘quoted’ “double” カタカナとひらがな　한국어 텍스트 x.y_z+=1 @home #tag",
+    "é\u1f7dé é\u1fbeé é\u1fd3é é\u1fdbé é\u2126é é\u212aé é\u03ceé éKé [a]{b} 🙂   x",
 ]
 # A word the vocabulary has whole but its merges never build (not in the training text):
 # Llama 3's tokenizer.json takes it whole (``ignore_merges``), BPE alone would not.
@@ -57,6 +62,52 @@ def hf_qwen2_regex() -> str:
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     return PRETOKENIZE_REGEX
+
+
+# The pre_tokenizer of DeepSeek's tokenizer.json files (deepseek-ai/DeepSeek-V3,
+# deepseek-llm-7b-base, deepseek-coder-6.7b-base): "Split" steps ("Isolated") of these
+# regexes (as the JSON strings decode), then "ByteLevel" without its regex. DeepSeek LLM's
+# letter class is spelled with escapes where NFC would change a code point.
+DEEPSEEK_V3_SPLITS = [
+    "\\p{N}{1,3}",
+    "[一-龥\u3040-ゟ゠-ヿ]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+    "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+]
+DEEPSEEK_LLM_LETTERS = (
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕ"
+    "Ἐ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ"
+    "\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲"
+    "𐳀-𐳲𑢠-𑣟𞤀-𞥃"
+)
+DEEPSEEK_LLM_SPLITS = [
+    "[\r\n]",
+    "\\s?[" + DEEPSEEK_LLM_LETTERS + "]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}+",
+]
+DEEPSEEK_CODER_SPLITS = ["[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[一-龥ࠀ-一가-퟿]+"]
+
+
+def from_tokenizer_json(splits: list[str], digits: bool = False):
+    """The pre-tokenizer a tokenizer.json with these Split regexes defines (``digits``:
+    then a "Digits" step, one digit a piece, as DeepSeek Coder's)."""
+    import json
+
+    steps: list[dict] = [
+        {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+        for r in splits
+    ]
+    if digits:
+        steps.append({"type": "Digits", "individual_digits": True})
+    steps.append(
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    )
+    spec = json.loads(HFTokenizer(models.BPE()).to_str())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": steps}
+    return HFTokenizer.from_str(json.dumps(spec)).pre_tokenizer
 
 
 def byte_level(split: str | None = None, digits: bool = False):
@@ -152,6 +203,15 @@ CASES = {
     "llama-bpe": (lambda: byte_level(HF_LLAMA3), False, True, True),
     "gpt-2": (lambda: byte_level(), False, False, False),
     "starcoder": (lambda: byte_level(digits=True), False, False, False),
+    "deepseek-v3": (lambda: from_tokenizer_json(DEEPSEEK_V3_SPLITS), False, False, True),
+    "deepseek-llm": (lambda: from_tokenizer_json(DEEPSEEK_LLM_SPLITS), False, False, True),
+    # Coder's digits: one a piece (its tokenizer.json's Digits step).
+    "deepseek-coder": (
+        lambda: from_tokenizer_json(DEEPSEEK_CODER_SPLITS, digits=True),
+        False,
+        False,
+        True,
+    ),
 }
 
 
@@ -169,6 +229,10 @@ def test_byte_level_bpe_matches_transformers(trained, tmp_path, pre) -> None:
     got = encodings(ours(write_tokenizer_gguf(tmp_path / "t.gguf", vocab, merges, pre, **flags)))
     assert got == want
     ours_tok = ours(tmp_path / "t.gguf")
+    # The pre-tokenizer's pieces themselves (a split no merge crosses shows here only).
+    for text in TEXTS:
+        mine = ours_tok._tk.pre_tokenizer.pre_tokenize_str(text)
+        assert mine == hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text), text
     decoded = [hf.decode(ids, skip_special_tokens=True) for ids in want]
     assert [ours_tok.decode(ids) for ids in got] == decoded
     if ignore:  # and it matters here
@@ -220,7 +284,7 @@ def test_add_eos_and_bos_flags(trained, tmp_path) -> None:
 
 def test_unknown_pre_tokenizer_is_refused_naming_it(trained, tmp_path) -> None:
     vocab, merges = trained
-    for pre in ("deepseek-llm", None):
+    for pre in ("tekken", None):
         path = write_tokenizer_gguf(tmp_path / "u.gguf", vocab, merges, pre)
         with pytest.raises(ValueError, match=rf"tokenizer\.ggml\.pre {pre!r}"):
             ours(path)
@@ -333,3 +397,26 @@ def test_gemma_sentencepiece_matches_transformers_conversion(tmp_path) -> None:
     assert [got.decode(ids) for ids in encodings(got, texts)] == [
         hf.decode(ids, skip_special_tokens=True) for ids in encodings(hf, texts)
     ]
+
+
+def test_deepseek_llm_letters_are_cased_letters_in_order() -> None:
+    """DeepSeek LLM's letter class (ours and the test's) as its tokenizer.json has it:
+    ranges that ascend and hold only cased letters (Lu, Ll, Lt; or unassigned). An editor
+    normalising the file to NFC would break it (U+1F7D -> U+03CE ends a range below its
+    start; U+212A -> "K" starts one at ASCII)."""
+    import unicodedata
+
+    from chunkserve.engine.tokenizer import _DEEPSEEK_LLM_LETTERS
+
+    assert _DEEPSEEK_LLM_LETTERS == DEEPSEEK_LLM_LETTERS
+    cls, i = DEEPSEEK_LLM_LETTERS, 0
+    while i < len(cls):
+        if cls[i + 1 : i + 2] == "-":
+            lo, hi, i = cls[i], cls[i + 2], i + 3
+        else:
+            lo = hi = cls[i]
+            i += 1
+        assert lo <= hi, (hex(ord(lo)), hex(ord(hi)))
+        cats = {unicodedata.category(chr(c)) for c in range(ord(lo), ord(hi) + 1)}
+        assert cats <= {"Lu", "Ll", "Lt", "Cn"}, (hex(ord(lo)), hex(ord(hi)), cats)
+    assert {"\u1f7d", "\u1fbe", "\u1fd3", "\u1fdb", "\u2126", "\u212a"} <= set(cls)

@@ -113,10 +113,9 @@ def llama_dir(tmp_path_factory, hf_dir: Path) -> Path:
     return write_model(root / "llama", transformers.LlamaConfig(**SMALL), hf_dir)
 
 
-def _load(config, weights, rank: int, size: int = 2):
-    model = build_model(
-        config, torch.float32, torch.device("cpu"), 64, shard=plan_shards(config, size, rank)
-    )
+def _load(config, weights, rank: int, size: int = 2, ep: bool = False):
+    shard = plan_shards(config, size, rank, expert_parallel=ep)
+    model = build_model(config, torch.float32, torch.device("cpu"), 64, shard=shard)
     model.load_weights(weights)
     return model
 
@@ -214,3 +213,77 @@ def test_quantized_safetensors_rank_reads_its_blocks(tmp_path, counted_safetenso
     assert next(weights, None) is None
     assert 0.45 * total < sum(seen) < 0.55 * total, (sum(seen), total)
     torch.testing.assert_close(got, whole[src])
+
+
+def _counted_by_tensor(reader) -> tuple[types.SimpleNamespace, dict[str, list[int]]]:
+    """``_counted_reader`` with the bytes read counted per GGUF tensor."""
+    seen: dict[str, list[int]] = {t.name: [] for t in reader.tensors}
+    tensors = [t._replace(data=_CountedArray(t.data, seen[t.name])) for t in reader.tensors]
+    return types.SimpleNamespace(fields=reader.fields, tensors=tensors), seen
+
+
+def _read(seen: dict[str, list[int]], suffix: str) -> int:
+    return sum(sum(v) for k, v in seen.items() if k.endswith(suffix))
+
+
+_GPT_OSS_EXPERTS = (
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
+    "ffn_gate_exps.bias",
+    "ffn_up_exps.bias",
+)
+
+
+@pytest.mark.parametrize(
+    "family, suffixes, ep",
+    [
+        # MLA's kv_b_proj joined from attn_k_b and attn_v_b: a rank's heads of each.
+        ("deepseek", ("attn_k_b.weight", "attn_v_b.weight"), False),
+        # F32 vectors: Q/K/V biases, a rank's heads' values.
+        ("qwen2", ("attn_q.bias", "attn_k.bias", "attn_v.bias"), False),
+        # GPT-OSS's interleaved gate_up_proj (and its bias) joined from gate and up, its
+        # down_proj transposed: tensor parallel, a rank's rows of every expert's gate and up
+        # (its even / odd columns) and columns of down; expert parallel, its experts.
+        ("gpt_oss", _GPT_OSS_EXPERTS, False),
+        ("gpt_oss", _GPT_OSS_EXPERTS, True),
+    ],
+    ids=["deepseek-kv_b", "qwen2-biases", "gpt_oss-tp", "gpt_oss-ep"],
+)
+def test_gguf_joins_and_vectors_rank_reads_its_share(
+    tmp_path, hf_dir: Path, family: str, suffixes: tuple[str, ...], ep: bool
+) -> None:
+    """Each rank of 2 reads half the bytes of those tensors (TP=1 all of them), and loads
+    what it loads from the directory the file was written from."""
+    from tests.test_gguf import write_gguf
+
+    if family == "deepseek":
+        from tests.test_deepseek import hf_config as make_config
+
+        hf = make_config("lite")
+    elif family == "gpt_oss":
+        from tests.test_gpt_oss import gpt_oss_config
+
+        hf = gpt_oss_config()
+    else:
+        from tests.test_model_families import hf_config
+
+        hf = hf_config(family)
+    src = write_model(tmp_path / family, hf, hf_dir)
+    reader = open_gguf(write_gguf(src, tmp_path / "m.gguf", split_kv_b=True))
+    config = gguf_model_config(reader)
+    counted, seen = _counted_by_tensor(reader)
+    total = {s: sum(t.data.nbytes for t in reader.tensors if t.name.endswith(s)) for s in suffixes}
+    assert all(total.values())
+    _load(config, iter_gguf_weights(counted, config, torch.float32), 0, 1)
+    assert {s: _read(seen, s) for s in suffixes} == total
+    for rank in (0, 1):
+        for v in seen.values():
+            v.clear()
+        weights = iter_gguf_weights(counted, config, torch.float32)
+        got = _params(_load(config, weights, rank, ep=ep))
+        assert {s: 2 * _read(seen, s) for s in suffixes} == total, rank
+        want = _params(_load(config, iter_hf_weights(src, torch.float32), rank, ep=ep))
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, msg=name)

@@ -149,25 +149,46 @@ def test_matmul_against_gguf_py_dequantize(weight, m, path, monkeypatch):
         )
 
 
-@pytest.fixture(scope="module")
-def avx2_kernels() -> kernels.QuantKernels:
-    """A build of the kernels without AVX512 (the AVX2 path), where the CPU has AVX2."""
+def avx2_build(flags: tuple[str, ...], paths: tuple[str, ...]) -> kernels.QuantKernels:
     if kernels.load() is None or kernels.load().simd == "portable C":
         pytest.skip("no AVX2 here")
-    k = kernels._load(("-mno-avx512f",))
-    assert k.simd == "AVX2"
+    try:
+        k = kernels._load(flags)
+    except RuntimeError as e:  # e.g. a compiler without -mno-avxvnni
+        pytest.skip(f"no build with {flags}: {e}")
+    assert k.simd in paths and not k.amx
     return k
 
 
+@pytest.fixture(scope="module")
+def avx2_kernels() -> kernels.QuantKernels:
+    """A build of the kernels without AVX512 (the AVX2 intrinsics, with AVX-VNNI's 256-bit
+    vpdpbusd where the CPU has it), where the CPU has AVX2."""
+    return avx2_build(("-mno-avx512f",), ("AVX2", "AVX2 + AVX-VNNI"))
+
+
+@pytest.fixture(scope="module")
+def avx2_maddubs_kernels() -> kernels.QuantKernels:
+    """A build without AVX512 nor AVX-VNNI: the AVX2 path's vpmaddubsw integer dots."""
+    return avx2_build(("-mno-avx512f", "-mno-avxvnni"), ("AVX2",))
+
+
+BUILDS = {"avx2": "avx2_kernels", "avx2_maddubs": "avx2_maddubs_kernels"}
+
+
+def build(path: str, request) -> kernels.QuantKernels:
+    return request.getfixturevalue(BUILDS[path]) if path in BUILDS else kernels.load()
+
+
 @needs_kernels
-@pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
+@pytest.mark.parametrize("path", ["simd", "portable", "avx2", "avx2_maddubs"])
 @pytest.mark.parametrize("m", [1, 3, 7, 16, 64])
 def test_int8_kernel_is_the_product_with_int8_activations(weight, m, path, request):
     """Tight: the int8-activation kernel (its SIMD path, its portable C path, and the AVX2
     build without AVX512) equals the float product of the dequantized weight with the
     int8-quantized activations, up to float summation order; bf16 input rows are quantized
     from their exact float values."""
-    k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
+    k = build(path, request)
     portable = path == "portable"
     qtype, _, _ = weight
     # 21 rows (a 16-row tile and a partial one) and an even number of 32-value chunks.
@@ -202,7 +223,7 @@ def test_float_decode_kernel_is_the_dequantized_product(weight, path, request):
     weight in x's dtype as the prefill path multiplies it) with x, up to float32 summation
     order: every format, M = 1..8, an odd number of blocks (and 37 rows: odd thread splits).
     The int8-activation kernel is ~1e-3 off: this bound tells them apart (checked below)."""
-    k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
+    k = build(path, request)
     qtype, raw, w = weight
     ref_w = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), np.float32))
     for m in range(1, kernels.DECODE_MAX_ROWS + 1):
@@ -220,13 +241,13 @@ def test_float_decode_kernel_is_the_dequantized_product(weight, path, request):
 
 
 @needs_kernels
-@pytest.mark.parametrize("path", ["simd", "portable", "avx2"])
+@pytest.mark.parametrize("path", ["simd", "portable", "avx2", "avx2_maddubs"])
 def test_a_row_has_the_same_bits_in_any_step(weight, path, request):
     """The int8-activation kernel is batch-invariant: 300 rows multiplied in steps of 1, 8,
     64 and 300 rows, at 1 and 2 threads, give the same bits (chunked == unchunked == TP needs
-    it), and its SIMD path, its portable C and the AVX2 build give the same bits too (one
-    arithmetic per output element: see quant_gemm.c)."""
-    k = request.getfixturevalue("avx2_kernels") if path == "avx2" else kernels.load()
+    it), and its SIMD path, its portable C and the AVX2 builds (AVX-VNNI and vpmaddubsw) give
+    the same bits too (one arithmetic per output element: see quant_gemm.c)."""
+    k = build(path, request)
     qtype, _, w = weight
     code, portable = int(qtype), path == "portable"
     x = torch.randn(300, w.in_features, generator=torch.Generator().manual_seed(5)) * 3
@@ -248,6 +269,47 @@ def test_a_row_has_the_same_bits_in_any_step(weight, path, request):
                 assert torch.equal(whole, kernels.load().gemm(code, w.data, xin)), qtype.name
     finally:
         torch.set_num_threads(old)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["avx2", "avx2_maddubs"])
+def test_avx2_paths_give_the_native_bits(weight, path, request):
+    """The AVX2 intrinsics (a build without AVX512; with and without AVX-VNNI) against the
+    native build: the int8-activation kernel's bits over M = 1, 3, 16, 64, 300 rows (x with a
+    zero row, tiny values, chunks of +-127 codes among small ones: vpmaddubsw's int16
+    saturation would show), an odd number of blocks, 37 output rows (a partial tile half),
+    float32 and bf16 x, at 1 and 2 threads; the float decode kernel bit for bit as its
+    portable C (the same summation order), and the dequantization as gguf-py's."""
+    k, native = build(path, request), kernels.load()
+    qtype, raw, w = weight
+    code = int(qtype)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(300, w.in_features, generator=gen) * 3
+    x[0] = 0.0
+    x[2, :40] = 1e-30
+    x[4, ::5] = 100.0  # chunks of codes at +-127 beside small ones
+    x[5, ::3] = -100.0
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for xin in (x, x.bfloat16()):
+                for m in (1, 3, 16, 64, 300):
+                    got, want = k.gemm(code, w.data, xin[:m]), native.gemm(code, w.data, xin[:m])
+                    assert torch.equal(got, want), (qtype.name, m, xin.dtype, threads)
+                for m in range(1, kernels.DECODE_MAX_ROWS + 1):
+                    got = k.gemm_float(code, w.data, xin[:m])
+                    want = native.gemm_float(code, w.data, xin[:m], portable=True)
+                    assert torch.equal(got, want), (qtype.name, m, xin.dtype, threads)
+            for dtype in (torch.float32, torch.bfloat16):
+                ours = k.dequantize(code, w.data, w.in_features, dtype)
+                assert torch.equal(
+                    ours, native.dequantize(code, w.data, w.in_features, dtype, True)
+                )
+    finally:
+        torch.set_num_threads(old)
+    assert same_bits(k.dequantize(code, w.data, w.in_features, torch.float32).numpy(),
+                     gguf_dequantize(raw, qtype))  # fmt: skip
 
 
 @needs_kernels

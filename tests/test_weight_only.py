@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chunkserve.quant import weight_only
-from chunkserve.quant.weight import QuantizedWeight, concat_rows
+from chunkserve.quant.weight import GGUFWeight, QuantizedWeight, concat_rows
 from chunkserve.quant.weight_only import Int4Weight, Int8Weight, quantize_weight
 
 ROWS_M = [1, 3, 16, 64, 300]
@@ -187,4 +187,78 @@ def test_bad_input_is_refused_by_name():
         q.matmul(torch.zeros(1, 32))
     with pytest.raises(ValueError, match="o: rows 2:5"):
         q.rows(2, 5)
-    assert isinstance(quantize_weight(torch.randn(4, 64), "int8"), Int8Weight)
+    q8 = quantize_weight(torch.randn(4, 64), "int8")
+    assert isinstance(q8, GGUFWeight) and q8.qtype == "Q8_0" and q8.nbytes == 4 * 2 * 34
+    assert isinstance(quantize_weight(torch.randn(4, 48), "int8"), Int8Weight)  # not blocks
+
+
+# --- int4 at the load's group (32) as GGML Q4_1 blocks (``weight_only.quantize_blocks``) ---
+
+
+def heavy_tailed(out: int = OUT, cols: int = IN, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, cols, generator=g) / torch.rand(out, cols, generator=g).clamp_min(0.05)
+    return w * 0.01  # ~1/u tails: blocks whose span one value sets
+
+
+def block_params(q: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each value's fp16 d and m (zeros for formats without m) as float32 [out, in]."""
+    fmt = q.format
+    blocks = q.data.reshape(q.shape[0], -1, fmt.block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float() if fmt.name == "Q4_1" else 0 * d
+    return (
+        d.repeat_interleave(32, dim=1).reshape(q.shape),
+        m.repeat_interleave(32, dim=1).reshape(q.shape),
+    )
+
+
+@pytest.mark.parametrize("values", ["normal", "heavy"])
+@pytest.mark.parametrize(
+    ("qtype", "ref"), [("Q4_1", "int4-g32"), ("Q4_0", "int4s-g32"), ("Q8_0", "int8")]
+)
+def test_blocks_error_within_half_their_fp16_step(values, qtype, ref):
+    """Every value within half its block's fp16 d (the q's picked with the rounded d / m);
+    the whole error within 0.2% of the fp32-scale weight's; gguf-py reads the same values."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    w = float_weight() if values == "normal" else heavy_tailed()
+    q = weight_only.quantize_blocks(w, qtype, "blk.0.w")
+    assert isinstance(q, GGUFWeight) and q.qtype == qtype and q.shape == w.shape
+    deq = q.dequantize()
+    assert np.array_equal(gguf_dequantize(q.data.numpy(), q.format.code), deq.numpy())
+    d, _ = block_params(q)
+    err = (deq - w).abs()
+    assert bool((err <= d / 2 * (1 + 1e-5) + 1e-7).all()), float((err / d).max())
+    rel = float((deq - w).norm() / w.norm())
+    rel_fp32 = float((make(ref, w).dequantize() - w).norm() / w.norm())
+    if qtype == "Q8_0":
+        assert rel < rel_fp32  # blocks of 32 against one scale a row
+    else:
+        assert rel < rel_fp32 * 1.002, (rel, rel_fp32)
+    if values == "normal":
+        assert torch.equal(deq[3], torch.zeros(IN))  # the zero row exactly zero
+
+
+def test_int4_group_32_is_q4_1_at_five_bits():
+    w = float_weight()
+    q = quantize_weight(w, "int4", "blk.0.ffn_up", group_size=32)
+    assert isinstance(q, GGUFWeight) and q.qtype == "Q4_1" and q.name == "blk.0.ffn_up"
+    assert q.nbytes * 8 == 5 * OUT * IN  # d, m (fp16) and 32 nibbles: 20 bytes a block
+    x = torch.randn(3, IN)
+    torch.testing.assert_close(q.matmul(x), x @ q.dequantize().T, rtol=1e-4, atol=1e-4)
+    # Other groups stay Int4Weight; a block's d / m beyond fp16 too (fp32 scales).
+    assert isinstance(quantize_weight(w, "int4", group_size=64), Int4Weight)
+    big = w.clone()
+    big[5, 7] = 1e5
+    assert isinstance(quantize_weight(big, "int4", group_size=32), Int4Weight)
+    # Values already on a Q4_1 grid (a dequantized Q4_1 model) come back bit for bit.
+    again = quantize_weight(q.dequantize(), "int4", group_size=32)
+    assert torch.equal(again.data, q.data)
+
+
+def test_blocks_refuse_bad_input_by_name():
+    with pytest.raises(ValueError, match="blk.1.w: 48 input features are not a multiple"):
+        weight_only.quantize_blocks(torch.randn(4, 48), "Q4_1", "blk.1.w")
+    with pytest.raises(ValueError, match="blk.1.w: quantize_blocks takes one of"):
+        weight_only.quantize_blocks(torch.randn(4, 64), "Q5_K", "blk.1.w")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -53,6 +54,25 @@ class PagedAttentionKernel:
         # Built with the bf16 tile path (the CPU has AVX512-BF16): bf16 chunks run at about
         # twice the rate of the fp32 tiles (see csrc).
         self.bf16_tiles = bool(lib.paged_attention_bf16_tiles())
+        lib.paged_attention_amx.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.paged_attention_amx.restype = ctypes.c_int
+        self._amx = lib.paged_attention_amx
+        lib.paged_attention_allow_amx.argtypes = [ctypes.c_int]
+        self._allow_amx = lib.paged_attention_allow_amx
+        self.allow_amx(amx_allowed())
+
+    def amx(self, head_dim: int, block_size: int) -> bool:
+        """Whether the deterministic mode's bf16 tiles run on AMX here (the build has
+        AMX-BF16, the OS grants the tile state, the shapes fit, ``allow_amx``); else on
+        AVX512-BF16, with other bits: the mode's bf16 results are the same on machines of one
+        kind, not across kinds."""
+        return bool(self._amx(head_dim, block_size))
+
+    def allow_amx(self, allow: bool) -> None:
+        """False: the deterministic mode's bf16 tiles stay off AMX in this process (they then
+        give the bits of a CPU with AVX512-BF16 and no AMX); set from
+        ``CHUNKSERVE_ATTENTION_AMX`` when the kernel loads."""
+        self._allow_amx(int(allow))
 
     def __call__(
         self,
@@ -79,7 +99,8 @@ class PagedAttentionKernel:
         tensor contiguous, on the CPU; the index tensors int64. ``fixed_range`` F > 0:
         batch-invariant (the deterministic mode): every run of rows on the tile path, a
         sequence's blocks reduced in ranges of F aligned on multiples of F, whatever the
-        batch or the thread count."""
+        batch or the thread count; bf16 on AMX tiles where ``amx`` says so (groups of 64
+        keys, aligned), else on the AVX512-BF16 tiles."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if sinks is not None and (
             sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1
@@ -113,6 +134,13 @@ class PagedAttentionKernel:
         )
         if rc:  # the backend only sends what the kernel takes: a bug, not a fallback
             raise RuntimeError(f"paged_attention kernel refused its arguments (code {rc})")
+
+
+def amx_allowed() -> bool:
+    """``CHUNKSERVE_ATTENTION_AMX=0``: the deterministic mode's bf16 attention stays off AMX
+    (so an AMX machine computes the bits of an AVX512-BF16 one, e.g. a prefill instance paired
+    with a decode instance on a CPU without AMX)."""
+    return os.environ.get("CHUNKSERVE_ATTENTION_AMX", "1") != "0"
 
 
 def supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chunkserve.distributed.shm import ShmAllReduce, shm_supported
+from chunkserve.distributed.shm import ShmAllReduce, shm_supported, sum_in_rank_order
 
 # Step-message operations.
 OP_SHUTDOWN = 0
@@ -82,12 +82,15 @@ class TPGroup:
         device_pg,
         meta_pg,
         shm: ShmAllReduce | None = None,
+        ordered_sums: bool = False,
     ) -> None:
         self.rank = rank
         self.size = size
         self._dev = device_pg
         self._meta = meta_pg
         self.shm = shm
+        # The deterministic mode: every sum in rank order (``all_reduce``).
+        self.ordered_sums = ordered_sums
         self._capacity = INITIAL_CAPACITY
         self._buf = torch.zeros(HEADER + self._capacity, dtype=torch.int64)
         # Seconds spent in collectives since ``take_comm_time`` (CPU: the host waits in them;
@@ -104,13 +107,15 @@ class TPGroup:
         device: torch.device,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         shm_alive: Callable[[], None] | None = None,
+        ordered_sums: bool = False,
     ) -> TPGroup:
         """Make both process groups over ``store`` (every rank calls this). ``shm_alive``
         (every rank on one CPU host): sum through shared memory, calling it while waiting
-        (it raises when another rank is known to be gone)."""
+        (it raises when another rank is known to be gone). ``ordered_sums``: the
+        deterministic mode's sums (``all_reduce``)."""
         meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", store), rank, size, META_TIMEOUT)
         dev = make_process_group(dist.PrefixStore("device", store), rank, size, device, timeout_s)
-        group = cls(rank, size, dev, meta)
+        group = cls(rank, size, dev, meta, ordered_sums=ordered_sums)
         use_shm = shm_alive is not None and device.type == "cpu"
         use_shm = use_shm and group.min_int(int(shm_supported(size, SHM_CAPACITY))) == 1
         if use_shm:
@@ -126,11 +131,24 @@ class TPGroup:
 
     # ---- the forward pass's collectives ----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns it."""
+        """Sum ``x`` over the ranks, in place; returns it.
+
+        With ``ordered_sums`` (the deterministic mode) every element's sum is
+        ``sum_in_rank_order``'s, as the shared-memory path's is, whatever the tensor's size:
+        gloo's ring all-reduce over 3 or more ranks starts each segment's sum at another
+        rank, and where a row's elements fall among the segments depends on how many rows
+        the step has (measured: over 3 ranks, a bf16 row summed alone and as the first of 3
+        rows differ). Sums too large for shared memory (or with no shared memory: ranks on
+        several hosts) then gather every rank's tensor and add them in rank order. Two
+        ranks' sums need not: one addition per element is the same in either order."""
         t0 = time.perf_counter()
         try:
             if self.shm is not None and x.is_contiguous() and self.shm.fits(x):
                 self.shm.all_reduce(x)
+            elif self.ordered_sums and self.size > 2:
+                parts = [torch.empty_like(x) for _ in range(self.size)]
+                self._dev.allgather([parts], [x.contiguous()]).wait()
+                sum_in_rank_order(x, parts)
             else:
                 self._dev.allreduce([x]).wait()
         except Exception as exc:

@@ -48,6 +48,16 @@ def shm_supported(size: int, capacity: int) -> bool:
     return st.f_bavail * st.f_frsize > 2 * (size * LINE + size * 2 * capacity)
 
 
+def sum_in_rank_order(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` = ((parts[0] + parts[1]) + parts[2]) ..., elementwise, in place: each
+    element's sum is the same whatever the tensor's size or the element's place in it (the
+    deterministic mode's sums: ``TPGroup.all_reduce``)."""
+    out.copy_(parts[0])
+    for part in parts[1:]:
+        out.add_(part)
+    return out
+
+
 class ShmAllReduce:
     def __init__(
         self,
@@ -97,11 +107,7 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (in rank order: the same bits on every rank)."""
-        parts = self._exchange(x)
-        x.copy_(parts[0])
-        for part in parts[1:]:
-            x.add_(part)
-        return x
+        return sum_in_rank_order(x, self._exchange(x))
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``x`` (same shapes), copied, on rank 0; None on the others."""

@@ -33,6 +33,42 @@ _LLAMA3_SPLIT = (
 )
 # Qwen2's: Llama 3's with one digit a piece.
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# DeepSeek's (their tokenizer.json files: a Sequence of Splits, then the byte-level
+# alphabet). V3 / R1 ("deepseek-v3"): digits in runs of up to 3, then CJK ideographs and
+# kana, then Llama 3's regex with punctuation and symbols (\p{P}, \p{S}) for its "other".
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# DeepSeek LLM ("deepseek-llm"): lines, then words of cased letters (the class below), ASCII
+# and CJK punctuation, trailing spaces, CJK / Hangul / the scripts from U+0800, digit runs.
+# Six of the class's code points change under NFC (U+1F7D, U+1FBE, U+1FD3, U+1FDB, U+2126,
+# U+212A), escaped so that no editor normalises them: llama.cpp's source carries three
+# normalised, which makes those ranges run backwards.
+_DEEPSEEK_LLM_LETTERS = (
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕ"
+    "Ἐ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ"
+    "\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲"
+    "𐳀-𐳲𑢠-𑣟𞤀-𞥃"
+)
+_DEEPSEEK_LLM_SPLITS = (
+    "[\r\n]",
+    rf"\s?[{_DEEPSEEK_LLM_LETTERS}]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}+",
+)
+# DeepSeek Coder ("deepseek-coder"): lines, letters, punctuation, CJK, each digit alone.
+_DEEPSEEK_CODER_SPLITS = (
+    "[\r\n]",
+    r"\s?\p{L}+",
+    r"\s?\p{P}+",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}",
+)
 _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4"), (_GPT2_SPLIT,)),
     **dict.fromkeys(
@@ -45,6 +81,9 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
         ("starcoder", "refact", "smollm", "command-r", "codeshell", "exaone", "minerva-7b"),
         (r"\p{N}", _GPT2_SPLIT),
     ),
+    "deepseek-v3": _DEEPSEEK_V3_SPLITS,
+    "deepseek-llm": _DEEPSEEK_LLM_SPLITS,
+    "deepseek-coder": _DEEPSEEK_CODER_SPLITS,
 }
 # What llama.cpp sets for a ``pre`` beyond its regexes: whole pieces found in the vocabulary
 # skip the merges (Llama 3's tokenizer.json: ``ignore_merges``), and BOS added by default.

@@ -48,6 +48,7 @@ from chunkserve.model.layers import (
     Target,
     _yarn_mscale,
 )
+from chunkserve.model.lazy import LazyTensor
 from chunkserve.model.moe import MOE_NAMES, gguf_moe_names
 from chunkserve.model.registry import GGUFJoin, GGUFSpec, KVLayout, register
 
@@ -264,7 +265,10 @@ class LatentAttention(nn.Module):
 # / expert_group_used_count are n_group / topk_group (newer converters write them for V2
 # too: with softmax and more than one group, V2's group_limited_greedy, whose groups rank by
 # their best expert as DeepSeek-V2's code does; llama.cpp's graph ranks every family's groups
-# by their best two, as V3's).
+# by their best two, as V3's). V3 / R1 files with their multi-token-prediction layers:
+# nextn_predict_layers of the block_count blocks are MTP blocks, the last (a block's tensors
+# and blk.N.nextn.*), not run: the model is the block_count - nextn_predict_layers before
+# them (the loader's ``_check_blocks`` refuses a file where that does not hold).
 _DEEPSEEK_TENSORS, _DEEPSEEK_EXPERTS = gguf_moe_names(DEEPSEEK_NAMES, shared=True)
 _DEEPSEEK_TENSORS.update(
     {
@@ -293,6 +297,7 @@ _DEEPSEEK_KEYS = {
     "expert_gating_func": "_gating_func",
     "expert_group_count": "_group_count",
     "expert_group_used_count": "_group_used_count",
+    "nextn_predict_layers": "_nextn",
 }
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (V2's, and a file without the key) and
 # _SIGMOID (V3's).
@@ -314,6 +319,30 @@ def _kv_b_from_k_b_v_b(config: ModelConfig, arrays: list) -> object:
         )
     k = k_b.reshape(heads, rank, nope).transpose(0, 2, 1)
     return np.concatenate((k, v_b.reshape(heads, v, rank)), axis=1).reshape(-1, rank)
+
+
+def _kv_b_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    """``_kv_b_from_k_b_v_b`` over the parts as ``LazyTensor``s: a box of kv_b_proj's rows
+    reads only the heads it touches (a tensor-parallel rank's) of attn_k_b and attn_v_b."""
+    k_b, v_b = parts
+    heads, rank = config.num_heads, config.kv_lora_rank
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    if tuple(k_b.shape) != (heads, rank, nope) or tuple(v_b.shape) != (heads, v, rank):
+        raise ValueError(
+            f"attn_k_b {tuple(k_b.shape)} / attn_v_b {tuple(v_b.shape)} do not hold {heads} "
+            f"heads of [{rank} x {nope}] / [{v} x {rank}]"
+        )
+    per = nope + v
+
+    def read(box: tuple[slice, ...]) -> torch.Tensor:
+        rows, cols = box
+        h0, h1 = rows.start // per, (rows.stop - 1) // per + 1
+        k = k_b[h0:h1].transpose(1, 2)  # [h, nope, rank]: W_UK
+        kv = torch.cat((k, v_b[h0:h1]), dim=1).reshape(-1, rank)
+        first = rows.start - h0 * per
+        return kv[first : rows.stop - h0 * per : rows.step, cols]
+
+    return LazyTensor((heads * per, rank), torch.float32, read)
 
 
 def _deepseek_gguf_fields(f: dict) -> dict:
@@ -352,6 +381,16 @@ def _deepseek_gguf_fields(f: dict) -> dict:
             f"model: GGUF key {prefix}expert_group_used_count: {used} groups of "
             f"expert_group_count {groups}"
         )
+    # V3 / R1's multi-token-prediction layers: the last ``nextn_predict_layers`` of the
+    # ``block_count`` blocks (the loader skips them, as ``load_weights`` skips them from a
+    # directory); the decoder runs the rest.
+    blocks, nextn = int(f["num_layers"]), int(f.get("_nextn") or 0)
+    if not 0 <= nextn < blocks:
+        raise ValueError(
+            f"model: GGUF key {prefix}nextn_predict_layers: {nextn}, expected 0 to "
+            f"{prefix}block_count - 1 ({blocks - 1})"
+        )
+    layers = blocks - nextn
     router: dict = dict(n_group=groups, topk_group=used if groups > 1 else 1)
     if gating == _SIGMOID_GATING:
         router.update(architecture="deepseek_v3", topk_method="noaux_tc")
@@ -362,11 +401,13 @@ def _deepseek_gguf_fields(f: dict) -> dict:
         qk_nope_head_dim=qk - rope,
         num_kv_heads=f["num_heads"],  # transformers' config: one KV head per head
         shared_expert_gate=False,
+        num_layers=layers,
+        num_nextn_predict_layers=nextn,
         **router,
     )
     if f.get("num_experts"):
         first = int(f.get("_leading_dense") or 0)
-        out["moe_layers"] = tuple(range(first, f["num_layers"])) if first else None
+        out["moe_layers"] = tuple(range(first, layers)) if first else None
         out["shared_expert_intermediate_size"] = int(f.get("_shared_count") or 0) * int(
             f.get("moe_intermediate_size") or 0
         )
@@ -387,7 +428,10 @@ DEEPSEEK_GGUF = GGUFSpec(
     keys=_DEEPSEEK_KEYS,
     joins=(
         GGUFJoin(
-            "self_attn.kv_b_proj.weight", ("attn_k_b.weight", "attn_v_b.weight"), _kv_b_from_k_b_v_b
+            "self_attn.kv_b_proj.weight",
+            ("attn_k_b.weight", "attn_v_b.weight"),
+            _kv_b_from_k_b_v_b,
+            lazy=_kv_b_lazy,
         ),
     ),
     derive=_deepseek_gguf_fields,

@@ -26,9 +26,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from chunkserve.config import ModelConfig
 from chunkserve.model.decoder import DecoderLM
+from chunkserve.model.lazy import LazyTensor
 from chunkserve.model.moe import GPT_OSS_NAMES
 from chunkserve.model.registry import GGUFJoin, GGUFSpec, register
 
@@ -63,6 +65,52 @@ def _down(config: ModelConfig, arrays: list) -> np.ndarray:
     return arrays[0].transpose(0, 2, 1)
 
 
+# The same joins over the parts as ``LazyTensor``s (``GGUFJoin.lazy``): a rank's box of
+# gate_up_proj reads only its experts' rows of gate (its even columns) or up (odd ones).
+def _interleave_lazy(gate: LazyTensor, up: LazyTensor) -> LazyTensor:
+    """``_interleave`` of two LazyTensors: a box of columns of one parity reads only that
+    part's rows."""
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+
+    def read(box: tuple[slice, ...]) -> torch.Tensor:
+        *lead, cols = box
+        last = cols.stop - 1
+        if cols.step % 2 == 0:  # one part's columns only
+            part = gate if cols.start % 2 == 0 else up
+            return part[(*lead, slice(cols.start // 2, last // 2 + 1, cols.step // 2))]
+        r0, r1 = cols.start // 2, last // 2 + 1
+        both = torch.stack((gate[(*lead, slice(r0, r1))], up[(*lead, slice(r0, r1))]), -1)
+        return both.flatten(-2)[..., cols.start - 2 * r0 : last - 2 * r0 + 1 : cols.step]
+
+    return LazyTensor((*gate.shape[:-1], 2 * gate.shape[-1]), torch.float32, read)
+
+
+def _halves(t: LazyTensor) -> tuple[LazyTensor, LazyTensor]:
+    half = t.shape[-1] // 2
+    return t.narrow(-1, 0, half), t.narrow(-1, half, half)
+
+
+def _gate_up_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    return _interleave_lazy(*(p.permute(0, 2, 1) for p in parts))
+
+
+def _gate_up_fused_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    return _interleave_lazy(*_halves(parts[0].permute(0, 2, 1)))
+
+
+def _gate_up_bias_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    return _interleave_lazy(*parts)
+
+
+def _gate_up_bias_fused_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    return _interleave_lazy(*_halves(parts[0]))
+
+
+def _down_lazy(config: ModelConfig, parts: list) -> LazyTensor:
+    return parts[0].permute(0, 2, 1)
+
+
 def _gguf_fields(f: dict) -> dict:
     """The window on even layers; the experts as wide as ``feed_forward_length`` (GPT-OSS's
     one width: ``expert_feed_forward_length`` repeats it); the model's unrounded YaRN."""
@@ -93,16 +141,30 @@ GPT_OSS_GGUF = GGUFSpec(
     },
     joins=(
         GGUFJoin(
-            _EXPERTS + "gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight"), _gate_up
+            _EXPERTS + "gate_up_proj",
+            ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+            _gate_up,
+            lazy=_gate_up_lazy,
         ),
-        GGUFJoin(_EXPERTS + "gate_up_proj", ("ffn_gate_up_exps.weight",), _gate_up_fused),
+        GGUFJoin(
+            _EXPERTS + "gate_up_proj",
+            ("ffn_gate_up_exps.weight",),
+            _gate_up_fused,
+            lazy=_gate_up_fused_lazy,
+        ),
         GGUFJoin(
             _EXPERTS + "gate_up_proj_bias",
             ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
             _gate_up_bias,
+            lazy=_gate_up_bias_lazy,
         ),
-        GGUFJoin(_EXPERTS + "gate_up_proj_bias", ("ffn_gate_up_exps.bias",), _gate_up_bias_fused),
-        GGUFJoin(_EXPERTS + "down_proj", ("ffn_down_exps.weight",), _down),
+        GGUFJoin(
+            _EXPERTS + "gate_up_proj_bias",
+            ("ffn_gate_up_exps.bias",),
+            _gate_up_bias_fused,
+            lazy=_gate_up_bias_fused_lazy,
+        ),
+        GGUFJoin(_EXPERTS + "down_proj", ("ffn_down_exps.weight",), _down, lazy=_down_lazy),
     ),
     config={"attention_sinks": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
     derive=_gguf_fields,

@@ -91,6 +91,28 @@ class LazyTensor:
     def full(self) -> torch.Tensor:
         return self[()]
 
+    def permute(self, *dims: int) -> LazyTensor:
+        """The tensor with its dims in the order ``dims`` (a box reads the stored one's)."""
+        shape = tuple(self.shape[d] for d in dims)
+        inverse = [dims.index(d) for d in range(len(dims))]
+
+        def read(box: Box) -> torch.Tensor:
+            return self._read(tuple(box[inverse[d]] for d in range(len(dims)))).permute(*dims)
+
+        return LazyTensor(shape, self.raw_dtype, read, self.dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        """``length`` indices of dim ``dim`` from ``start`` (a box reads only those)."""
+        dim %= len(self.shape)
+        shape = (*self.shape[:dim], length, *self.shape[dim + 1 :])
+
+        def read(box: Box) -> torch.Tensor:
+            s = box[dim]
+            moved = slice(s.start + start, s.stop + start, s.step)
+            return self._read((*box[:dim], moved, *box[dim + 1 :]))
+
+        return LazyTensor(shape, self.raw_dtype, read, self.dtype)
+
 
 def safetensors_tensor(handle: object, name: str) -> LazyTensor:
     """Tensor ``name`` of an open safetensors file (``safe_open``), read by slices."""

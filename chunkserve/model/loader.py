@@ -26,7 +26,9 @@ module applies it generically:
   Q/K row permutation (its ``LlamaModel.permute``, applied by the Llama-derived converters
   only); ``norm_offset``
   undoes a ``w + offset`` the converter stored for every ``*norm.weight`` (Gemma's ``1 + w``).
-  A tensor neither table names is a ValueError naming it.
+  A tensor neither table names is a ValueError naming it. Multi-token-prediction blocks
+  (``{arch}.nextn_predict_layers``, a family's key: the last blocks, ``blk.N.nextn.*``
+  beside a block's tensors) are checked against ``block_count`` and not read.
 
 Adding a family's GGUF support (check llama.cpp's ``convert_hf_to_gguf.py`` for what its
 converter class writes and changes, gguf-py's ``constants.py`` ``MODEL_TENSORS`` for its tensor
@@ -57,9 +59,13 @@ keys): the GGUF must give the directory's logits and greedy tokens.
 by whole rows of blocks, Q/K rows through llama.cpp's permutation); a quantized HF
 checkpoint's raw tensors the same way, under ``hf_quant.LazyDequant``; a GGUF file's kept
 quantized tensors as ``GGUFWeight``s over the map, copied where ``take_quantized`` keeps
-their rows or columns. Whole reads remain where a tensor is needed whole: joins (MLA's
-``kv_b_proj``, GPT-OSS's gate/up), norms with an offset, vectors, a permuted Q/K weight kept
-quantized.
+their rows or columns; a join with a ``lazy`` form (MLA's ``kv_b_proj`` from ``attn_k_b``
+and ``attn_v_b``: a rank's heads; GPT-OSS's interleaved gate/up: a rank's experts' rows of
+gate or of up) from boxes of its parts; F32/F16 vectors (biases) by the rank's values.
+Whole reads remain where a tensor is needed whole: a join without a ``lazy`` form, norms
+with an offset, 1-D block tensors, a permuted Q/K weight kept quantized; a block type's
+box reads whole rows of blocks (a column slice, e.g. a tensor-parallel rank's of MXFP4
+``ffn_down_exps``, reads every column's blocks of its rows).
 """
 
 from __future__ import annotations
@@ -113,6 +119,22 @@ _GGUF_TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Multi-token-prediction (MTP, "nextn") blocks: llama.cpp's converters write a family's
+# ``num_nextn_predict_layers`` MTP layers as the last blocks (``block_count`` counts them,
+# ``{arch}.nextn_predict_layers`` says how many), each a decoder block's tensors plus these
+# (GGUF name after "blk.N." -> the HF name after "model.layers.N."). They are not part of
+# the model's forward: a family that declares the key runs ``block_count -
+# nextn_predict_layers`` layers and the loader reads nothing of the MTP blocks.
+_GGUF_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+}
+# Those an MTP block must have (llama.cpp requires them; the others are optional).
+_GGUF_NEXTN_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
 
 
 @dataclass
@@ -312,12 +334,47 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     for name in tensors:
         if _gguf_to_hf(name, spec) is None:
             raise _refuse(f"tensor {name!r}", f"not a tensor of {arch!r} models we know")
+    _check_blocks(tensors, prefix, fields["num_layers"], fields.get("num_nextn_predict_layers", 0))
     # Fields named "_..." are a spec's scratch values for its ``derive``, not ModelConfig's.
     fields = {k: v for k, v in fields.items() if not k.startswith("_")}
     try:
         return ModelConfig(**fields)
     except TypeError as exc:  # a spec naming a field ModelConfig lacks
         raise _refuse(f"file of {arch!r}", str(exc)) from None
+
+
+def _check_blocks(tensors: dict[str, Any], prefix: str, layers: int, nextn: int) -> None:
+    """Every ``blk.N`` tensor within ``block_count`` (``layers`` decoder blocks, then
+    ``nextn`` multi-token-prediction blocks); MTP tensors on MTP blocks only; an MTP block
+    in the file with its required tensors (a file whose ``block_count`` left the MTP blocks
+    out would otherwise lose its last decoder layer, silently)."""
+    blocks: dict[int, set[str]] = {}
+    for name in tensors:
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            blocks.setdefault(int(idx), set()).add(rest)
+    key = f"key {prefix}nextn_predict_layers"
+    for b, names in sorted(blocks.items()):
+        mtp = sorted(n for n in names if n in _GGUF_NEXTN_NAMES)
+        if b >= layers + nextn:
+            raise _refuse(
+                f"tensor 'blk.{b}.{min(names)}'",
+                f"block {b} is beyond {prefix}block_count {layers + nextn}",
+            )
+        if b < layers and mtp:
+            raise _refuse(
+                f"tensor 'blk.{b}.{mtp[0]}'",
+                f"a multi-token-prediction tensor on block {b}, one of the model's "
+                f"{layers} decoder blocks ({key}: {nextn}, of {prefix}block_count "
+                f"{layers + nextn})",
+            )
+        missing = [n for n in _GGUF_NEXTN_REQUIRED if n not in names]
+        if b >= layers and missing:
+            raise _refuse(
+                f"tensor 'blk.{b}.{missing[0]}'",
+                f"missing: block {b} is a multi-token-prediction block ({key}: {nextn}, of "
+                f"{prefix}block_count {layers + nextn})",
+            )
 
 
 def _gguf_rope(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -373,6 +430,8 @@ def _gguf_to_hf(name: str, spec: GGUFSpec) -> tuple[str, ...] | None:
     join = spec.join_of(rest)
     if join is not None:
         return (prefix + join.hf,)
+    if rest in _GGUF_NEXTN_NAMES:
+        return (prefix + _GGUF_NEXTN_NAMES[rest],)
     hf = spec.tensors.get(rest, _GGUF_BLOCK_NAMES.get(rest))
     if hf is not None:
         return (prefix + hf,)
@@ -409,6 +468,8 @@ def iter_gguf_weights(
     loaded: set[str] = set()
     others: dict[str, int] = {}
     for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".", 2)[1]) >= config.num_layers:
+            continue  # a multi-token-prediction block (``_check_blocks``): not run, not read
         names = _gguf_to_hf(t.name, spec)
         if not names:
             continue  # consumed by the config (rope_freqs), or derived again
@@ -418,15 +479,20 @@ def iter_gguf_weights(
         join = spec.join_of(rest) if rest else None
         if join is not None:  # parts of one HF tensor (MLA's k_b + v_b, GPT-OSS's gate + up)
             have = held.setdefault((names[0], join.parts[0]), {})
-            have[rest] = _float_array(t, shape)
+            # A join that reads by boxes (``GGUFJoin.lazy``): its parts as LazyTensors.
+            have[rest] = _lazy_part(t, shape) if join.lazy else _float_array(t, shape)
             if len(have) < len(join.parts):
                 continue
             del held[(names[0], join.parts[0])]
             try:
-                arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
+                if join.lazy is not None:
+                    lazy = join.lazy(config, [have[p] for p in join.parts])
+                    parts = iter([(names[0], lazy.to(dtype))])
+                else:
+                    arr = np.asarray(join.combine(config, [have[p] for p in join.parts]))
+                    parts = _float_parts(t, arr, names, spec, config, dtype)
             except ValueError as exc:
                 raise _refuse(f"tensor {t.name!r}", str(exc)) from None
-            parts = _float_parts(t, arr, names, spec, config, dtype)
         elif quantized and code in FORMATS and len(shape) >= 2:
             parts = _quantized_parts(t, shape, names, spec, config)
         else:
@@ -499,6 +565,14 @@ def _float_array(t: Any, shape: tuple[int, ...]) -> np.ndarray:
     return arr.reshape(shape)
 
 
+def _lazy_part(t: Any, shape: tuple[int, ...]) -> LazyTensor:
+    """Tensor ``t`` (a join's part) as a float32 ``LazyTensor`` of ``shape`` (HF's axis
+    order) over the file's map."""
+    code = int(t.tensor_type)
+    data = t.data.reshape(shape) if code in (0, 1) else t.data
+    return LazyTensor(shape, torch.float32, _gguf_box_reader(data, code, None))
+
+
 def _float_parts(
     t: Any,
     arr: np.ndarray,
@@ -535,10 +609,12 @@ def _lazy_float_parts(
     """Tensor ``t``'s HF parts in ``dtype``, as ``_float_parts`` gives them, but as
     ``LazyTensor``s over the file's memory map: a part's ``[src]`` reads (F32, F16) or
     dequantizes (block types: whole rows of blocks, then the columns cut) only the rows
-    ``src`` selects (a Q/K projection's rows through llama.cpp's permutation). Norms with the
-    family's offset, vectors and 1-D block tensors are read whole."""
+    ``src`` selects (a Q/K projection's rows through llama.cpp's permutation; a bias its
+    rank's values). Norms with the family's offset and 1-D block tensors are read whole."""
     code = int(t.tensor_type)
-    if len(shape) < 2 or (spec.norm_offset and any(n.endswith("norm.weight") for n in names)):
+    if (len(shape) < 2 and code not in (0, 1)) or (
+        spec.norm_offset and any(n.endswith("norm.weight") for n in names)
+    ):
         yield from _float_parts(t, _float_array(t, shape), names, spec, config, dtype)
         return
     data = t.data  # a view of the map: F32/F16 values, else rows of block bytes

@@ -254,6 +254,25 @@ def grouped_experts(
     return out.index_add_(0, tokens, y)
 
 
+def shared_gate(logits: torch.Tensor, tiling: RowTiling | None = None) -> torch.Tensor:
+    """``sigmoid`` of the shared expert's gate logits [T, 1]. With ``tiling`` (the
+    deterministic mode) each row's the same whatever T: torch's elementwise kernels run a
+    tensor's elements through vector lanes but the last few (here T mod 32 of T) through a
+    scalar loop whose ``exp`` differs in the last bit (measured: fp32, 16 of 300 rows alone
+    differed from the same rows among 300). So the rows, padded to a multiple of
+    ``tiling.multiple``, go in slices of ``tiling.most`` (64 or 128 elements: whole vectors
+    for fp32 and bf16, one thread)."""
+    if tiling is None:
+        return torch.sigmoid(logits)
+    t = logits.shape[0]
+    padded = -(-t // tiling.multiple) * tiling.multiple
+    x = torch.cat((logits, logits.new_zeros(padded - t, *logits.shape[1:])))
+    out = torch.empty_like(x)
+    for r0 in range(0, padded, tiling.most):
+        out[r0 : r0 + tiling.most] = torch.sigmoid(x[r0 : r0 + tiling.most])
+    return out[:t]
+
+
 class RoutingTap:
     """Instrumentation of the routers (the profiler, tests and benchmarks; never a serving
     path): while ``active`` (``with tap:``), every MoE layer's router
@@ -446,7 +465,8 @@ class SparseMoE(nn.Module):
             if self.shared_gate is None:  # DeepSeek's shared experts: ungated
                 out = out + shared
             else:
-                out = out + torch.sigmoid(linear(x, self.shared_gate, tiling=tiling)) * shared
+                gate = shared_gate(linear(x, self.shared_gate, tiling=tiling), tiling)
+                out = out + gate * shared
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out

@@ -183,11 +183,16 @@ class GGUFJoin:
     ``parts`` (after ``blk.N.``; their arrays in HF's axis order, [..., rows, cols]) give
     ``combine(config, arrays)``, the HF tensor ``hf`` (after ``model.layers.N.``). The loader
     holds each part until the others of its block arrive; one left without them is a
-    ValueError naming it. Several joins may give one HF name (a file has one of them)."""
+    ValueError naming it. Several joins may give one HF name (a file has one of them).
+
+    ``lazy`` (optional): the same tensor as a ``lazy.LazyTensor`` made of the parts as
+    ``LazyTensor``s, whose ``[src]`` reads only what of the parts ``src`` needs (a
+    tensor-parallel rank's share); without it the parts are read whole."""
 
     hf: str
     parts: tuple[str, ...]
     combine: Callable[[ModelConfig, list[Any]], Any]
+    lazy: Callable[[ModelConfig, list[Any]], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ and cached by ``chunkserve.cbuild``, called through ctypes.
 - ``gemm``: bf16 activations' kernel (``GGUFWeight.matmul``: up to ``INT8_MAX_ROWS`` rows;
   every row count in the deterministic mode, ``matmul_row_invariant``). The activations are
   quantized to int8 per row and per 32 values and dotted with the weight's blocks in integer
-  arithmetic (AVX512-VNNI here; portable C, which the compiler vectorizes for AVX2,
-  elsewhere), then one float32 chain per output element over the K groups in a fixed order:
+  arithmetic (AVX512-VNNI here; AVX2 intrinsics on CPUs without AVX512, with AVX-VNNI where
+  they have it; portable C elsewhere), then one float32 chain per output element over the K
+  groups in a fixed order:
   the same arithmetic whatever M, the thread count or the SIMD path, so a row's result does
   not depend on the rows beside it. NR = 16 output rows are decoded at a time into a
   vpdpbusd-shaped tile, reused by every x row (see the C file); with 16 or more rows and
@@ -47,7 +48,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # With the float opt-in, up to this many rows a product runs the float decode kernel; more
 # rows dequantize tiles and multiply in torch.
 DECODE_MAX_ROWS = 8
-SIMD_PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "portable C"}
+SIMD_PATHS = {2: "AVX512-VNNI", 3: "AVX2 + AVX-VNNI", 1: "AVX2", 0: "portable C"}
 
 
 # bf16 activations: up to this many rows a product runs the int8-activation kernel (faster

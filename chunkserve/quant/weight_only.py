@@ -24,6 +24,23 @@ thresholds are ``INT8_KERNEL_ROWS`` and ``INT4_KERNEL_ROWS``.
 The int4 kernel's packed layout interleaves rows and columns, so the nibble storage above
 stays the canonical form (``rows`` / ``cols`` / ``permute_rows`` / ``concat_rows`` edit it);
 the packed copy is made on the first kernel call and kept (``nbytes`` counts it).
+
+``--quantization int4`` (groups of 32, ``LOAD_GROUP_SIZE``) does not use ``Int4Weight``: it
+writes GGML Q4_1 blocks (``quantize_blocks``: per 32 values an fp16 ``d`` and ``m`` and 16
+bytes of nibbles, ``w ~ d * q + m``, the same asymmetric int4 in groups of 32) and keeps them
+as a ``GGUFWeight``, the object a GGUF file's tensors load as: 5 bits a weight (an
+``Int4Weight`` holds 6, and 12 once torch's packed copy and its bf16 scales exist), the
+block kernels of ``quant.kernels`` (int8 activations on bf16 decode rows, float ones in fp32,
+dequantized tiles for prefill; the deterministic mode's row-invariant path), and splits on
+block boundaries for tensor parallelism. The fp16 ``d`` / ``m`` cost ~0.05% of the error
+(``benchmarks/results/int4_q4_1.md``). ``Int4Weight`` stays for groups of 64 / 128 (the
+Python API, ``quant_quality.py``'s ``int4-g64``) and for a weight beyond fp16's range.
+
+``--quantization int8`` likewise writes GGML Q8_0 blocks (per 32 values an fp16 ``d``, 32
+int8, ``w ~ d * q``): 8.5 bits a weight against ``Int8Weight``'s 8.07, 0.4-0.7x its error
+(a scale per 32 values, not per row), and faster from 4 rows up on the block kernels (equal
+at 1 row): ``benchmarks/results/int4_q4_1.md``. ``Int8Weight`` stays for columns that are
+not a multiple of 32 and weights beyond fp16's range.
 """
 
 from __future__ import annotations
@@ -34,7 +51,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunkserve.quant.weight import QuantizedWeight
+from chunkserve.quant import formats
+from chunkserve.quant.weight import GGUFWeight, QuantizedWeight
 
 INT4_GROUP_SIZES = (32, 64, 128)
 # Rows of x up to which torch's weight-only kernels beat dequantize + F.linear here, per
@@ -367,26 +385,127 @@ def check_group_size(group_size: object, name: str = "weight") -> int:
     return group_size
 
 
-# The int4 group ``--quantization int4`` prefers (quality: benchmarks/quant_quality.py).
-LOAD_GROUP_SIZE = 128
+# The int4 group ``--quantization int4`` prefers: 32, as llama.cpp's Q4_0 / Q4_1 (this is
+# round-to-nearest, no calibration). ``benchmarks/results/int4_group_sizes.md`` (1 thread,
+# 2048x2048 and 5632x2048): torch's int4 kernel and the dequantized tiles take the same time
+# at every group size (within 5%, the noise), the weight's error is 0.78x group 128's on
+# normal values and 0.65x on heavy-tailed ones (Student-t(4)), and its bytes are 1.26x (11
+# bits a weight against 8.75, the kernel's packed copy included). Perplexity
+# (``quant_quality_int4_groups.md``, SmolLM2 135M): group 64 costs +33%; group 32 is exact
+# there (that copy's weights are Q4_1's, groups of 32).
+LOAD_GROUP_SIZE = 32
 
 
 def load_group_size(in_features: int, preferred: int | None = None) -> int | None:
     """The int4 group for a weight of ``in_features`` columns quantized at load: the largest
     of ``INT4_GROUP_SIZES`` up to ``preferred`` (default ``LOAD_GROUP_SIZE``) that divides
-    the columns (SmolLM2's 576 = 9 x 64), None when none does."""
+    the columns, None when none does."""
     preferred = check_group_size(LOAD_GROUP_SIZE if preferred is None else preferred)
     fits = [g for g in INT4_GROUP_SIZES if g <= preferred and in_features % g == 0]
     return max(fits) if fits else None
+
+
+# The GGML block formats ``quantize_blocks`` writes: (values a block, asymmetric, the q range).
+BLOCK_FORMATS = {"Q4_0": (False, 0, 15), "Q4_1": (True, 0, 15), "Q8_0": (False, -127, 127)}
+FP16_MAX = 65504.0
+
+
+def _f16_toward(v: torch.Tensor, wrong: torch.Tensor, direction: float) -> torch.Tensor:
+    """fp16 ``v`` with the entries where ``wrong`` moved one step toward ``direction``."""
+    step = torch.nextafter(v, torch.full_like(v, direction))
+    return torch.where(wrong, step, v)
+
+
+def quantize_blocks(
+    w: torch.Tensor, qtype: str = "Q4_1", name: str = "weight"
+) -> GGUFWeight | None:
+    """``w`` float [out, in] (in a multiple of 32) -> GGML blocks of 32 values as a
+    ``GGUFWeight`` (the object a GGUF file's tensors load as: its kernels, row-invariant
+    path, block-boundary splits): ``Q4_1`` (asymmetric, ``w ~ d * q + m``, q in 0..15),
+    ``Q4_0`` (symmetric, ``w ~ d * (q - 8)``) or ``Q8_0`` (``w ~ d * q``, q in -127..127),
+    ``d`` and ``m`` fp16. None where a block's ``d`` or ``m`` does not fit fp16 (|w| beyond
+    65504: the caller keeps ``Int4Weight`` / ``Int8Weight``, fp32 scales).
+
+    ``d`` and ``m`` are the fp32 choice (Q4_1: ``m = min``, ``d = (max - min) / 15``; Q4_0:
+    ``d = max|w| / 7``; Q8_0: ``d = max|w| / 127``) rounded to the nearest fp16, then moved
+    one fp16 step outward where the rounding left a value of the block outside the grid
+    (``m`` above the min, ``d`` too small to reach the max), and each q is chosen with the
+    fp16 ``d`` and ``m`` the kernels read. So every value's error is at most half its
+    block's fp16 step (``d / 2``), as with fp32 scales, with a ``d`` within ~0.1% of the fp32
+    one; values that are already such blocks (a dequantized Q4_1 model) come back bit for
+    bit."""
+    if qtype not in BLOCK_FORMATS:
+        raise ValueError(
+            f"{name}: quantize_blocks takes one of {tuple(BLOCK_FORMATS)}, got {qtype!r}"
+        )
+    asym, qmin, qmax = BLOCK_FORMATS[qtype]
+    fmt = formats.get(qtype)
+    wf = _as_float_matrix(w, name)
+    out, in_features = wf.shape
+    if in_features % fmt.block_values:
+        raise ValueError(
+            f"{name}: {in_features} input features are not a multiple of {qtype}'s "
+            f"{fmt.block_values}-value blocks"
+        )
+    g = wf.reshape(out, in_features // fmt.block_values, fmt.block_values)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    if float(torch.maximum(hi.abs(), lo.abs()).max()) > FP16_MAX:
+        return None
+    if asym:
+        m16 = lo.to(torch.float16)
+        m16 = _f16_toward(m16, m16.float() > lo, float("-inf"))  # m <= min
+        m = m16.float()
+        d16 = ((hi - m) / qmax).to(torch.float16)
+        d16 = _f16_toward(d16, d16.float() * qmax + m < hi, float("inf"))  # reaches max
+        top = hi
+    else:
+        top = torch.maximum(hi, -lo)  # max |w|
+        m = None
+        steps = qmax if qmin < 0 else 7
+        d16 = (top / steps).to(torch.float16)
+        d16 = _f16_toward(d16, d16.float() * steps < top, float("inf"))
+    if not bool(torch.isfinite(d16).all()):
+        return None
+    d = d16.float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+    if asym:
+        q = torch.round((g - m[..., None]) / safe).clamp_(qmin, qmax)
+    elif qtype == "Q4_0":
+        q = (torch.round(g / safe) + 8).clamp_(qmin, qmax)
+    else:
+        q = torch.round(g / safe).clamp_(qmin, qmax)
+    nb = g.shape[1]
+    head = [d16.view(torch.uint8).reshape(out, nb, 2)]
+    if asym:
+        head.append(m16.view(torch.uint8).reshape(out, nb, 2))
+    if qtype == "Q8_0":
+        body = q.to(torch.int8).view(torch.uint8)
+    else:  # byte j: value j in the low nibble, value j + 16 in the high one
+        q = q.to(torch.uint8)
+        body = q[..., :16] | (q[..., 16:] << 4)
+    data = torch.cat([*head, body], dim=-1).reshape(out, nb * fmt.block_bytes)
+    return GGUFWeight(data, fmt, name)
 
 
 def quantize_weight(
     w: torch.Tensor, method: str, name: str = "weight", group_size: int = 128
 ) -> QuantizedWeight:
     """``w`` [out, in] quantized by ``method`` ("int8" or "int4", in groups of
-    ``group_size``); a ValueError naming ``quantization`` for another method."""
+    ``group_size``); a ValueError naming ``quantization`` for another method. int8 is GGML
+    Q8_0 and int4 in groups of 32 (the load's, ``LOAD_GROUP_SIZE``) GGML Q4_1
+    (``quantize_blocks``: ``GGUFWeight``s at 8.5 / 5 bits a weight on our block kernels);
+    int8 of columns not a multiple of 32, int4 in other groups, or a weight beyond fp16's
+    range: ``Int8Weight`` / ``Int4Weight``."""
     if method == "int8":
+        if w.dim() == 2 and w.shape[-1] % 32 == 0:
+            q = quantize_blocks(w, "Q8_0", name)
+            if q is not None:
+                return q
         return Int8Weight.quantize(w, name)
     if method == "int4":
+        if group_size == 32:
+            q = quantize_blocks(w, "Q4_1", name)
+            if q is not None:
+                return q
         return Int4Weight.quantize(w, group_size, name)
     raise ValueError(f"quantization: must be one of {METHODS}, got {method!r}")

@@ -269,8 +269,9 @@ class Worker:
             store = connect_store(self.rank_spec)
         try:
             self.group = TPGroup.join(
-                store, self.rank, tp, self.device, shm_alive=self._shm_liveness()
-            )
+                store, self.rank, tp, self.device, shm_alive=self._shm_liveness(),
+                ordered_sums=self.config.deterministic,
+            )  # fmt: skip
         except BaseException:
             self.shutdown()
             raise

@@ -494,6 +494,185 @@ static void pair_values(uint32_t *restrict vp, const uint16_t *v, int64_t n, int
         }
     }
 }
+
+/* AMX-BF16 (the deterministic mode's bf16 tiles, where the CPU has AMX and the OS grants it):
+ * a tile's 16 rows over a group of AMX_KEYS keys (4 blocks of 16, aligned on multiples of 4
+ * blocks: the same groups for every row) as tile products (tdpbf16ps), one online-softmax
+ * step per group. Scores transposed, S^T [keys][16 rows] = K Q^T: A = 16 key rows as they lie
+ * in the pool (32 dims a step), B = the tile's queries as pairs (qt2, the vdpbf16ps tiles'
+ * layout), so each key's scores land in one vector over the rows. Values: O [16 rows][D] =
+ * P V into zeroed tiles, A = the probabilities rounded to bf16 (a row's keys: p2 transposed),
+ * B = the values paired over keys; then acc = acc * corr + O per row. A tile product computes
+ * each output from its own row and column only (the other rows of a tile, real or padding,
+ * do not enter it), so a row's arithmetic is the same in a tile of 16 rows or of 1: a decode,
+ * a draft, a chunk's row and a whole prompt's row give the same bits. Keys of a group outside
+ * the item's blocks, past the sequence or outside a row's window are masked out of its
+ * softmax (their probability 0; absent blocks read as zeros). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_BLOCKS 4         /* blocks of 16 keys per group */
+#define AMX_KEYS (16 * AMX_BLOCKS)
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config_t;
+
+static int amx_state = -1; /* -1 unknown, 0 refused by the OS, 1 usable */
+
+static int amx_usable(void) {
+    if (amx_state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: once per process */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+/* Every tile 16 rows of 64 bytes: C [16][16] fp32, A [16][32] bf16, B [16 pairs][16] pairs. */
+static void amx_configure(void) {
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline void transpose16x16(__m512i *r) { /* 16 rows of 16 dwords, in place */
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int a = 0; a < 16; a += 4) {
+        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xee);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xee);
+        t[b] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        t[4 + b] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+        t[8 + b] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        t[12 + b] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+    }
+    for (int j = 0; j < 16; j++) r[j] = t[j];
+}
+
+/* One tile over one group: kb[i] the group's block i's 16 key rows (row stride ks[i]
+ * elements; a zero block for one outside the item), vp [32 key pairs][D] its values paired;
+ * keys [kmin, kmax) of the sequence are the item's (the rest masked); acc [16][D] the tile's
+ * accumulators, row-major; pv [16][D] scratch. */
+#define QK_STEP(T, K) /* scores of block T into tile T, its keys through tile K */          \
+    do {                                                                                       \
+        _tile_loadd(K, kb[T] + 32 * c, ks[T] * 2);                                             \
+        _tile_dpbf16ps(T, K, 5);                                                               \
+    } while (0)
+#define PV_STEP(T)                                                                             \
+    do {                                                                                       \
+        _tile_zero(T);                                                                         \
+        _tile_loadd(6, vp + d0 + 16 * T, D * 4);                                                \
+        _tile_dpbf16ps(T, 4, 6);                                                               \
+        _tile_loadd(7, vp + 16 * D + d0 + 16 * T, D * 4);                                       \
+        _tile_dpbf16ps(T, 5, 7);                                                               \
+        _tile_stored(T, pv + d0 + 16 * T, D * 4);                                               \
+    } while (0)
+static void tile_group_amx(const uint32_t *restrict qt2, const uint16_t *const *kb,
+                           const int64_t *ks, const uint32_t *restrict vp, int64_t D,
+                           float scale, int64_t first, int64_t kmin, int64_t kmax, v16f low,
+                           v16f lim, int inside, float cap, v16f *m, v16f *l,
+                           float *restrict acc, float *restrict pv) {
+    float raw[AMX_KEYS][TL] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < D / 32; c++) {
+        _tile_loadd(5, qt2 + TL * 16 * c, 64);
+        QK_STEP(0, 6);
+        QK_STEP(1, 7);
+        QK_STEP(2, 6);
+        QK_STEP(3, 7);
+    }
+    _tile_stored(0, raw[0], 64);
+    _tile_stored(1, raw[16], 64);
+    _tile_stored(2, raw[32], 64);
+    _tile_stored(3, raw[48], 64);
+    const v16f zero = {0}, ninf = zero - INFINITY;
+    v16f s[AMX_KEYS], bmax = ninf;
+    for (int t = 0; t < AMX_KEYS; t++) {
+        const int64_t key = first + t;
+        if (key < kmin || key >= kmax) {
+            s[t] = ninf;
+            continue;
+        }
+        v16f x = loadu(raw[t]) * scale;
+        if (cap > 0.f) x = softcap16(x, cap);
+        if (!inside) { /* else every row sees every key of the group: the mask keeps all */
+            const v16f kv = zero + (float)key;
+            x = select16((kv < lim) & (kv >= low), x, ninf);
+        }
+        s[t] = x;
+        bmax = max16v(bmax, s[t]);
+    }
+    const v16f mnew = max16v(*m, bmax);
+    const v16f base = select16(mnew == ninf, zero, mnew); /* rows that saw no key yet */
+    const v16f corr = exp16(*m - base);                    /* 0 while m is -inf */
+    v16f sum = zero;
+    for (int t = 0; t < AMX_KEYS; t++) {
+        s[t] = exp16(s[t] - base); /* 0 where masked */
+        sum += s[t];
+    }
+    *l = *l * corr + sum;
+    *m = mnew;
+    /* p2[u], lane i: (p[2u][i], p[2u+1][i]) as bf16; transposed, row i: its 16 pairs */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    uint32_t pa[2][TL][TL] __attribute__((aligned(64)));
+    for (int h = 0; h < 2; h++) {
+        __m512i r[TL];
+        for (int u = 0; u < TL; u++) {
+            const int t = 32 * h + 2 * u;
+            const __m512bh both = _mm512_cvtne2ps_pbh(to_m512(s[t + 1]), to_m512(s[t]));
+            r[u] = _mm512_permutexvar_epi16(inter, (__m512i)both);
+        }
+        transpose16x16(r);
+        for (int i = 0; i < TL; i++) _mm512_store_si512(pa[h][i], r[i]);
+    }
+    _tile_loadd(4, pa[0], 64);
+    _tile_loadd(5, pa[1], 64);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) { /* two column tiles, four value tiles */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, vp + d0, D * 4);
+        _tile_loadd(6, vp + d0 + 16, D * 4);
+        _tile_loadd(3, vp + 16 * D + d0, D * 4);
+        _tile_loadd(7, vp + 16 * D + d0 + 16, D * 4);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(0, 5, 3);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_stored(0, pv + d0, D * 4);
+        _tile_stored(1, pv + d0 + 16, D * 4);
+    }
+    for (int i = 0; i < TL; i++) {
+        const __m512 cr = _mm512_set1_ps(corr[i]);
+        float *restrict row = acc + i * D;
+        const float *restrict add = pv + i * D;
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(row + d, _mm512_fmadd_ps(_mm512_loadu_ps(row + d), cr,
+                                                      _mm512_loadu_ps(add + d)));
+    }
+}
+#endif
 #endif
 
 /* A work item on the tile path (block_size <= 16, D a multiple of 16): qf (fp32, scaled),
@@ -503,8 +682,8 @@ static void pair_values(uint32_t *restrict vp, const uint16_t *v, int64_t n, int
 static int run_item_tiled(const void *q, const void *kc, const void *vc, int dtype,
                           const int64_t *table, int64_t r, int64_t ctx, int64_t H,
                           int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
-                          float scale, int64_t window, float cap, const float *restrict qf,
-                          stat_t *st, float *restrict acc) {
+                          float scale, int64_t window, float cap, int amx,
+                          const float *restrict qf, stat_t *st, float *restrict acc) {
     const int64_t G = H / Hkv, R = r * G, nt = (R + TL - 1) / TL, tiles = Hkv * nt;
     const int64_t group = D > 128 ? TILE_GROUP * 128 / D : TILE_GROUP; /* at most 256 KB */
     const int64_t esize = dtype ? 2 : 4, row_stride = Hkv * D, block_stride = bs * Hkv * D;
@@ -515,6 +694,9 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
     const int pairs = 0;
     (void)q;
     (void)scale;
+#endif
+#ifndef AMX_TILES
+    amx = 0;
 #endif
     /* queries [tiles][D][16] (fp32, or bf16 pairs in the first half), accumulators
      * [tiles][D][16], the block's fp32 keys and values [16][D] (or its paired values) */
@@ -530,14 +712,16 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
     v16f *m = state, *l = state + tiles, *lim = state + 2 * tiles, *low = state + 3 * tiles;
     uint32_t *kt2 = (uint32_t *)(vf + TL * D); /* the narrow tiles' transposed keys */
     int narrow[tiles]; /* rows of a tile of at most NARROW rows (its accumulators [16][D]) */
+    const int rowmajor = amx && pairs; /* AMX: every tile's accumulators [16][D] */
     float top[tiles];    /* the most keys a row of the tile sees */
     float bottom[tiles]; /* the first key a row of the tile sees */
+    float hilow[tiles];  /* the last row's first key (rows in order: the most) */
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
         for (int64_t x = 0; x < nt * TL; x++) { /* lane x % TL of tile x / TL: row (j, g) */
             const int64_t tile = kvh * nt + x / TL, lane = x % TL, j = x / G;
             if (lane == 0) {
                 const int64_t used = R - (x % (nt * TL));
-                narrow[tile] = pairs && used <= NARROW ? (int)used : 0;
+                narrow[tile] = pairs && !rowmajor && used <= NARROW ? (int)used : 0;
                 m[tile] = (v16f){0} - INFINITY;
                 l[tile] = (v16f){0};
                 lim[tile] = (v16f){0};
@@ -546,7 +730,9 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             }
             if (x >= R) continue; /* padding lanes see no key */
             const int64_t i = j * H + kvh * G + x % G;
-            if (pairs) {
+            if (rowmajor) {
+                /* its queries below, 16 lanes at a time */
+            } else if (pairs) {
                 const uint32_t *row = (const uint32_t *)q + i * D / 2;
                 uint32_t *q2 = (uint32_t *)qt + tile * D * TL;
                 for (int64_t d2 = 0; d2 < D / 2; d2++) q2[d2 * TL + lane] = row[d2];
@@ -557,10 +743,77 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             low[tile][lane] = window > 0 && lim[tile][lane] > window ? lim[tile][lane] - window : 0;
             top[tile] = lim[tile][lane];
             if (lane == 0) bottom[tile] = low[tile][lane]; /* rows in order: the least */
+            hilow[tile] = low[tile][lane];
         }
+#ifdef AMX_TILES
+    if (rowmajor) /* the tiles' queries as pairs, [D / 2][16]: 16 rows' 16 pairs transposed */
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t kvh = tile / nt, x0 = (tile % nt) * TL;
+            uint32_t *q2 = (uint32_t *)qt + tile * D * TL;
+            for (int64_t c = 0; c < D / 32; c++) {
+                __m512i rows[TL];
+                for (int64_t lane = 0; lane < TL; lane++) {
+                    const int64_t x = x0 + lane, i = x / G * H + kvh * G + x % G;
+                    rows[lane] = x < R ? _mm512_loadu_si512((const uint32_t *)q + i * D / 2 + 16 * c)
+                                       : _mm512_setzero_si512();
+                }
+                transpose16x16(rows);
+                for (int64_t d2 = 0; d2 < TL; d2++)
+                    _mm512_storeu_si512(q2 + (16 * c + d2) * TL, rows[d2]);
+            }
+        }
+    if (rowmajor) { /* AMX: groups of AMX_BLOCKS blocks (aligned), see tile_group_amx */
+        static const uint16_t zeros[TL * MAX_DIM];
+        uint32_t *vp4 = (uint32_t *)kf; /* [32 key pairs][D] (kf and vf) */
+        float *pv = vf + TL * D;        /* [16][D] */
+        const int64_t kmin = blk0 * bs, kmax = blk1 * bs < ctx ? blk1 * bs : ctx;
+        amx_configure();
+        for (int64_t kvh = 0; kvh < Hkv; kvh++)
+            for (int64_t t0 = kvh * nt; t0 < (kvh + 1) * nt; t0 += group) {
+                const int64_t t1 = t0 + group < (kvh + 1) * nt ? t0 + group : (kvh + 1) * nt;
+                for (int64_t g = blk0 / AMX_BLOCKS * AMX_BLOCKS; g < blk1; g += AMX_BLOCKS) {
+                    const int64_t first = g * bs, end = first + AMX_KEYS;
+                    if (top[t1 - 1] <= (float)first) break; /* no row of the group sees it */
+                    const int64_t lo = first > kmin ? first : kmin, hi = end < kmax ? end : kmax;
+                    if (bottom[t0] >= (float)hi) continue; /* before every row's window */
+                    const uint16_t *kb[AMX_BLOCKS];
+                    int64_t ks[AMX_BLOCKS];
+                    for (int i = 0; i < AMX_BLOCKS; i++) {
+                        const int64_t b = g + i;
+                        uint32_t *vpi = vp4 + (int64_t)i * (TL / 2) * D;
+                        if (b < blk0 || b >= blk1) { /* another item's, or past the sequence */
+                            kb[i] = zeros;
+                            ks[i] = D;
+                            memset(vpi, 0, sizeof(uint32_t) * (TL / 2) * D);
+                            continue;
+                        }
+                        const int64_t at = (table[b] * block_stride + kvh * D) * esize;
+                        int64_t n = ctx - b * bs;
+                        if (n > bs) n = bs;
+                        /* a last block's rows past n: its own slots, masked (never past it) */
+                        kb[i] = (const uint16_t *)((const char *)kc + at);
+                        ks[i] = row_stride;
+                        pair_values(vpi, (const uint16_t *)((const char *)vc + at), n, D,
+                                    row_stride);
+                    }
+                    for (int64_t tile = t0; tile < t1; tile++) {
+                        if (!(top[tile] > (float)lo && bottom[tile] < (float)hi)) continue;
+                        /* the group's keys all the item's, and seen by every row (padding
+                         * lanes included: their results are never read) */
+                        const int inside = lo == first && hi == end && lim[tile][0] >= (float)end &&
+                                           hilow[tile] <= (float)first;
+                        tile_group_amx((const uint32_t *)qt + tile * D * TL, kb, ks, vp4, D,
+                                       scale, first, kmin, kmax, low[tile], lim[tile], inside,
+                                       cap, m + tile, l + tile, acct + tile * D * TL, pv);
+                    }
+                }
+            }
+        _tile_release();
+    }
+#endif
     /* A KV head's tiles in groups whose queries and accumulators stay in the core's cache
      * (a long chunk's all would not), each group over the item's blocks. */
-    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+    for (int64_t kvh = 0; kvh < Hkv && !rowmajor; kvh++)
         for (int64_t t0 = kvh * nt; t0 < (kvh + 1) * nt; t0 += group) {
             const int64_t t1 = t0 + group < (kvh + 1) * nt ? t0 + group : (kvh + 1) * nt;
             for (int64_t b = blk0; b < blk1; b++) {
@@ -618,7 +871,7 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             const int64_t i = (x / G) * H + kvh * G + x % G;
             st[i].m = m[tile][lane];
             st[i].l = l[tile][lane];
-            if (narrow[tile])
+            if (narrow[tile] || rowmajor)
                 for (int64_t d = 0; d < D; d++) acc[i * D + d] = acct[(tile * TL + lane) * D + d];
             else
                 for (int64_t d = 0; d < D; d++) acc[i * D + d] = acct[(tile * D + d) * TL + lane];
@@ -635,7 +888,7 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
 static int run_item(const void *q, const void *kc, const void *vc, int dtype,
                      const int64_t *table, int64_t r, int64_t q0, int64_t ctx, int64_t H,
                      int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
-                     float scale, int64_t window, float cap, int tiles_always,
+                     float scale, int64_t window, float cap, int tiles_always, int amx,
                      float *restrict qf, stat_t *st, float *restrict acc) {
     const int64_t G = H / Hkv, rows = r * H, esize = dtype ? 2 : 4;
     /* The tile path takes any D that is a multiple of 16, the row path D = 32, 64, 128 or
@@ -669,7 +922,7 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
         }
         return run_item_tiled((const char *)q + (q0 + j0) * H * D * esize, kc, vc, dtype,
                               table, r - j0, ctx, H, Hkv, D, bs, blk0, blk1, scale, window, cap,
-                              qf + skip * D, st + skip, acc + skip * D);
+                              amx, qf + skip * D, st + skip, acc + skip * D);
     }
     /* row i = j * H + h: query row j, head h (KV head h / G) */
     rows_to_f32(qf, (const char *)q + q0 * H * D * esize, dtype, rows, D, D);
@@ -753,6 +1006,26 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
     return 0;
 }
 
+static int amx_allowed = 1; /* paged_attention_allow_amx */
+
+/* allow 0: the deterministic mode's bf16 tiles never run on AMX in this process (the
+ * AVX512-BF16 tiles, the bits of a machine without AMX); 1: where they can (the default). */
+void paged_attention_allow_amx(int allow) { amx_allowed = allow != 0; }
+
+/* 1 if the deterministic mode's bf16 tiles run on AMX here for this head size and block size
+ * (allowed, the build has AMX-BF16, the OS grants the tile state, D a multiple of 64, blocks
+ * of 16 tokens), else 0: they run on AVX512-BF16 (other bits: a machine runs one or the
+ * other). */
+int paged_attention_amx(int64_t D, int64_t bs) {
+#ifdef AMX_TILES
+    return amx_allowed && D % 64 == 0 && D <= MAX_DIM && bs == TL && amx_usable();
+#else
+    (void)D;
+    (void)bs;
+    return 0;
+#endif
+}
+
 int paged_attention(const void *q, const void *kc, const void *vc, void *out, int dtype,
                     const int64_t *tables, int64_t table_stride, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *ctx_lens, int64_t num_seqs,
@@ -763,13 +1036,18 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
         window < 0 || !(softcap >= 0.f))
         return 1;
     if (num_seqs == 0) return 0;
+    /* The deterministic mode's bf16 tiles on AMX where it is there (every row of every call:
+     * the mode pins one path per machine, see paged_attention_amx). */
+    const int amx = fixed_range > 0 && dtype == 1 && paged_attention_amx(D, bs);
     /* fixed_range F > 0 (deterministic mode): every query row is computed the same way
      * whatever the batch, the chunk it is in, the cached prefix or the thread count: the
      * tile path for every run of rows (a lane's arithmetic depends only on its own row; a
      * block wholly outside a lane's keys leaves it exactly as it was: scores -inf, factor
      * exp16(0) = 1), and a sequence's blocks split into ranges aligned on multiples of F
      * (absolute block indices), merged in order; a range where a row sees no key adds
-     * nothing to its merge. Else: */
+     * nothing to its merge. bf16 there runs AMX tiles (tile_group_amx) where the CPU has
+     * them, for every row, else the AVX512-BF16 tiles: two paths with different bits, one per
+     * machine (paged_attention_amx says which). Else: */
     /* Work items: a sequence's blocks (from the first its windows reach) split into ranges
      * (of 8 blocks at least) by its share of the work (rows x blocks), about 4 items per
      * thread in all, so a long prompt's chunk beside a few decodes, or a lone long decode,
@@ -841,7 +1119,7 @@ int paged_attention(const void *q, const void *kc, const void *vc, void *out, in
             }
             if (run_item(q, kc, vc, dtype, tables + s * table_stride, q_len[s], q_start[s],
                          ctx_lens[s], H, Hkv, D, bs, b0, b1, scale, window, softcap,
-                         fixed_range > 0,
+                         fixed_range > 0, amx,
                          qf + base[it] * D, ist, acc + base[it] * D)) {
 #pragma omp atomic write
                 failed = 1;
