@@ -36,6 +36,17 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """True when the CPU has AMX-BF16 tiles (torch's bf16 matmuls run on them through
+    oneDNN: the CPU attention backend sends fewer bf16 rows to its own kernel)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    return "amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on GPUs that support it and on CPUs with native bf16, else fp32."""
     if name != "auto":

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from chunkserve.attention import cpu_kernels, get_attention_backend, triton_usable
+from chunkserve.platform import cpu_has_amx_bf16
 from chunkserve.scheduling.kv_cache import KVCacheManager
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.sampling_params import SamplingParams
@@ -253,10 +254,13 @@ def test_fp32_prefill_through_sdpa_matches_the_blocked_path(start: int) -> None:
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256)], ids=str)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256), (16, 4, 32), (6, 2, 48)], ids=str
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> None:
-    """Head sizes of 64, 128 and 256 take the kernel's vector path; a lone long decode (a
+    """Head sizes of 32, 64, 128 and 256 take the kernel's vector path (48 its tiles and
+    scalar loops); a lone long decode (a
     prompt's first token after a long prefill) and a few long rows are split over key ranges
     merged at the end; short chunks of several rows see their causal limits."""
     seed = random.randrange(1 << 30)
@@ -272,7 +276,9 @@ def test_cpu_kernel_vector_path_and_split_ranges(heads, dtype: torch.dtype) -> N
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256)], ids=str)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (4, 1, 256), (16, 4, 32), (6, 2, 48)], ids=str
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_tile_path_for_long_chunks(heads, block_size: int, dtype) -> None:
@@ -305,7 +311,12 @@ def test_cpu_backend_sends_continuing_chunks_to_the_kernel() -> None:
     fp32 = get_attention_backend("cpu", cpu, 9, 3, 64, torch.float32, 16)
     assert fp32.kernel_max_rows is None
     bf16 = get_attention_backend("cpu", cpu, 9, 3, 64, torch.bfloat16, 16)
-    want = cpu_paged.BF16_TILES_MAX_ROWS if cpu_kernels.load().bf16_tiles else 32
+    want = cpu_paged.kernel_max_rows(
+        torch.bfloat16,
+        64,
+        bf16_tiles=cpu_kernels.load().bf16_tiles,
+        amx_bf16=cpu_has_amx_bf16(),
+    )
     assert bf16.kernel_max_rows == want
     for attn, longest in ((fp32, 500), (bf16, want)):
         kv = KVCacheManager(200, 16)
@@ -324,6 +335,30 @@ def test_cpu_backend_sends_continuing_chunks_to_the_kernel() -> None:
             assert (torch_rows, kernel_rows) == ([40], [longest, longest + 1])
         else:
             assert (torch_rows, kernel_rows) == (sorted([40, longest + 1]), [longest])
+
+
+def test_kernel_or_torch_routing_for_continuing_chunks() -> None:
+    """The measured crossovers: fp32 chunks to the kernel's tiles at any length (head_dim 32
+    too, now that it has tiles); bf16 up to 128 rows with AVX512-BF16 tiles, 16 where torch's
+    matmuls have AMX (head_dim over 32), 32 with neither; a shape with only the scalar loops
+    (head_dim not a multiple of 16, blocks over 16 tokens) only what torch calls short; the
+    deterministic mode every row, whatever the shape or CPU."""
+    from chunkserve.attention.cpu_paged import kernel_max_rows
+    from chunkserve.attention.torch_ref import SHORT_CHUNK_ROWS
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    for hd in (32, 64, 128, 48):
+        assert kernel_max_rows(f32, hd) is None
+        assert kernel_max_rows(f32, hd, amx_bf16=True, bf16_tiles=True) is None
+    assert kernel_max_rows(bf16, 64, bf16_tiles=True) == 128
+    assert kernel_max_rows(bf16, 64, bf16_tiles=True, amx_bf16=True) == 16
+    assert kernel_max_rows(bf16, 128, bf16_tiles=True, amx_bf16=True) == 16
+    assert kernel_max_rows(bf16, 32, bf16_tiles=True, amx_bf16=True) == 128
+    assert kernel_max_rows(bf16, 64) == 32
+    assert kernel_max_rows(f32, 40) == SHORT_CHUNK_ROWS
+    assert kernel_max_rows(f32, 64, 32) == SHORT_CHUNK_ROWS
+    for args in ((f32, 40), (bf16, 64, 16), (bf16, 80, 32), (f32, 32)):
+        assert kernel_max_rows(*args, deterministic=True, amx_bf16=True, bf16_tiles=True) is None
 
 
 @needs_cpu_kernel

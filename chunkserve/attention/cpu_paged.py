@@ -29,14 +29,28 @@ import torch
 
 from chunkserve.attention.base import AttentionSpec, BatchLayout
 from chunkserve.attention.cpu_kernels import PagedAttentionKernel
-from chunkserve.attention.torch_ref import TorchAttentionBackend, _Opts, _TorchMetadata
+from chunkserve.attention.torch_ref import (
+    SHORT_CHUNK_ROWS,
+    TorchAttentionBackend,
+    _Opts,
+    _TorchMetadata,
+)
+from chunkserve.platform import cpu_has_amx_bf16
 
 # Chunks continuing a cached sequence of at most this many rows go to the kernel (None: any),
-# by dtype; longer ones to the torch path. bf16: torch's matmuls run at about twice the fp32
-# rate; the kernel's bf16 tiles (AVX512-BF16) beat them up to 128 rows, its fp32 tiles (bf16
-# widened, on other CPUs) up to 32.
+# by dtype; longer ones to the torch path (see ``kernel_max_rows``). bf16: torch's matmuls
+# run at about twice the fp32 rate; the kernel's bf16 tiles (AVX512-BF16) beat them up to 128
+# rows, its fp32 tiles (bf16 widened, on other CPUs) up to 32.
 KERNEL_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
 BF16_TILES_MAX_ROWS = 128
+# bf16 where the CPU has AMX-BF16: torch's bf16 matmuls (oneDNN) run on its tiles and beat
+# the kernel's AVX512-BF16 tiles past 16 rows at head_dim 64 and over. Measured at 1 thread
+# on the Intel Xeon (Sapphire Rapids class, AMX) with benchmarks/attention_paths.py, torch /
+# kernel time, load 1.6: head_dim 64, 16/4 and 9/3 heads, 500-2,000 keys: 16 rows 0.83-1.29,
+# 32-256 rows 0.49-0.97; head_dim 32 (half the products per key read): 16-256 rows 0.88-1.7
+# (benchmarks/results/attention_paths_xeon_amx.json).
+AMX_BF16_MAX_ROWS = 16
+AMX_BF16_SMALL_HEAD_DIM = 32  # at most this: the AVX512-BF16 tiles' limit still
 # The deterministic mode: every row of every step (first chunks too) goes to the kernel, its
 # keys reduced in ranges of this many blocks aligned on multiples of it (``cpu_kernels``); in
 # bf16 on AMX tiles where the CPU has them, for every row (CPU time a layer at 1 thread, the
@@ -44,6 +58,38 @@ BF16_TILES_MAX_ROWS = 128
 # mode's torch matmuls 54-62; 64 decodes of 256 keys 3.3-4.0 -> 2.3-2.4 ms): a machine with
 # AMX and one without give different bits (each the same whatever the batch).
 DETERMINISTIC_RANGE_BLOCKS = 32
+
+
+def kernel_max_rows(
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int = 16,
+    *,
+    bf16_tiles: bool = False,
+    amx_bf16: bool = False,
+    deterministic: bool = False,
+) -> int | None:
+    """The most rows of a chunk continuing a cached sequence that the kernel takes (None:
+    any; longer ones go to the torch path), by what measured faster where.
+
+    The deterministic mode: every row (its bits must not depend on the chunking). A shape
+    the kernel has no vector path for (head_dim not a multiple of 16, blocks over 16
+    tokens) runs its scalar loops, 4-10x slower than torch's for a chunk of 16 rows or more
+    (head_dim 32 before it had tiles): only what the torch backend itself treats as short.
+    Else fp32: any (its tiles at least match torch's SDPA, at head_dim 32 and 64, 16-512 rows
+    after 500-4,000 keys, on the EPYC and the AMX Xeon); bf16 as ``KERNEL_MAX_ROWS`` and the
+    constants above say (with AMX: by head_dim)."""
+    if deterministic:
+        return None
+    if head_dim % 16 or block_size > 16:
+        return SHORT_CHUNK_ROWS
+    if dtype != torch.bfloat16:
+        return KERNEL_MAX_ROWS.get(dtype)
+    if amx_bf16 and bf16_tiles and head_dim <= AMX_BF16_SMALL_HEAD_DIM:
+        return BF16_TILES_MAX_ROWS
+    if amx_bf16:
+        return AMX_BF16_MAX_ROWS
+    return BF16_TILES_MAX_ROWS if bf16_tiles else KERNEL_MAX_ROWS[dtype]
 
 
 @dataclass
@@ -77,19 +123,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
-        self.kernel_max_rows = KERNEL_MAX_ROWS[dtype]
-        if dtype == torch.bfloat16 and kernel.bf16_tiles:
-            self.kernel_max_rows = BF16_TILES_MAX_ROWS
+        self.kernel_max_rows = kernel_max_rows(
+            dtype,
+            head_dim,
+            block_size,
+            bf16_tiles=kernel.bf16_tiles,
+            amx_bf16=cpu_has_amx_bf16(),
+            deterministic=deterministic,
+        )
         # Deterministic: a row is attended the same way as a decode, a draft, a chunk's row
         # or a whole prompt's, whatever the chunk boundaries, cached prefix or thread count.
         self.fixed_range = DETERMINISTIC_RANGE_BLOCKS if deterministic else 0
-        if deterministic:
-            self.kernel_max_rows = None
-            if dtype == torch.bfloat16:  # AMX, AVX512-BF16 and widened tiles: other bits
-                if kernel.amx(head_dim, block_size):
-                    self.arithmetic = "amx-bf16"
-                else:
-                    self.arithmetic = "avx512-bf16" if kernel.bf16_tiles else "widened-bf16"
+        if deterministic and dtype == torch.bfloat16:  # AMX, AVX512-BF16, widened: other bits
+            if kernel.amx(head_dim, block_size):
+                self.arithmetic = "amx-bf16"
+            else:
+                self.arithmetic = "avx512-bf16" if kernel.bf16_tiles else "widened-bf16"
 
     def _prepare_prefills(self, layout: BatchLayout, meta: _TorchMetadata) -> list[int]:
         """Deterministic: every prefill chunk to the kernel (first chunks' keys are in the

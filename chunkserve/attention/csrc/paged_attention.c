@@ -100,7 +100,7 @@ static inline void block_update(const float *restrict q, const float *restrict k
     }
 }
 
-/* The vector path, for D a multiple of 16 (64, 128 or 256) and blocks of at most 16 tokens: in
+/* The vector path, for D = 32, 64, 128 or 256 and blocks of at most 16 tokens: in
  * 16-lane vectors (one AVX-512 register, or two AVX2 ones); the n <= 16 scores of a block
  * land in the lanes of one vector through a tree of shuffles (4 levels) instead of a
  * horizontal sum per key, and the accumulators stay in registers across the block's keys. */
@@ -263,6 +263,8 @@ static inline v16f load_bf16(const uint16_t *p) { /* 16 bf16 -> fp32 in register
         for (int i = 0; i < nr; i++)                                                           \
             for (int c = 0; c < NV; c++) storeu(acc[i] + 16 * c, av[i][c]);                    \
     }
+BLOCK_ROWS(rows_f32_v2, float, loadu, 2)
+BLOCK_ROWS(rows_bf16_v2, uint16_t, load_bf16, 2)
 BLOCK_ROWS(rows_f32_v4, float, loadu, 4)
 BLOCK_ROWS(rows_f32_v8, float, loadu, 8)
 BLOCK_ROWS(rows_bf16_v4, uint16_t, load_bf16, 4)
@@ -275,12 +277,16 @@ static void run_rows(const float **q, int nr, const char *k, const char *v, int 
                      stat_t **st, float **acc) {
     const float *kf = (const float *)k, *vf = (const float *)v;
     const uint16_t *kh = (const uint16_t *)k, *vh = (const uint16_t *)v;
-    if (dtype == 0 && D == 64)
+    if (dtype == 0 && D == 32)
+        rows_f32_v2(q, nr, kf, vf, stride, lo, n, cap, st, acc);
+    else if (dtype == 0 && D == 64)
         rows_f32_v4(q, nr, kf, vf, stride, lo, n, cap, st, acc);
     else if (dtype == 0 && D == 128)
         rows_f32_v8(q, nr, kf, vf, stride, lo, n, cap, st, acc);
     else if (dtype == 0)
         rows_f32_v16(q, nr, kf, vf, stride, lo, n, cap, st, acc);
+    else if (D == 32)
+        rows_bf16_v2(q, nr, kh, vh, stride, lo, n, cap, st, acc);
     else if (D == 64)
         rows_bf16_v4(q, nr, kh, vh, stride, lo, n, cap, st, acc);
     else if (D == 128)
@@ -885,14 +891,20 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
                      float scale, int64_t window, float cap, int tiles_always, int amx,
                      float *restrict qf, stat_t *st, float *restrict acc) {
     const int64_t G = H / Hkv, rows = r * H, esize = dtype ? 2 : 4;
-    /* else the scalar loops */
-    const int vector = (D == 64 || D == 128 || D == 256) && bs <= 16;
+    /* The tile path takes any D that is a multiple of 16, the row path D = 32, 64, 128 or
+     * 256; else the scalar loops (about 5x slower than the tiles: a chunk at D = 32 ran
+     * there until Nov 2026, 4-10x slower than torch's SDPA). The deterministic mode
+     * (tiles_always) keeps the paths it was measured with, so its bits do not change: the
+     * tiles at D = 64, 128 and 256, the scalar loops at any other D. */
+    const int legacy = (D == 64 || D == 128 || D == 256) && bs <= 16;
+    const int tiles = tiles_always ? legacy : D % 16 == 0 && bs <= 16 && r * G >= TILE_MIN_ROWS;
+    const int vector = !tiles_always && (legacy || (D == 32 && bs <= 16));
     float kbuf[MAX_BLOCK * MAX_DIM], vbuf[MAX_BLOCK * MAX_DIM];
     for (int64_t i = 0; i < rows; i++) {
         st[i].m = -INFINITY;
         st[i].l = 0.f;
     }
-    if (vector && (tiles_always || r * G >= TILE_MIN_ROWS)) {
+    if (tiles) {
         /* Only the rows that see a key of the blocks (row j sees keys before
          * ctx - r + 1 + j): a later range of a long chunk is seen by its last rows only; the
          * others keep l = 0 (nothing to merge). A lane's arithmetic is its row's alone. */
@@ -932,7 +944,7 @@ static int run_item(const void *q, const void *kc, const void *vc, int dtype,
             if (vector) { /* the KV head's rows (j, g), in groups of up to MR */
                 /* 16, 16 or 32 query vectors: at D = 256 two rows still beat one (and the
                  * scalar loops): each key row loaded (and widened from bf16) once for both */
-                const int group = D == 64 ? MR : 2;
+                const int group = D <= 64 ? MR : 2;
                 const float *qp[MR];
                 int64_t lo[MR], n[MR];
                 stat_t *ist[MR];
