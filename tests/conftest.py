@@ -104,6 +104,46 @@ def hf_model(hf_dir: Path):
     return model
 
 
+def mixed_prompts(n: int) -> list[list[int]]:
+    """``n`` prompts of mixed lengths (2 to 40 tokens), the same every call."""
+    rng = random.Random(42)
+    return [random_prompt(rng, rng.choice([2, 3, 5, 9, 14, 20, 40])) for _ in range(n)]
+
+
+def run_among(
+    engine,
+    prompts: list[list[int]],
+    at: int = 0,
+    max_tokens: int = 3,
+    cached: list[int] | None = None,
+    per_arrival: int = 2,
+    params=None,
+) -> tuple[list[int], list]:
+    """The result (token ids, logprobs with their top-2) of ``prompts[at]``, the prompts
+    added ``per_arrival`` at a time every other step (so chunks, decodes and arrivals mix);
+    its prompt tokens taken from the prefix cache appended to ``cached``. ``params``: the
+    requests' sampling (default: greedy, exactly ``max_tokens`` tokens, top-2 logprobs)."""
+    from chunkserve.scheduling.sampling_params import SamplingParams
+
+    params = params or SamplingParams(
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=2
+    )
+    pending, ids, results, step = list(prompts), [], {}, 0
+    while engine.has_unfinished() or pending:
+        if pending and step % 2 == 0:
+            for _ in range(min(per_arrival, len(pending))):
+                ids.append(engine.add_request(pending.pop(0), params))
+        for out in engine.step():
+            if out.finished:
+                lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+                results[out.request_id] = (out.token_ids, lps)
+                if cached is not None and out.request_id == ids[at]:
+                    cached.append(out.num_cached_tokens)
+        step += 1
+    assert_no_blocks_in_use(engine)
+    return results[ids[at]]
+
+
 def assert_no_blocks_in_use(engine) -> None:
     kv = engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks, (

@@ -20,7 +20,7 @@ from chunkserve.attention import cpu_kernels
 from chunkserve.engine.engine import Engine
 from chunkserve.model.layers import DETERMINISTIC_TILING, linear
 from chunkserve.scheduling.sampling_params import SamplingParams
-from tests.conftest import assert_no_blocks_in_use, random_prompt
+from tests.conftest import mixed_prompts, random_prompt, run_among
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None, reason=f"the C attention kernel: {cpu_kernels.load_error()}"
@@ -39,43 +39,6 @@ BUDGETS = {
     "off": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
 }
 Result = tuple[list[int], list]
-
-
-def others(n: int) -> list[list[int]]:
-    """``n`` prompts of mixed lengths (2 to 40 tokens)."""
-    rng = random.Random(42)
-    return [random_prompt(rng, rng.choice([2, 3, 5, 9, 14, 20, 40])) for _ in range(n)]
-
-
-def run(
-    engine: Engine,
-    prompts: list[list[int]],
-    at: int = 0,
-    params: SamplingParams | None = None,
-    max_tokens: int = MAX_TOKENS,
-    cached: list[int] | None = None,
-    per_arrival: int = 2,
-) -> Result:
-    """The result (token ids, logprobs with their top-2) of ``prompts[at]``, the prompts
-    added ``per_arrival`` at a time every other step (so chunks, decodes and arrivals mix);
-    its prompt tokens taken from the prefix cache appended to ``cached``."""
-    params = params or SamplingParams(
-        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=2
-    )
-    pending, ids, results, step = list(prompts), [], {}, 0
-    while engine.has_unfinished() or pending:
-        if pending and step % 2 == 0:
-            for _ in range(min(per_arrival, len(pending))):
-                ids.append(engine.add_request(pending.pop(0), params))
-        for out in engine.step():
-            if out.finished:
-                lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
-                results[out.request_id] = (out.token_ids, lps)
-                if cached is not None and out.request_id == ids[at]:
-                    cached.append(out.num_cached_tokens)
-        step += 1
-    assert_no_blocks_in_use(engine)
-    return results[ids[at]]
 
 
 def make(dtype: str, deterministic: bool = True, **kwargs) -> Engine:
@@ -120,7 +83,7 @@ def alone(engines, target):
 
     def get(dtype: str) -> Result:
         if dtype not in memo:
-            memo[dtype] = run(engines(dtype, "off"), [target])
+            memo[dtype] = run_among(engines(dtype, "off"), [target])
         return memo[dtype]
 
     return get
@@ -140,7 +103,9 @@ def test_beside_37_others_under_every_budget(engines, alone, target, dtype, budg
     steps = []
     engine.step_listeners.append(steps.append)
     try:  # 6 arrive every other step: the 38 are all in within 13 steps
-        got = run(engine, [*others(20), target, *others(37)[20:]], at=20, per_arrival=6)
+        got = run_among(
+            engine, [*mixed_prompts(20), target, *mixed_prompts(37)[20:]], at=20, per_arrival=6
+        )
     finally:
         engine.step_listeners.remove(steps.append)
     assert got == alone(dtype)
@@ -152,8 +117,8 @@ def test_beside_37_others_under_every_budget(engines, alone, target, dtype, budg
 @pytest.mark.parametrize("n", [1, 5])
 def test_beside_a_few_others(engines, alone, target, dtype, n) -> None:
     engine = engines(dtype, "16")
-    assert run(engine, [*others(n), target], at=n) == alone(dtype)
-    assert run(engine, [target, *others(n)], at=0) == alone(dtype)
+    assert run_among(engine, [*mixed_prompts(n), target], at=n) == alone(dtype)
+    assert run_among(engine, [target, *mixed_prompts(n)], at=0) == alone(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,9 +127,9 @@ def test_prefix_cache_hit(engines, alone, target, dtype) -> None:
     cached blocks (a different chunk boundary and a cached prefix) and gets the same."""
     engine = engines(dtype, "64")
     assert len(target) > 32
-    run(engine, [target[:32] + random_prompt(random.Random(3), 7)])
+    run_among(engine, [target[:32] + random_prompt(random.Random(3), 7)])
     cached: list[int] = []
-    got = run(engine, [target, *others(3)], cached=cached)
+    got = run_among(engine, [target, *mixed_prompts(3)], cached=cached)
     assert cached == [32]
     assert got == alone(dtype)
 
@@ -187,9 +152,11 @@ def test_preemption(engines, alone, target, dtype) -> None:
     rng = random.Random(7)
     prompts = [random_prompt(rng, n) for n in (30, 45, 20, 38)]
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=2)
-    got = run(engine, [*prompts, target], at=4, params=params)  # the target among the preempted
+    got = run_among(
+        engine, [*prompts, target], at=4, params=params
+    )  # the target among the preempted
     assert engine.core.scheduler.num_preemptions > 0
-    assert got == run(engines(dtype, "off"), [target], params=params)
+    assert got == run_among(engines(dtype, "off"), [target], params=params)
     assert got[0][:MAX_TOKENS] == alone(dtype)[0]
 
 
@@ -201,8 +168,8 @@ def test_ngram_speculation(engines, dtype) -> None:
     engine = make(dtype, speculative_config=spec, max_num_batched_tokens=64)
     plain = engines(dtype, "64")
     prompt = plain.tokenizer.encode("one two three four five one two three four five one two")
-    expected = run(plain, [prompt, *others(3)], max_tokens=16)
-    got = run(engine, [prompt, *others(3)], max_tokens=16)
+    expected = run_among(plain, [prompt, *mixed_prompts(3)], max_tokens=16)
+    got = run_among(engine, [prompt, *mixed_prompts(3)], max_tokens=16)
     assert engine.core.speculator.num_accepted_tokens > 0
     assert got == expected
 
@@ -210,8 +177,8 @@ def test_ngram_speculation(engines, dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_seeded_sampling(engines, target, dtype) -> None:
     params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, logprobs=1)
-    alone_run = run(engines(dtype, "off"), [target], params=params)
-    batched = run(engines(dtype, "16"), [*others(5), target], at=5, params=params)
+    alone_run = run_among(engines(dtype, "off"), [target], params=params)
+    batched = run_among(engines(dtype, "16"), [*mixed_prompts(5), target], at=5, params=params)
     assert batched == alone_run
 
 
@@ -221,8 +188,8 @@ def test_structured_outputs(engines, target) -> None:
     params = SamplingParams(
         max_tokens=6, temperature=0.0, logprobs=2, structured_outputs={"regex": "[a-z ]{3,30}"}
     )
-    alone_run = run(engines("bfloat16", "off"), [target], params=params)
-    batched = run(engines("bfloat16", "16"), [*others(5), target], at=5, params=params)
+    alone_run = run_among(engines("bfloat16", "off"), [target], params=params)
+    batched = run_among(engines("bfloat16", "16"), [*mixed_prompts(5), target], at=5, params=params)
     assert batched == alone_run
     assert alone_run[0]
 
@@ -234,7 +201,9 @@ def test_another_thread_count(alone, target) -> None:
     try:
         engine = make("bfloat16", num_threads=2, max_num_batched_tokens=16)
         assert torch.get_num_threads() == 2
-        assert run(engine, [*others(3), target], at=3, per_arrival=4) == alone("bfloat16")
+        assert run_among(engine, [*mixed_prompts(3), target], at=3, per_arrival=4) == alone(
+            "bfloat16"
+        )
     finally:
         torch.set_num_threads(1)
 
@@ -252,7 +221,7 @@ def test_data_parallel_2(alone, target) -> None:
     engine = MultiprocessEngine(config, data_parallel_size=2)
     try:
         got = []
-        for batch in ([target], [*others(4), target, *others(9)[4:]]):
+        for batch in ([target], [*mixed_prompts(4), target, *mixed_prompts(9)[4:]]):
             params = SamplingParams(
                 max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=2
             )

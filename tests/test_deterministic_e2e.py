@@ -42,7 +42,7 @@ from chunkserve.engine.engine import Engine
 from chunkserve.model.layers import DETERMINISTIC_TILING
 from chunkserve.model.moe import grouped_experts, route
 from chunkserve.scheduling.sampling_params import SamplingParams
-from tests.conftest import assert_no_blocks_in_use, random_prompt
+from tests.conftest import mixed_prompts, random_prompt, run_among
 from tests.test_model_families import write_model
 from tests.test_moe import moe_hf_config, rewrite
 
@@ -108,48 +108,14 @@ def engines(moe_dir):
     torch.set_num_threads(1)
 
 
-def others(n: int) -> list[list[int]]:
-    """``n`` prompts of mixed lengths (2 to 40 tokens)."""
-    rng = random.Random(42)
-    return [random_prompt(rng, rng.choice([2, 3, 5, 9, 14, 20, 40])) for _ in range(n)]
-
-
 TARGET = random_prompt(random.Random(5), 45)
-
-
-def run(
-    engine: Engine,
-    prompts: list[list[int]],
-    at: int = 0,
-    params: SamplingParams | None = None,
-    cached: list[int] | None = None,
-    per_arrival: int = 2,
-) -> Result:
-    """The result (token ids, logprobs with their top-2) of ``prompts[at]``, the prompts
-    added ``per_arrival`` at a time every other step (chunks, decodes and arrivals mix);
-    the number of its prompt tokens taken from the prefix cache appended to ``cached``."""
-    params = params or SamplingParams(
-        max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=2
-    )
-    pending, ids, results, step = list(prompts), [], {}, 0
-    while engine.has_unfinished() or pending:
-        if pending and step % 2 == 0:
-            for _ in range(min(per_arrival, len(pending))):
-                ids.append(engine.add_request(pending.pop(0), params))
-        for out in engine.step():
-            if out.finished:
-                lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
-                results[out.request_id] = (out.token_ids, lps)
-                if cached is not None and out.request_id == ids[at]:
-                    cached.append(out.num_cached_tokens)
-        step += 1
-    assert_no_blocks_in_use(engine)
-    return results[ids[at]]
 
 
 def beside_37(engine: Engine) -> Result:
     """The target 21st of 38 prompts arriving 6 every other step."""
-    return run(engine, [*others(20), TARGET, *others(37)[20:]], at=20, per_arrival=6)
+    return run_among(
+        engine, [*mixed_prompts(20), TARGET, *mixed_prompts(37)[20:]], at=20, per_arrival=6
+    )
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +125,7 @@ def alone(engines):
 
     def get(dtype: str) -> Result:
         if dtype not in memo:
-            memo[dtype] = run(engines(dtype, "off"), [TARGET])
+            memo[dtype] = run_among(engines(dtype, "off"), [TARGET])
         return memo[dtype]
 
     return get
@@ -174,7 +140,7 @@ def test_moe_beside_5_and_37_others(engines, alone, dtype, budget) -> None:
     engine.step_listeners.append(steps.append)
     try:
         assert beside_37(engine) == alone(dtype)
-        assert run(engine, [*others(5), TARGET], at=5) == alone(dtype)
+        assert run_among(engine, [*mixed_prompts(5), TARGET], at=5) == alone(dtype)
     finally:
         engine.step_listeners.remove(steps.append)
     if budget == "16":  # the target's prompt was chunked beside other work
@@ -186,9 +152,9 @@ def test_moe_prefix_cache_hit(engines, alone, dtype) -> None:
     """A request sharing the target's first two blocks runs first: the target starts from
     cached blocks (another chunk boundary, a cached prefix) and gets the same."""
     engine = engines(dtype, "16")
-    run(engine, [TARGET[:32] + random_prompt(random.Random(3), 7)])
+    run_among(engine, [TARGET[:32] + random_prompt(random.Random(3), 7)])
     cached: list[int] = []
-    assert run(engine, [TARGET, *others(3)], cached=cached) == alone(dtype)
+    assert run_among(engine, [TARGET, *mixed_prompts(3)], cached=cached) == alone(dtype)
     assert cached == [32]
 
 
@@ -211,17 +177,17 @@ def test_moe_preemption(moe_dir, engines, dtype) -> None:
     rng = random.Random(7)
     prompts = [random_prompt(rng, n) for n in (30, 45, 20, 38)]
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=2)
-    got = run(engine, [*prompts, TARGET], at=4, params=params)
+    got = run_among(engine, [*prompts, TARGET], at=4, params=params)
     assert engine.core.scheduler.num_preemptions > 0
-    assert got == run(engines(dtype, "off"), [TARGET], params=params)
+    assert got == run_among(engines(dtype, "off"), [TARGET], params=params)
 
 
 def test_moe_needs_the_mode(engines) -> None:
     """Without the mode, bf16: the target's logprobs beside others differ from alone (so
     the tests above can tell the mode from its absence)."""
-    plain = run(engines("bfloat16", "off", False), [TARGET])
+    plain = run_among(engines("bfloat16", "off", False), [TARGET])
     batched = engines("bfloat16", "16", False)
-    cases = [beside_37(batched), run(batched, [*others(5), TARGET], at=5)]
+    cases = [beside_37(batched), run_among(batched, [*mixed_prompts(5), TARGET], at=5)]
     assert any(case != plain for case in cases)
 
 
@@ -240,11 +206,11 @@ def test_moe_quantized_experts_beside_5_and_37_others(q8_gguf, dtype) -> None:
     row tiles): alone, chunking off = beside 5 and 37 others, budget 16."""
     reference = make(q8_gguf, dtype, enable_chunked_prefill=False, max_num_batched_tokens=2048)
     assert isinstance(reference.core.worker.model.layers[1].mlp.qw13, list)
-    want = run(reference, [TARGET])
+    want = run_among(reference, [TARGET])
     del reference
     engine = make(q8_gguf, dtype, max_num_batched_tokens=16)
     assert beside_37(engine) == want
-    assert run(engine, [*others(5), TARGET], at=5) == want
+    assert run_among(engine, [*mixed_prompts(5), TARGET], at=5) == want
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -336,7 +302,7 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     assert engine.core.worker.shard.size == 2
     assert mlp.w13.shape[0] == (4 if ep else 8)
     assert engine.core.worker.group.shm is not None and engine.core.worker.group.ordered_sums
-    first = run(engine, [TARGET])
+    first = run_among(engine, [TARGET])
     steps = []
     engine.step_listeners.append(steps.append)
     try:
@@ -344,9 +310,9 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     finally:
         engine.step_listeners.remove(steps.append)
     assert any(s.kind == "mixed" for s in steps)
-    run(engine, [TARGET[:32] + random_prompt(random.Random(3), 7)])
+    run_among(engine, [TARGET[:32] + random_prompt(random.Random(3), 7)])
     cached: list[int] = []
-    assert run(engine, [TARGET, *others(3)], cached=cached) == first
+    assert run_among(engine, [TARGET, *mixed_prompts(3)], cached=cached) == first
     assert cached == [32]
     # What the mode does not give: two ranks' bits equal to one process's.
     assert [lp[1] for lp in first[1]] != [lp[1] for lp in alone(dtype)[1]]

@@ -38,6 +38,20 @@
 #include <immintrin.h>
 #endif
 
+/* fn##_FMT(...) for the weight format ``fmt`` (each SIMD section defines its per-format
+ * functions with PER_FORMAT*). */
+#define DISPATCH(fmt, fn, ...)                                                                 \
+    switch (fmt) {                                                                             \
+    case Q4_0: fn##_Q4_0(__VA_ARGS__); break;                                                  \
+    case Q4_1: fn##_Q4_1(__VA_ARGS__); break;                                                  \
+    case Q5_0: fn##_Q5_0(__VA_ARGS__); break;                                                  \
+    case Q5_1: fn##_Q5_1(__VA_ARGS__); break;                                                  \
+    case Q8_0: fn##_Q8_0(__VA_ARGS__); break;                                                  \
+    case Q4_K: fn##_Q4_K(__VA_ARGS__); break;                                                  \
+    case Q5_K: fn##_Q5_K(__VA_ARGS__); break;                                                  \
+    default: fn##_Q6_K(__VA_ARGS__);                                                           \
+    }
+
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { F32 = 0, BF16 = 1 };
 
@@ -768,17 +782,6 @@ PER_FORMAT(Q4_K)
 PER_FORMAT(Q5_K)
 PER_FORMAT(Q6_K)
 
-#define DISPATCH(fmt, fn, ...)                                                                 \
-    switch (fmt) {                                                                             \
-    case Q4_0: fn##_Q4_0(__VA_ARGS__); break;                                                  \
-    case Q4_1: fn##_Q4_1(__VA_ARGS__); break;                                                  \
-    case Q5_0: fn##_Q5_0(__VA_ARGS__); break;                                                  \
-    case Q5_1: fn##_Q5_1(__VA_ARGS__); break;                                                  \
-    case Q8_0: fn##_Q8_0(__VA_ARGS__); break;                                                  \
-    case Q4_K: fn##_Q4_K(__VA_ARGS__); break;                                                  \
-    case Q5_K: fn##_Q5_K(__VA_ARGS__); break;                                                  \
-    default: fn##_Q6_K(__VA_ARGS__);                                                           \
-    }
 #endif
 
 /* ---------------------------------------------------------------- AVX2 decoding */
@@ -1210,18 +1213,6 @@ PER_FORMAT_AVX2(Q4_K)
 PER_FORMAT_AVX2(Q5_K)
 PER_FORMAT_AVX2(Q6_K)
 
-/* As the AVX512 section's (the two sections are never both built). */
-#define DISPATCH(fmt, fn, ...)                                                                 \
-    switch (fmt) {                                                                             \
-    case Q4_0: fn##_Q4_0(__VA_ARGS__); break;                                                  \
-    case Q4_1: fn##_Q4_1(__VA_ARGS__); break;                                                  \
-    case Q5_0: fn##_Q5_0(__VA_ARGS__); break;                                                  \
-    case Q5_1: fn##_Q5_1(__VA_ARGS__); break;                                                  \
-    case Q8_0: fn##_Q8_0(__VA_ARGS__); break;                                                  \
-    case Q4_K: fn##_Q4_K(__VA_ARGS__); break;                                                  \
-    case Q5_K: fn##_Q5_K(__VA_ARGS__); break;                                                  \
-    default: fn##_Q6_K(__VA_ARGS__);                                                           \
-    }
 #endif
 
 /* ---------------------------------------------------------------- AMX-INT8 (M >= AMX_ROWS) */
