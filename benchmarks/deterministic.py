@@ -85,6 +85,9 @@ def main() -> None:
         help="cpu: the process's CPU time (time.process_time), steadier on a busy machine "
         "(time waiting for a core not counted; caches and memory still shared)",
     )
+    parser.add_argument(
+        "--note", default="", help="how the machine was (shared, quiet); load averages are recorded"
+    )
     args = parser.parse_args()
     plain, det = make_llm(args, False), make_llm(args, True)
     dtype = str(plain.engine.core.worker.dtype).removeprefix("torch.")
@@ -106,7 +109,7 @@ def main() -> None:
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         commit=git_commit(),
         machine=cpu_description(),
-        note="shared machine (other processes busy on its cores while this ran)",
+        note=args.note,
         load_average_1_5_15=dict(before=load_before, after=os.getloadavg()),
         model="embedded SmolLM2-135M-Instruct",
         dtype=dtype,

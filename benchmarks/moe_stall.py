@@ -125,7 +125,7 @@ def main() -> None:
         doc = {
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(sys.argv),
-            "machine": f"{os.cpu_count()} cores, shared (load averages per run below)",
+            "machine": f"{os.cpu_count()} cores, load averages per run below (~1 or less: quiet)",
             "rounds": rounds,
             "summary": summarize(rounds),
         }
