@@ -26,25 +26,25 @@ def resolve_device(name: str) -> torch.device:
 
 
 @functools.cache
+def _cpu_flags() -> str:
+    """/proc/cpuinfo's text ("" where there is none), read once."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bf16 natively (AVX512-BF16 or AMX): bf16 matmuls are then
     several times faster than fp32; elsewhere bf16 is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-@functools.cache
 def cpu_has_amx_bf16() -> bool:
     """True when the CPU has AMX-BF16 tiles (torch's bf16 matmuls run on them through
     oneDNN: the CPU attention backend sends fewer bf16 rows to its own kernel)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    return "amx_bf16" in flags
+    return "amx_bf16" in _cpu_flags()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
