@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import random
 import shutil
 
@@ -394,6 +395,19 @@ def test_cpu_kernel_not_chosen_for_what_it_does_not_take() -> None:
     assert get_attention_backend("auto", cpu, 2, 1, 512).name == "torch"
     with pytest.raises(ValueError, match="attention_backend: 'cpu'"):
         get_attention_backend("cpu", cpu, H, HKV, HD, torch.float16)
+
+
+def test_the_c_kernels_build_wherever_a_compiler_is_found() -> None:
+    """The C kernels' tests skip where the kernels cannot build (not Linux, no compiler).
+    Where a compiler is found they must build: a broken source, flag or cache directory (a
+    full disk) would otherwise show up only as dozens of skipped tests."""
+    from chunkserve.quant import kernels as quant_kernels
+
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if platform.system() != "Linux" or compiler is None:
+        pytest.skip("no C compiler here, so the kernels' tests skip too")
+    assert cpu_kernels.load() is not None, cpu_kernels.load_error()
+    assert quant_kernels.load() is not None, quant_kernels.load_error()
 
 
 @needs_cpu_kernel
