@@ -156,14 +156,16 @@ def route_noaux_tc(
     topk_group: int,
     scaling: float,
     renormalize: bool,
+    tiling: RowTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router (``topk_method`` "noaux_tc"): sigmoid scores in fp32; the
     choice is made on score + ``bias`` [E] (the correction bias): the experts, cut into
     ``num_groups`` groups, keep only those of the ``topk_group`` groups whose best two
     biased scores sum highest, and the ``top_k`` best biased scores of those are chosen.
     Their weights are their unbiased scores, renormalised to sum to 1 (``renormalize``),
-    then times ``scaling`` (``routed_scaling_factor``)."""
-    scores = torch.sigmoid(logits.float())
+    then times ``scaling`` (``routed_scaling_factor``). ``tiling``: the deterministic
+    mode's, as in ``sigmoid_rows``."""
+    scores = sigmoid_rows(logits.float(), tiling)
     choice = scores + bias.float()
     if num_groups > 1:
         t, e = choice.shape
@@ -254,14 +256,15 @@ def grouped_experts(
     return out.index_add_(0, tokens, y)
 
 
-def shared_gate(logits: torch.Tensor, tiling: RowTiling | None = None) -> torch.Tensor:
-    """``sigmoid`` of the shared expert's gate logits [T, 1]. With ``tiling`` (the
-    deterministic mode) each row's the same whatever T: torch's elementwise kernels run a
-    tensor's elements through vector lanes but the last few (here T mod 32 of T) through a
-    scalar loop whose ``exp`` differs in the last bit (measured: fp32, 16 of 300 rows alone
-    differed from the same rows among 300). So the rows, padded to a multiple of
-    ``tiling.multiple``, go in slices of ``tiling.most`` (64 or 128 elements: whole vectors
-    for fp32 and bf16, one thread)."""
+def sigmoid_rows(logits: torch.Tensor, tiling: RowTiling | None = None) -> torch.Tensor:
+    """``sigmoid`` of [T, ...] logits (a shared expert's gate [T, 1], a router's scores
+    [T, E]). With ``tiling`` (the deterministic mode) each row's the same whatever T: torch's
+    elementwise kernels run a tensor's elements through vector lanes but the last few (T x E
+    mod 32) through a scalar loop whose ``exp`` differs in the last bit (measured: fp32, 16 of
+    300 shared-gate rows alone differed from the same rows among 300, and 13 of 300 rows'
+    routing weights with 16 experts). So the rows, padded to a multiple of
+    ``tiling.multiple``, go in slices of ``tiling.most`` (64 or 128 rows: whole vectors for
+    fp32 and bf16, one thread)."""
     if tiling is None:
         return torch.sigmoid(logits)
     t = logits.shape[0]
@@ -436,7 +439,7 @@ class SparseMoE(nn.Module):
         elif self.score_bias is not None:
             weights, ids = route_noaux_tc(
                 logits, self.score_bias, self.top_k, *self.groups, self.routed_scaling,
-                self.renormalize,
+                self.renormalize, self.tiling,
             )  # fmt: skip
         elif self.topk_method is not None:
             weights, ids = route_grouped(
@@ -465,7 +468,7 @@ class SparseMoE(nn.Module):
             if self.shared_gate is None:  # DeepSeek's shared experts: ungated
                 out = out + shared
             else:
-                gate = shared_gate(linear(x, self.shared_gate, tiling=tiling), tiling)
+                gate = sigmoid_rows(linear(x, self.shared_gate, tiling=tiling), tiling)
                 out = out + gate * shared
         if self.group is not None:
             out = self.group.all_reduce(out)
