@@ -212,7 +212,7 @@ def test_any_json_number_crosses_the_process_boundary() -> None:
     """A schema is kept as its text: numbers beyond 64 bits do not break msgpack."""
     import msgspec
 
-    from chunkserve.engine.core import CoreRequest
+    from chunkserve.engine.core_types import CoreRequest
 
     params = SamplingParams(structured_outputs={"json": {"enum": [10**25], "const": 10**30}})
     structured.check(params.structured_outputs)

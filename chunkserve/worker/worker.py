@@ -75,6 +75,7 @@ from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.sampling_params import SamplingParams
 from chunkserve.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from chunkserve.worker.draft_model import DraftModel
+from chunkserve.worker.errors import DeviceError
 from chunkserve.worker.model_runner import ModelRunner, RunnerOutput, StepArrays, allocate_kv_caches
 from chunkserve.worker.sampler import Sampler
 
@@ -98,10 +99,6 @@ FATAL_DEVICE_ERRORS = (
     "CUBLAS_STATUS_",
     "cuDNN error",
 )
-
-
-class DeviceError(RuntimeError):
-    """The device failed in a way no later step can recover from."""
 
 
 def is_fatal_device_error(exc: BaseException) -> bool:
