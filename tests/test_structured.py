@@ -488,10 +488,10 @@ def test_masks_can_overlap_only_with_a_core_to_spare(monkeypatch) -> None:
     import torch
 
     monkeypatch.setattr(structured.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(structured.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not structured.masks_can_overlap(torch.device("cpu"))
     assert structured.masks_can_overlap(torch.device("cuda", 0))
-    monkeypatch.setattr(structured.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert structured.masks_can_overlap(torch.device("cpu"))
 
 
