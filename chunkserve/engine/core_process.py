@@ -160,7 +160,11 @@ def run_core(
         # imports this module for its messages only.
         from chunkserve.engine.core import EngineCore
         from chunkserve.model.loader import load_model_config
-        from chunkserve.model.source import release_gguf_readers, resolve_model
+        from chunkserve.model.source import (
+            release_gguf_readers,
+            resolve_model,
+            weights_only_reader,
+        )
 
         if data_parallel_size > 1:
             _pick_gpu(config.device, index, data_parallel_size, config.tensor_parallel_size)
@@ -171,6 +175,8 @@ def run_core(
             download_dir=config.download_dir,
         )
         model_config, reader = load_model_config(source)
+        if reader is not None:  # the tokenizer is the front end's
+            reader = weights_only_reader(reader)
         reports.send(enc.encode(CoreConfig(index, pickle.dumps(model_config))))
         start = _wait_start(commands, dec, parent)
         if start is None:

@@ -156,6 +156,25 @@ def release_gguf_readers() -> int:
     return release_free_heap()
 
 
+def weights_only_reader(reader: Any) -> Any:
+    """``reader`` taken out of the shared cache and stripped of the tokenizer's arrays (the
+    vocabulary, its scores and types, the merges), for a process that reads only the
+    model's config and tensors from it (an engine core): Gemma 3's 262k-token vocabulary is
+    ~1M small arrays, ~300 MiB resident, which would otherwise stay through the weights'
+    load. A later ``open_gguf`` (the first grammar's tokenizer) parses the file again."""
+    import gc
+
+    from chunkserve.memory import release_free_heap
+
+    release_gguf_readers()
+    for key, field in list(reader.fields.items()):
+        if key.startswith("tokenizer.") and len(field.parts) > 1 << 10:  # not the ids
+            del reader.fields[key]
+    gc.collect()
+    release_free_heap()
+    return reader
+
+
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
     from chunkserve.model.gguf_reader import GGUFReader
