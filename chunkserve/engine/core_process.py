@@ -4,9 +4,12 @@ The API server's interpreter does HTTP, tokenisation, detokenisation and SSE; th
 does nothing but schedule and step, so neither waits for the other's GIL. They talk over
 ZeroMQ sockets with msgpack-encoded messages (msgspec): commands in on a PULL socket
 (``AddRequest``, ``AbortRequests``, ``FinishRequests``, ``FailRequest``, ``Shutdown``),
-reports out on a PUSH socket: ``CoreReady`` once the model is loaded (or ``CoreFailed``),
-then one ``StepReport`` per step with work: token-id deltas (``core_types.CoreOutput``) and the
-step's statistics.
+reports out on a PUSH socket. Start-up is a handshake: the core reads the model's config
+and reports it (``CoreConfig``: the front end never imports torch, which reading it needs),
+the front end answers ``StartCore`` with the EOS ids (its tokenizer's and the model's), the
+core loads and reports ``CoreReady`` (or ``CoreFailed`` at any point). Then one
+``StepReport`` per step with work: token-id deltas (``core_types.CoreOutput``) and the
+step's statistics. This module imports no torch (the core's modules load in ``run_core``).
 
 The core steps back to back while it has work, taking new commands between steps, and
 blocks on its command socket when idle. It exits on ``Shutdown``, when its parent process
