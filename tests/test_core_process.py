@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -308,3 +310,37 @@ def test_one_hung_core_trips_the_watchdog_while_the_other_reports() -> None:
     finally:
         engine.shutdown(timeout=5)
     assert all(not c.process.is_alive() for c in engine._cores)
+
+
+# The API server's process with its core in another: it starts the core, tokenises, serves
+# a request and builds the app, and never imports torch (~200 MiB resident: 1.6x of
+# llama.cpp's memory on Gemma 3 270M came mostly from torch in both processes).
+NO_TORCH_FRONT_END = """
+import sys
+from chunkserve.config import EngineConfig
+from chunkserve.engine.async_engine import AsyncEngine
+from chunkserve.engine.multiprocess_engine import MultiprocessEngine
+from chunkserve.entrypoints.openai.api_server import build_app
+from chunkserve.entrypoints import serve
+from chunkserve.scheduling.sampling_params import SamplingParams
+engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG))
+try:
+    engine.add_request("Hello", SamplingParams(max_tokens=2, temperature=0.0))
+    done = False
+    while not done:
+        done = any(out.finished for out in engine.step())
+    build_app(AsyncEngine(engine), served_model_name="m")
+finally:
+    engine.shutdown()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_the_api_servers_process_never_imports_torch() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code = f"CONFIG = {CONFIG!r}\n{NO_TORCH_FRONT_END}"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -577,14 +577,14 @@ def test_phi3_gguf_longrope_partial_rotary_and_window(model_dirs, gguf_files, tm
 def test_released_readers_are_dropped_and_read_again(gguf_files) -> None:
     """A server drops its shared GGUF readers once loaded (their parsed header and map stay
     resident otherwise); a later ``open_gguf`` reads the file again."""
-    from chunkserve.model import loader
+    from chunkserve.model import source
 
     path = next(iter(gguf_files.values()))
     first = open_gguf(path)
     assert open_gguf(path) is first  # shared while cached
     arch = gguf_model_config(first).architecture
     del first
-    loader.release_gguf_readers()
-    assert loader._read_gguf.cache_info().currsize == 0
+    source.release_gguf_readers()
+    assert source._read_gguf.cache_info().currsize == 0
     again = open_gguf(path)
     assert gguf_model_config(again).architecture == arch

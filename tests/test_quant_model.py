@@ -118,6 +118,15 @@ def test_embedded_weights_stay_in_their_bits(embedded, gguf_path) -> None:
     assert dequantized.core.worker.model.weight_bytes() > 5 * file_bytes
 
 
+def test_rotary_tables_cover_the_served_context_only(embedded) -> None:
+    """The cos/sin tables hold max_model_len positions, not max_position_embeddings (8,192
+    here; Gemma 3's 32,768 x 256 fp32 tables were 128 MiB of a served 270M model)."""
+    engine = embedded[0]
+    model = engine.core.worker.model
+    assert engine.max_model_len < engine.model_config.max_position_embeddings
+    assert model.rotary.cos.shape[0] == model.rotary.sin.shape[0] == engine.max_model_len
+
+
 def greedy_agreement(engine: Engine, other: Engine) -> tuple[int, int, int, int, float]:
     """The greedy tokens of NATURAL_PROMPTS on two engines: (prompts that agree, prompts,
     tokens before the first difference, tokens, max |logprob difference| over those)."""

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from tokenizers import AddedToken
 
 from chunkserve.engine.async_engine import AsyncEngine
-from chunkserve.engine.core import CoreOutput
+from chunkserve.engine.core_types import CoreOutput
 from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from chunkserve.entrypoints.openai.api_server import _Handler, build_app, resolve_parsers

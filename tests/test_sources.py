@@ -15,6 +15,7 @@ from chunkserve.config import EngineConfig
 from chunkserve.engine.engine import Engine
 from chunkserve.model import hub
 from chunkserve.model.loader import resolve_model
+from chunkserve.model.source import open_gguf, weights_only_reader
 from chunkserve.scheduling.sampling_params import SamplingParams
 
 REPO_ID = "tiny-org/tiny-llama"
@@ -555,3 +556,20 @@ def test_no_cost_profile_is_written_into_the_hub_cache(tmp_path) -> None:
         assert path.parent == Path.home() / ".cache" / "chunkserve" / "profiles"
     local = default_profile_path(str(tmp_path / "m.gguf"), "cpu", "float32", 2)
     assert local.parent == tmp_path
+
+
+def test_an_engine_cores_reader_drops_the_vocabulary_not_the_shared_one(gguf_path) -> None:
+    """``weights_only_reader`` (engine core processes): the tokenizer's arrays go (Gemma 3's
+    vocabulary held ~300 MiB through the weights' load), the ids, config keys and tensors
+    stay, and the shared reader is parsed again, whole, for anyone who asks later."""
+    reader = open_gguf(gguf_path)
+    num_tensors, num_tokens = len(reader.tensors), len(reader.fields["tokenizer.ggml.tokens"].data)
+    stripped = weights_only_reader(reader)
+    assert "tokenizer.ggml.tokens" not in stripped.fields
+    assert "tokenizer.ggml.merges" not in stripped.fields
+    assert "tokenizer.ggml.eos_token_id" in stripped.fields
+    assert "llama.block_count" in stripped.fields
+    assert len(stripped.tensors) == num_tensors
+    again = open_gguf(gguf_path)
+    assert again is not stripped
+    assert len(again.fields["tokenizer.ggml.tokens"].data) == num_tokens

@@ -212,7 +212,7 @@ def test_any_json_number_crosses_the_process_boundary() -> None:
     """A schema is kept as its text: numbers beyond 64 bits do not break msgpack."""
     import msgspec
 
-    from chunkserve.engine.core import CoreRequest
+    from chunkserve.engine.core_types import CoreRequest
 
     params = SamplingParams(structured_outputs={"json": {"enum": [10**25], "const": 10**30}})
     structured.check(params.structured_outputs)
@@ -488,10 +488,10 @@ def test_masks_can_overlap_only_with_a_core_to_spare(monkeypatch) -> None:
     import torch
 
     monkeypatch.setattr(structured.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(structured.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not structured.masks_can_overlap(torch.device("cpu"))
     assert structured.masks_can_overlap(torch.device("cuda", 0))
-    monkeypatch.setattr(structured.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert structured.masks_can_overlap(torch.device("cpu"))
 
 

@@ -21,12 +21,14 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from chunkserve.config import EngineConfig
 from chunkserve.distributed import child
 from chunkserve.distributed.child import ChildProcess
+
+if TYPE_CHECKING:  # torch.distributed is imported where a store is made: the API server's
+    import torch.distributed as dist  # process only names ``RANK_MAIN`` (no torch there)
 
 logger = logging.getLogger("chunkserve.tp")
 
@@ -87,6 +89,8 @@ def launcher_rank(config: EngineConfig) -> RankSpec | None:
 
 def connect_store(spec: RankSpec) -> dist.Store:
     """The group's store as a client (ranks other than 0)."""
+    import torch.distributed as dist
+
     return dist.TCPStore(
         spec.master_addr, spec.master_port, spec.size, is_master=False, timeout=STORE_TIMEOUT
     )
@@ -134,6 +138,8 @@ class LocalRanks:
 def start_rank0(config: EngineConfig) -> tuple[dist.Store, LocalRanks | None]:
     """Rank 0's side (the engine core): host the store (or reach the launcher's), start this
     node's other ranks. Returns the store and the processes started."""
+    import torch.distributed as dist
+
     size = config.tensor_parallel_size
     spec = launcher_rank(config)
     if spec is not None:

@@ -33,7 +33,7 @@ from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd, watchdog_limit
 from chunkserve.engine.input_processor import CheckedRequest
 from chunkserve.engine.output_processor import RequestOutput
 from chunkserve.scheduling.sampling_params import SamplingParams
-from chunkserve.worker.worker import DeviceError
+from chunkserve.worker.errors import DeviceError
 
 logger = logging.getLogger("chunkserve.async")
 

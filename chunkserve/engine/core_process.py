@@ -4,9 +4,12 @@ The API server's interpreter does HTTP, tokenisation, detokenisation and SSE; th
 does nothing but schedule and step, so neither waits for the other's GIL. They talk over
 ZeroMQ sockets with msgpack-encoded messages (msgspec): commands in on a PULL socket
 (``AddRequest``, ``AbortRequests``, ``FinishRequests``, ``FailRequest``, ``Shutdown``),
-reports out on a PUSH socket: ``CoreReady`` once the model is loaded (or ``CoreFailed``),
-then one ``StepReport`` per step with work: token-id deltas (``core.CoreOutput``) and the
-step's statistics.
+reports out on a PUSH socket. Start-up is a handshake: the core reads the model's config
+and reports it (``CoreConfig``: the front end never imports torch, which reading it needs),
+the front end answers ``StartCore`` with the EOS ids (its tokenizer's and the model's), the
+core loads and reports ``CoreReady`` (or ``CoreFailed`` at any point). Then one
+``StepReport`` per step with work: token-id deltas (``core_types.CoreOutput``) and the
+step's statistics. This module imports no torch (the core's modules load in ``run_core``).
 
 The core steps back to back while it has work, taking new commands between steps, and
 blocks on its command socket when idle. It exits on ``Shutdown``, when its parent process
@@ -17,17 +20,21 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 import zmq
 
 from chunkserve.config import EngineConfig
-from chunkserve.engine.core import CoreInfo, CoreLoad, CoreOutput, CoreRequest, EngineCore
+from chunkserve.engine.core_types import CoreInfo, CoreLoad, CoreOutput, CoreRequest
 from chunkserve.engine.step_log import StepStats
-from chunkserve.platform import freeze_startup_heap
+from chunkserve.memory import freeze_startup_heap
 from chunkserve.scheduling.request import RequestStatus
+
+if TYPE_CHECKING:
+    from chunkserve.engine.core import EngineCore
 
 logger = logging.getLogger("chunkserve.core")
 
@@ -60,13 +67,28 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
     pass
 
 
+class StartCore(msgspec.Struct, tag="start"):
+    """The front end's answer to ``CoreConfig``: load the model and serve with these EOS ids
+    (the tokenizer's, which only the front end reads, with the model's)."""
+
+    eos_token_ids: list[int]
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
 Command = Union[  # noqa: UP007
-    AddRequest, AbortRequests, FinishRequests, FailRequest, ResetPrefixCache, Shutdown
+    AddRequest, AbortRequests, FinishRequests, FailRequest, ResetPrefixCache, StartCore, Shutdown
 ]
+
+
+class CoreConfig(msgspec.Struct, tag="config"):
+    """The model's ``ModelConfig`` (pickled), read by the core before its weights: the front
+    end takes it from here, as reading it needs the model registry, and so torch."""
+
+    core: int
+    model_config: bytes
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
@@ -97,7 +119,7 @@ class StepReport(msgspec.Struct, tag="step"):
     load: CoreLoad  # after the step
 
 
-Report = Union[CoreReady, CoreFailed, CoreDead, StepReport]  # noqa: UP007
+Report = Union[CoreConfig, CoreReady, CoreFailed, CoreDead, StepReport]  # noqa: UP007
 
 
 def encoder() -> msgspec.msgpack.Encoder:
@@ -115,14 +137,15 @@ def report_decoder() -> msgspec.msgpack.Decoder:
 def run_core(
     index: int,
     config: EngineConfig,
-    eos_token_ids: tuple[int, ...],
     command_address: str,
     report_address: str,
     log_level: int = logging.INFO,
     data_parallel_size: int = 1,
 ) -> None:
-    """The core process's main: build the core, report ready, serve commands until told to
-    stop or orphaned. With several cores on CUDA, core ``index`` takes GPU ``index``."""
+    """The core process's main: read the model's config and report it (``CoreConfig``),
+    wait for the front end's ``StartCore``, build the core, report ready, serve commands
+    until told to stop or orphaned. With several cores on CUDA, core ``index`` takes GPU
+    ``index``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s core{index}: %(message)s"
@@ -136,15 +159,44 @@ def run_core(
     reports.connect(report_address)
     enc, dec = encoder(), command_decoder()
     try:
+        # The core (and torch) are imported here, in the core's process: the API server's
+        # imports this module for its messages only.
+        from chunkserve.engine.core import EngineCore
+        from chunkserve.model.loader import load_model_config
+        from chunkserve.model.source import (
+            release_gguf_readers,
+            resolve_model,
+            weights_only_reader,
+        )
+
         if data_parallel_size > 1:
             _pick_gpu(config.device, index, data_parallel_size, config.tensor_parallel_size)
-        core = EngineCore(config, eos_token_ids, index=index)
+        source = resolve_model(
+            config.model,
+            weights=config.load_format != "dummy",
+            revision=config.revision,
+            download_dir=config.download_dir,
+        )
+        model_config, reader = load_model_config(source)
+        if reader is not None:  # the tokenizer is the front end's
+            reader = weights_only_reader(reader)
+        reports.send(enc.encode(CoreConfig(index, pickle.dumps(model_config))))
+        start = _wait_start(commands, dec, parent)
+        if start is None:
+            return _close(commands, reports, ctx)
+        core = EngineCore(
+            config, tuple(start.eos_token_ids), source, model_config, reader, index=index
+        )
+        # The weights are in: the GGUF reader (the file's map, whose copied pages stay
+        # resident, and its parsed header) can go, as ``EngineCore`` does with one it
+        # opened itself. The first grammar's tokenizer parses the file again.
+        del reader
+        released = release_gguf_readers()
+        logger.debug("released %.0f MiB with the GGUF reader", released / 2**20)
     except Exception as exc:
         logger.exception("engine core %d failed to start", index)
         reports.send(enc.encode(CoreFailed(index, type(exc).__name__, str(exc))))
-        reports.close()
-        ctx.term()
-        return
+        return _close(commands, reports, ctx)
     freeze_startup_heap()  # the model's objects: out of the collector's walks
     reports.send(enc.encode(CoreReady(index, core.info())))
     try:
@@ -157,6 +209,25 @@ def run_core(
         commands.close(linger=0)
         reports.close()
         ctx.term()
+
+
+def _wait_start(commands, dec, parent: int) -> StartCore | None:
+    """The front end's ``StartCore``; None if it said ``Shutdown`` or is gone."""
+    while True:
+        if commands.poll(IDLE_POLL_MS):
+            cmd = dec.decode(commands.recv())
+            if isinstance(cmd, StartCore):
+                return cmd
+            if isinstance(cmd, Shutdown):
+                return None
+        elif os.getppid() != parent:
+            return None
+
+
+def _close(commands, reports, ctx) -> None:
+    commands.close(linger=0)
+    reports.close()
+    ctx.term()
 
 
 def _pick_gpu(device: str, index: int, data_parallel_size: int, tensor_parallel_size: int) -> None:

@@ -15,16 +15,17 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from chunkserve.config import EngineConfig, ModelConfig
-from chunkserve.engine.core import CoreOutput, CoreRequest
+from chunkserve.engine.core_types import CoreOutput, CoreRequest
 from chunkserve.engine.input_processor import CheckedRequest, InputProcessor
 from chunkserve.engine.output_processor import OutputProcessor, RequestOutput
 from chunkserve.engine.step_log import StepStats
 from chunkserve.engine.tokenizer import Tokenizer
 from chunkserve.model.generation import max_tokens_cap, model_eos_ids, sampling_defaults
 from chunkserve.model.hub import resolve_tokenizer
-from chunkserve.model.loader import ModelSource, load_model_config, resolve_model
+from chunkserve.model.source import ModelSource, resolve_model
 from chunkserve.scheduling.sampling_params import SamplingParams
 
 logger = logging.getLogger("chunkserve")
@@ -65,7 +66,7 @@ class FrontEnd:
         )
         self.model_name = source.name
         self.model_path = str(source.path)
-        model_config, reader = load_model_config(source)
+        model_config, reader = self._load_model_config(source)
         self.model_config: ModelConfig = model_config
         tokenizer_dir = resolve_tokenizer(
             config.tokenizer, config.tokenizer_revision, config.download_dir
@@ -113,6 +114,15 @@ class FrontEnd:
         self.step_listeners: list[Callable[[StepStats], None]] = []
         # Called with the final output of every request that ends: stop, length, abort, error.
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+
+    def _load_model_config(self, source: ModelSource) -> tuple[ModelConfig, Any]:
+        """The model's config and its open GGUF reader (None for a directory; the tokenizer
+        reads it). Read here, where the core runs in this process anyway; a subclass whose
+        cores run elsewhere takes it from them (reading it needs the model registry, and
+        so torch, which the API server's process does without)."""
+        from chunkserve.model.loader import load_model_config
+
+        return load_model_config(source)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

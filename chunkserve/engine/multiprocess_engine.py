@@ -25,22 +25,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import signal
 import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
-from chunkserve.config import EngineConfig
+from chunkserve.config import EngineConfig, ModelConfig
 from chunkserve.distributed import child
 from chunkserve.distributed.child import ChildProcess, ProcessExited
 from chunkserve.distributed.launch import RANK_MAIN
-from chunkserve.engine.core import CoreInfo, CoreLoad, CoreRequest
 from chunkserve.engine.core_process import (
     AbortRequests,
     AddRequest,
+    CoreConfig,
     CoreDead,
     CoreFailed,
     CoreReady,
@@ -48,14 +50,17 @@ from chunkserve.engine.core_process import (
     FinishRequests,
     ResetPrefixCache,
     Shutdown,
+    StartCore,
     StepReport,
     encoder,
     report_decoder,
 )
+from chunkserve.engine.core_types import CoreInfo, CoreLoad, CoreRequest
 from chunkserve.engine.frontend import WATCHDOG_S, FrontEnd, watchdog_limit
 from chunkserve.engine.output_processor import RequestOutput
+from chunkserve.model.source import ModelSource, open_gguf
 from chunkserve.scheduling.block_hash import block_hashes
-from chunkserve.worker.worker import DeviceError
+from chunkserve.worker.errors import DeviceError
 
 logger = logging.getLogger("chunkserve")
 
@@ -106,9 +111,7 @@ class MultiprocessEngine(FrontEnd):
             raise ValueError(f"data_parallel_size: must be >= 1, got {data_parallel_size!r}")
         if not watchdog_s > 0:
             raise ValueError(f"watchdog_timeout: must be > 0 seconds, got {watchdog_s!r}")
-        super().__init__(config)
         self.watchdog_s = watchdog_s
-        self._source = self._reader = None  # each core loads its own
         self._tmp = tempfile.TemporaryDirectory(prefix="chunkserve-")
         self._ctx = zmq.Context()
         self._reports = self._ctx.socket(zmq.PULL)
@@ -132,7 +135,6 @@ class MultiprocessEngine(FrontEnd):
                     (
                         i,
                         config,
-                        self.eos_token_ids,
                         address,
                         report_address,
                         logging.getLogger("chunkserve").getEffectiveLevel(),
@@ -142,6 +144,12 @@ class MultiprocessEngine(FrontEnd):
                 )
                 self._cores.append(_Core(i, process, sock))
                 self._routed.append(OrderedDict())
+            # The front end's part (tokenizer, EOS ids, limits) on the config a core read
+            # (``_load_model_config``); then each core loads its weights.
+            super().__init__(config)
+            self._source = self._reader = None  # each core loads its own
+            for core in self._cores:
+                self._send_starting(core, StartCore(list(self.eos_token_ids)))
             self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -342,12 +350,23 @@ class MultiprocessEngine(FrontEnd):
         return best
 
     # ---- start-up and liveness -------------------------------------------------------------
-    def _wait_ready(self) -> None:
+    def _load_model_config(self, source: ModelSource) -> tuple[ModelConfig, Any]:
+        """The first core's ``CoreConfig`` (this process does not import torch, which
+        reading the config needs: the registry's families), and the GGUF reader for the
+        tokenizer, opened here."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        waiting = {c.index for c in self._cores}
-        while waiting:
+        while True:
+            report = self._next_startup_report(deadline)
+            if isinstance(report, CoreConfig):
+                model_config = pickle.loads(report.model_config)
+                return model_config, open_gguf(source.path) if source.kind == "gguf" else None
+
+    def _next_startup_report(self, deadline: float):
+        """The next report while the cores start; a core that failed raises (a
+        ``ValueError`` for a bad configuration)."""
+        while True:
             if time.monotonic() > deadline:
-                raise CoreDeadError(f"engine cores {sorted(waiting)} did not start in time")
+                raise CoreDeadError("engine cores did not start in time")
             if not self._reports.poll(200):
                 self._check_alive()
                 continue
@@ -359,6 +378,21 @@ class MultiprocessEngine(FrontEnd):
                     f"engine core {report.core} failed to start: "
                     f"{report.error_type}: {report.message}"
                 )
+            return report
+
+    def _send_starting(self, core: _Core, message) -> None:
+        try:
+            core.socket.send(self._enc.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise CoreDeadError(f"engine core {core.index} is not reachable") from None
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = {c.index for c in self._cores}
+        while waiting:
+            if time.monotonic() > deadline:
+                raise CoreDeadError(f"engine cores {sorted(waiting)} did not start in time")
+            report = self._next_startup_report(deadline)
             if isinstance(report, CoreReady):
                 self._cores[report.core].info = report.info
                 waiting.discard(report.core)

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from chunkserve.engine.core import CoreOutput
+from chunkserve.engine.core_types import CoreOutput
 from chunkserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from chunkserve.scheduling.request import RequestMetrics
 from chunkserve.scheduling.sampling_params import SamplingParams

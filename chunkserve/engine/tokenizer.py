@@ -21,7 +21,7 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as HFTokenizer
 
-from chunkserve.model.loader import ModelSource
+from chunkserve.model.source import ModelSource
 
 # Byte-level BPE pre-tokenizers by ``tokenizer.ggml.pre``: the regexes llama.cpp splits text
 # with for that value (src/llama-vocab.cpp), each applied in turn to the pieces of the one
@@ -111,7 +111,7 @@ def _byte_level_pre_tokenizer(pre: str | None) -> Any:
 
 
 def _gguf_bpe_tokenizer(reader: Any) -> HFTokenizer:
-    from chunkserve.model.loader import _field
+    from chunkserve.model.source import _field
 
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
@@ -138,7 +138,7 @@ def _gguf_bpe_tokenizer(reader: Any) -> HFTokenizer:
 def _add_special_tokens(tk: HFTokenizer, reader: Any, default_bos: bool) -> None:
     """BOS / EOS around every encoding where the file's ``add_bos_token`` / ``add_eos_token``
     ask (``default_bos``: llama.cpp's default without the flag)."""
-    from chunkserve.model.loader import _field
+    from chunkserve.model.source import _field
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
     add_bos = _field(reader, "tokenizer.ggml.add_bos_token", default_bos)
@@ -170,7 +170,7 @@ def _gguf_sentencepiece_tokenizer(path: Path, reader: Any, kind: str) -> HFToken
     vocabulary (2 loaded cores): ``AutoTokenizer.from_pretrained(gguf_file=)`` took 68 s, 53 s
     of it re-parsing the whole file with gguf-py for the model config; from our reader the
     builder takes ~13 s (merges derived from the scores: 6-9 s)."""
-    from chunkserve.model.loader import _field
+    from chunkserve.model.source import _field
 
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
@@ -228,7 +228,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path, reader: Any) -> Tokenizer:
-        from chunkserve.model.loader import _field
+        from chunkserve.model.source import _field
 
         kind = _field(reader, "tokenizer.ggml.model")
         if kind == "gpt2":
@@ -508,7 +508,7 @@ def _gguf_gemma_tokenizer(reader: Any) -> HFTokenizer:
     from tokenizers import normalizers
     from transformers.tokenization_utils_base import generate_merges
 
-    from chunkserve.model.loader import _field
+    from chunkserve.model.source import _field
 
     raw = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(raw))

@@ -98,11 +98,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # No torch in this process when the core runs in its own (``engine.core_types``).
     from chunkserve.engine.async_engine import AsyncEngine
-    from chunkserve.engine.engine import Engine
     from chunkserve.engine.multiprocess_engine import MultiprocessEngine
     from chunkserve.entrypoints.openai.api_server import build_app
-    from chunkserve.model.loader import release_gguf_readers
+    from chunkserve.model.source import release_gguf_readers
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("max_waiting_requests: must be >= 1")
@@ -142,6 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.core_process:
         engine = MultiprocessEngine(config, args.data_parallel_size, watchdog)
     else:
+        from chunkserve.engine.engine import Engine
+
         engine = Engine(config)
     # A server is one model for its life: the front end's GGUF reader (the parsed header,
     # ~60 MiB for a 49k-token vocabulary) is not needed once the tokenizer is built.
@@ -186,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=tool_parser,
         reasoning_parser=reasoning_parser,
     )
-    from chunkserve.platform import freeze_startup_heap
+    from chunkserve.memory import freeze_startup_heap
 
     freeze_startup_heap()
     import uvicorn

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkserve.config import GENERATION_DEFAULT_KEYS, EngineConfig
-from chunkserve.model.loader import ModelSource
+from chunkserve.model.source import ModelSource
 
 FILE = "generation_config.json"
 # transformers' GenerationConfig defaults of those fields: a file's value equal to one of

@@ -88,7 +88,7 @@ class DraftModel:
             model_config,
             dtype,
             device,
-            max_positions=max(max_model_len, model_config.max_position_embeddings),
+            max_positions=max_model_len,  # as the target's (``Worker.load``)
         )
         if dummy_weights:
             self.model.init_dummy_weights(seed)

@@ -33,12 +33,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from chunkserve.scheduling.request import Request, RequestStatus
 from chunkserve.scheduling.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # torch is imported where masks are made: the API server's process
+    import torch  # uses this module to check grammars only, without torch
 
 logger = logging.getLogger("chunkserve.structured")
 
@@ -447,6 +448,8 @@ class GrammarMasks:
         # Inference mode is per thread: the bitmask may have been made under the step's,
         # and a failed row is overwritten in place (outside it torch refuses, and that
         # error, not the grammar's, reached the request when the masks ran on their thread).
+        import torch
+
         with torch.inference_mode():
             self._fill_rows(job)
 
@@ -499,4 +502,6 @@ def masks_can_overlap(device: torch.device) -> bool:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    import torch
+
     return torch.get_num_threads() < cores
