@@ -257,6 +257,104 @@ static void quantize_row(const int fmt, const void *x, int dtype, int64_t m, con
     }
 }
 
+/* ---------------------------------------------------------------- packed weights */
+/* A packed weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 with N a multiple of NR): the same bytes as the file's
+ * rows, reordered at load so that a batch-1 product reads its vpdpbusd operands straight from
+ * memory, with no decoding and no 16 x 16 transpose per pair of chunks (what one x row spent
+ * most of its time on). Per group of NR output rows and per 32-value chunk c, NR blocks'
+ * bytes (the chunk's ``cb = NR * block_bytes``), in this order:
+ *   sc  f16 [NR]          the rows' d;
+ *   t   f16 [NR]          Q4_1 / Q5_1: the rows' m;
+ *   high bits 64 bytes    Q5_0 / Q5_1: byte 4 r + b, bit j = the fifth bit of code (4 j + b);
+ *   codes                 Q4_x / Q5_x: 4 x 64 bytes, vector v byte 4 r + b = code (4 v + b) of
+ *                         row r in its low nibble, code (4 v + 16 + b) in its high nibble (the
+ *                         tile's [K / 4][NR][4] layout, two 4-value steps per byte; the low four
+ *                         bits of Q5's codes);
+ *                         Q8_0: 8 x 64 bytes, vector j byte 4 r + b = code (4 j + b) of row r
+ *                         as an unsigned code (q + 128, the tile's).
+ * Groups one after another, chunks in order within a group: a group is contiguous. Products
+ * with more x rows unpack a few groups at a time back to the file's rows (``quant_unpack``'s
+ * bytes) and run the file layout's code: every path computes each output element with the
+ * same arithmetic as on the file's layout (the same bits). */
+static int packable(const int fmt) { return fmt < Q4_K; }
+
+/* Byte offsets in a packed chunk: the high bits (Q5_x) and the codes. */
+static inline int packed_hb_at(const int fmt) { return fmt == Q5_1 ? 4 * NR : 2 * NR; }
+static inline int packed_codes_at(const int fmt) {
+    return fmt == Q4_1 ? 4 * NR : fmt == Q5_0 ? 2 * NR + 64 : fmt == Q5_1 ? 4 * NR + 64 : 2 * NR;
+}
+
+static void pack_rows(const int fmt, const uint8_t *w, int64_t row_bytes, int64_t rg, int64_t K,
+                      uint8_t *out) {
+    const int bb = block_bytes(fmt), at = packed_codes_at(fmt);
+    const int64_t chunks = K / 32, cb = (int64_t)NR * bb;
+    uint8_t q[32];
+    for (int64_t c = 0; c < chunks; c++) {
+        uint8_t *dst = out + (rg * chunks + c) * cb;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *row = w + (rg * NR + r) * row_bytes, *b = row + c * bb;
+            memcpy(dst + 2 * r, b, 2);
+            if (fmt == Q4_1 || fmt == Q5_1) memcpy(dst + 2 * NR + 2 * r, b + 2, 2);
+            chunk_codes(fmt, row, c, q);
+            for (int v = 0; v < (fmt == Q8_0 ? 8 : 4); v++)
+                for (int i = 0; i < 4; i++)
+                    dst[at + 64 * v + 4 * r + i] =
+                        fmt == Q8_0 ? q[4 * v + i]
+                                    : (uint8_t)((q[4 * v + i] & 15) | (q[4 * v + 16 + i] & 15) << 4);
+            if (fmt == Q5_0 || fmt == Q5_1)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t hb = 0;
+                    for (int j = 0; j < 8; j++) hb |= (uint8_t)(((q[4 * j + i] >> 4) & 1) << j);
+                    dst[packed_hb_at(fmt) + 4 * r + i] = hb;
+                }
+        }
+    }
+}
+
+/* Rows idx[0..n-1] of a packed weight as the file stores them (row_bytes each) into out. */
+static void unpack_rows(const int fmt, const uint8_t *pk, int64_t row_bytes, int64_t K,
+                        const int64_t *idx, int64_t first, int64_t n, uint8_t *out) {
+    const int bb = block_bytes(fmt), at = packed_codes_at(fmt);
+    const int64_t chunks = K / 32, cb = (int64_t)NR * bb;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t o = idx ? idx[i] : first + i, rg = o / NR, r = o % NR;
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint8_t *src = pk + (rg * chunks + c) * cb;
+            uint8_t *b = out + i * row_bytes + c * bb;
+            memcpy(b, src + 2 * r, 2);
+            if (fmt == Q8_0) {
+                for (int j = 0; j < 8; j++)
+                    for (int k = 0; k < 4; k++)
+                        b[2 + 4 * j + k] = src[at + 64 * j + 4 * r + k] ^ 0x80;
+                continue;
+            }
+            if (fmt == Q4_1 || fmt == Q5_1) memcpy(b + 2, src + 2 * NR + 2 * r, 2);
+            if (fmt == Q5_0 || fmt == Q5_1) {
+                uint32_t qh = 0;
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 8; j++)
+                        qh |= (uint32_t)((src[packed_hb_at(fmt) + 4 * r + i] >> j) & 1) << (4 * j + i);
+                memcpy(b + (fmt == Q5_0 ? 2 : 4), &qh, 4);
+            }
+            uint8_t *nib = b + (fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8);
+            for (int v = 0; v < 4; v++) /* byte 4 v + k: codes 4 v + k (low), 4 v + 16 + k */
+                for (int k = 0; k < 4; k++) nib[4 * v + k] = src[at + 64 * v + 4 * r + k];
+        }
+    }
+}
+
+/* Packed groups per thread unpacked at a time for the file layout's paths (8 x 16 rows:
+ * 123 KB at the embedded model's widest rows, in L2). */
+#define UNPACK_GROUPS 8
+
+/* Groups b0..b1-1 of a packed weight unpacked into dst; returns the base pointer the file
+ * layout's code takes for them (row o at base + o * row_bytes, for o in the groups' rows). */
+static const uint8_t *unpack_groups(const int fmt, const uint8_t *pk, int64_t row_bytes,
+                                    int64_t K, int64_t b0, int64_t b1, uint8_t *dst) {
+    unpack_rows(fmt, pk, row_bytes, K, NULL, b0 * NR, (b1 - b0) * NR, dst);
+    return (const uint8_t *)((uintptr_t)dst - (uintptr_t)(b0 * NR * row_bytes));
+}
+
 /* The scratch tile of NR weight rows: q [K / 4][NR][4] codes (rows past the weight's end are
  * zeros), sc and t [K / GV][NR]. */
 typedef struct {
@@ -667,6 +765,101 @@ static inline __attribute__((always_inline)) void gemv_avx512(const int fmt, con
         }
     }
     *out = acc;
+}
+
+/* One x row against a packed group (see "packed weights"): gemv_avx512's integer dots and
+ * float chain, group after group, with the codes loaded as they lie (Q4: a mask and a shift
+ * per two vectors) and the scales as 16 halves: the same bits, no decode, no transpose. */
+static inline __attribute__((always_inline)) void gemv_packed_avx512(const int fmt,
+                                                                     const uint8_t *pk,
+                                                                     const QX *qx, __m512 *out) {
+    const int64_t chunks = qx->K / 32, cb = (int64_t)NR * block_bytes(fmt);
+    const int at = packed_codes_at(fmt);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t *p = pk + c * cb;
+        __m512i W[8];
+        if (fmt == Q8_0) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) W[j] = _mm512_loadu_si512((const void *)(p + at + 64 * j));
+        } else {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                __m512i b = _mm512_loadu_si512((const void *)(p + at + 64 * v));
+                W[v] = _mm512_and_si512(b, m4);
+                W[v + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+            }
+            if (fmt == Q5_0 || fmt == Q5_1) {
+                const __m512i hb = _mm512_loadu_si512((const void *)(p + packed_hb_at(fmt)));
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    W[j] = _mm512_or_si512(
+                        W[j], _mm512_maskz_mov_epi8(
+                                  _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << j))),
+                                  _mm512_set1_epi8(0x10)));
+            }
+        }
+        const int8_t *xq = qx->q + c * 32;
+        __m512i a0 = fmt_off(fmt) ? _mm512_set1_epi32(qx->o[c]) : _mm512_setzero_si512();
+        __m512i a1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j += 2) {
+            a0 = _mm512_dpbusd_epi32(a0, W[j], _mm512_set1_epi32((int)rd32((const uint8_t *)xq + 4 * j)));
+            a1 = _mm512_dpbusd_epi32(a1, W[j + 1],
+                                     _mm512_set1_epi32((int)rd32((const uint8_t *)xq + 4 * j + 4)));
+        }
+        const __m512 scv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(scv, _mm512_set1_ps(qx->d[c])), acc);
+        if (fmt_has_t(fmt))
+            acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * NR))),
+                                  _mm512_set1_ps(qx->s[c]), acc);
+    }
+    *out = acc;
+}
+
+/* Row groups g0..g1-1 of a packed weight against one x row. */
+static inline __attribute__((always_inline)) void gemv_packed_groups(
+    const int fmt, const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+    int out_dtype) {
+    const int64_t gb = qx->K / 32 * NR * block_bytes(fmt); /* a group's bytes */
+    for (int64_t rg = g0; rg < g1; rg++) {
+        if (QG_PF && rg + QG_PF < g1) { /* a later group (contiguous), read ahead */
+            const uint8_t *nx = pk + (rg + QG_PF) * gb;
+            for (int64_t b = 0; b < gb; b += 64) _mm_prefetch((const char *)nx + b, _MM_HINT_T0);
+        }
+        __m512 acc;
+        gemv_packed_avx512(fmt, pk + rg * gb, qx, &acc);
+        if (out_dtype == F32) {
+            _mm512_storeu_ps((float *)out + rg * NR, acc);
+        } else {
+            float tmp[NR];
+            _mm512_storeu_ps(tmp, acc);
+            for (int r = 0; r < NR; r++) ((uint16_t *)out)[rg * NR + r] = to_bf16(tmp[r]);
+        }
+    }
+}
+
+static void gemv_packed_Q4_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q4_0, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q4_1(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q4_1, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q5_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q5_0, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q5_1(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q5_1, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q8_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q8_0, pk, g0, g1, qx, out, dt);
 }
 
 #ifndef QG_GEMV
@@ -1388,7 +1581,7 @@ PER_FORMAT_AMX(Q6_K)
 /* quant_gemm's AMX path: x laid out for tdpbusd, then each thread's row groups. */
 static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, const QX *qx,
                         int64_t M, void *out, int x_dtype, int nthreads, int64_t groups,
-                        char *tiles, size_t tq, size_t ts) {
+                        char *tiles, size_t tq, size_t ts, uint8_t *unpacked) {
     const int64_t K = qx->K, ng = qx->ng, pairs = (K / 32 + 1) / 2, gv = group_values(fmt);
     XT xt;
     xt.blocks = (M + 15) / 16;
@@ -1426,7 +1619,17 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
             cfg.colsb[i] = (uint16_t)(kind == 1 ? gv : 64);
         }
         _tile_loadconfig(&cfg);
-        DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
+        if (unpacked) {
+            uint8_t *mine_u = unpacked + (size_t)t * UNPACK_GROUPS * NR * row_bytes;
+            for (int64_t b0 = g0; b0 < g1; b0 += UNPACK_GROUPS) {
+                const int64_t b1 = b0 + UNPACK_GROUPS < g1 ? b0 + UNPACK_GROUPS : g1;
+                const uint8_t *wv = unpack_groups(fmt, w, row_bytes, K, b0, b1, mine_u);
+                DISPATCH(fmt, gemm_amx, wv, row_bytes, b0, b1, N, qx, &xt, M, out, x_dtype, &tl,
+                         a, c)
+            }
+        } else {
+            DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
+        }
         _tile_release();
     }
     free(abuf);
@@ -1436,10 +1639,11 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
 #endif
 
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
-                int x_dtype, int64_t M, void *out, int nthreads, int portable) {
+                int x_dtype, int64_t M, void *out, int nthreads, int portable, int packed) {
     (void)portable; /* unused in a build without SIMD paths */
     int bb = block_bytes(fmt);
     if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
+    if (packed && (!packable(fmt) || N % NR)) return 1;
     if ((x_dtype != F32 && x_dtype != BF16) || M < 1 || N < 1) return 2;
     QX qx;
     qx.K = K;
@@ -1470,17 +1674,46 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         quantize_row(fmt, x, x_dtype, m, &qx);
     }
     if (nthreads > groups) nthreads = (int)groups;
+#if defined(QG_AVX512)
+    if (packed && M == 1 && !portable && QG_GEMV) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+            if (fmt == Q4_0) gemv_packed_Q4_0(w, g0, g1, &qx, out, x_dtype);
+            else if (fmt == Q4_1) gemv_packed_Q4_1(w, g0, g1, &qx, out, x_dtype);
+            else if (fmt == Q5_0) gemv_packed_Q5_0(w, g0, g1, &qx, out, x_dtype);
+            else if (fmt == Q5_1) gemv_packed_Q5_1(w, g0, g1, &qx, out, x_dtype);
+            else gemv_packed_Q8_0(w, g0, g1, &qx, out, x_dtype);
+        }
+        free(buf);
+        return 0;
+    }
+#endif
+    /* A packed weight's groups unpacked to the file's rows, UNPACK_GROUPS at a time per
+     * thread, for the file layout's paths. */
+    uint8_t *unpacked = NULL;
+    if (packed) {
+        unpacked = (uint8_t *)aligned_alloc(
+            64, ((size_t)nthreads * UNPACK_GROUPS * NR * row_bytes + 63) / 64 * 64);
+        if (!unpacked) {
+            free(buf);
+            return 3;
+        }
+    }
     /* A tile per thread: codes for whole pairs of chunks (the slack of an odd last chunk). */
     size_t tq = (size_t)((K / 32 + 1) / 2) * 64 * NR, ts = (size_t)qx.ng * NR * 4;
     char *tiles = (char *)aligned_alloc(64, (size_t)nthreads * (tq + 2 * ts));
     if (!tiles) {
+        free(unpacked);
         free(buf);
         return 3;
     }
 #if defined(QG_AMX)
     if (!portable && M >= AMX_ROWS && amx_usable()) {
         int rc = gemm_amx_all(fmt, w, row_bytes, N, &qx, M, out, x_dtype, nthreads, groups,
-                              tiles, tq, ts);
+                              tiles, tq, ts, unpacked);
+        free(unpacked);
         free(tiles);
         free(buf);
         return rc;
@@ -1492,23 +1725,30 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
         char *mine = tiles + (size_t)t * (tq + 2 * ts);
         Tile tl = {(uint8_t *)mine, (float *)(mine + tq), (float *)(mine + tq + ts)};
+        uint8_t *mine_u = unpacked ? unpacked + (size_t)t * UNPACK_GROUPS * NR * row_bytes : NULL;
+        const int64_t step = unpacked ? UNPACK_GROUPS : (g1 > g0 ? g1 - g0 : 1);
+        for (int64_t b0 = g0; b0 < g1; b0 += step) {
+            const int64_t b1 = b0 + step < g1 ? b0 + step : g1;
+            const uint8_t *wv = unpacked ? unpack_groups(fmt, w, row_bytes, K, b0, b1, mine_u) : w;
 #if defined(QG_AVX512)
-        if (!portable) {
-            DISPATCH(fmt, gemm_avx512, w, row_bytes, g0, g1, N, &qx, M, out, x_dtype, &tl)
-        } else
+            if (!portable) {
+                DISPATCH(fmt, gemm_avx512, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype, &tl)
+            } else
 #elif defined(QG_AVX2)
-        if (!portable) {
-            DISPATCH(fmt, gemm_avx2, w, row_bytes, g0, g1, N, &qx, M, out, x_dtype, &tl)
-        } else
+            if (!portable) {
+                DISPATCH(fmt, gemm_avx2, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype, &tl)
+            } else
 #endif
-        {
-            for (int64_t rg = g0; rg < g1; rg++) {
-                int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
-                tile_portable(fmt, w, row_bytes, o0, rows, K, &tl);
-                dots_portable(fmt, &tl, &qx, 0, M, out, x_dtype, N, o0, rows);
+            {
+                for (int64_t rg = b0; rg < b1; rg++) {
+                    int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+                    tile_portable(fmt, wv, row_bytes, o0, rows, K, &tl);
+                    dots_portable(fmt, &tl, &qx, 0, M, out, x_dtype, N, o0, rows);
+                }
             }
         }
     }
+    free(unpacked);
     free(tiles);
     free(buf);
     return 0;
@@ -1517,12 +1757,50 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
 /* out[M, N] (x's dtype) = x[M, K] . dequant(w[N, row_bytes])^T, x float32 (0) or bf16 (1). */
 int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                int x_dtype, int64_t M, void *out, int nthreads) {
-    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0);
+    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0, 0);
 }
 
 int quant_gemm_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
-    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1);
+    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1, 0);
+}
+
+/* quant_gemm and quant_gemm_portable with a packed weight ``pk`` (see "packed weights"):
+ * the same bits. */
+int quant_gemm_packed(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N, int64_t K,
+                      const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
+    return gemm(fmt, pk, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0, 1);
+}
+
+int quant_gemm_packed_portable(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N,
+                               int64_t K, const void *x, int x_dtype, int64_t M, void *out,
+                               int nthreads) {
+    return gemm(fmt, pk, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1, 1);
+}
+
+/* Whether a weight of this format and N rows can be packed (``quant_pack``). */
+int quant_packable(int fmt, int64_t N) { return packable(fmt) && N % NR == 0 && N > 0; }
+
+/* w [N, row_bytes] (the file's rows) packed into out (N * row_bytes bytes). */
+int quant_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    int bb = block_bytes(fmt);
+    if (!quant_packable(fmt, N) || K % 32 || row_bytes != K / 32 * bb) return 1;
+    for (int64_t rg = 0; rg < N / NR; rg++) pack_rows(fmt, w, row_bytes, rg, K, out);
+    return 0;
+}
+
+/* Rows idx[0..n-1] of a packed weight (N rows), as the file stores them, into out [n,
+ * row_bytes]; idx NULL: rows first..first+n-1. */
+int quant_unpack(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N, int64_t K,
+                 const int64_t *idx, int64_t first, int64_t n, uint8_t *out) {
+    int bb = block_bytes(fmt);
+    if (!quant_packable(fmt, N) || K % 32 || row_bytes != K / 32 * bb) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t o = idx ? idx[i] : first + i;
+        if (o < 0 || o >= N) return 2;
+    }
+    unpack_rows(fmt, pk, row_bytes, K, idx, first, n, out);
+    return 0;
 }
 
 /* Whether quant_gemm multiplies AMX_ROWS or more x rows with AMX-INT8 tiles (built for them,
