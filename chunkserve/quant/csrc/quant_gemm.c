@@ -52,6 +52,16 @@
     default: fn##_Q6_K(__VA_ARGS__);                                                           \
     }
 
+/* The same for the packable formats (see "packed weights"). */
+#define DISPATCH_PACKED(fmt, fn, ...)                                                          \
+    switch (fmt) {                                                                             \
+    case Q4_0: fn##_Q4_0(__VA_ARGS__); break;                                                  \
+    case Q4_1: fn##_Q4_1(__VA_ARGS__); break;                                                  \
+    case Q5_0: fn##_Q5_0(__VA_ARGS__); break;                                                  \
+    case Q5_1: fn##_Q5_1(__VA_ARGS__); break;                                                  \
+    default: fn##_Q8_0(__VA_ARGS__);                                                           \
+    }
+
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { F32 = 0, BF16 = 1 };
 
@@ -273,9 +283,11 @@ static void quantize_row(const int fmt, const void *x, int dtype, int64_t m, con
  *                         Q8_0: 8 x 64 bytes, vector j byte 4 r + b = code (4 j + b) of row r
  *                         as an unsigned code (q + 128, the tile's).
  * Groups one after another, chunks in order within a group: a group is contiguous. Products
- * with more x rows unpack a few groups at a time back to the file's rows (``quant_unpack``'s
- * bytes) and run the file layout's code: every path computes each output element with the
- * same arithmetic as on the file's layout (the same bits). */
+ * with more x rows build the file layout's tiles from it (the VNNI tile: the vectors as they
+ * are; AMX's row-major codes: one 16 x 16 transpose per pair of chunks); the portable C and
+ * AVX2 paths unpack a few groups at a time back to the file's rows (``quant_unpack``'s bytes).
+ * Every path computes each output element with the same arithmetic as on the file's layout
+ * (the same bits). Packing is offered (``quant_packable``) only by AVX512-VNNI builds. */
 static int packable(const int fmt) { return fmt < Q4_K; }
 
 /* Byte offsets in a packed chunk: the high bits (Q5_x) and the codes. */
@@ -770,36 +782,72 @@ static inline __attribute__((always_inline)) void gemv_avx512(const int fmt, con
 /* One x row against a packed group (see "packed weights"): gemv_avx512's integer dots and
  * float chain, group after group, with the codes loaded as they lie (Q4: a mask and a shift
  * per two vectors) and the scales as 16 halves: the same bits, no decode, no transpose. */
+/* A packed chunk's codes (at p) as the tile's 8 vectors: W[j] byte 4 r + b = code 4 j + b of
+ * row r. */
+static inline __attribute__((always_inline)) void packed_codes_avx512(const int fmt,
+                                                                      const uint8_t *p,
+                                                                      __m512i *W) {
+    const int at = packed_codes_at(fmt);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    if (fmt == Q8_0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) W[j] = _mm512_loadu_si512((const void *)(p + at + 64 * j));
+        return;
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        __m512i b = _mm512_loadu_si512((const void *)(p + at + 64 * v));
+        W[v] = _mm512_and_si512(b, m4);
+        W[v + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+    }
+    if (fmt == Q5_0 || fmt == Q5_1) {
+        const __m512i hb = _mm512_loadu_si512((const void *)(p + packed_hb_at(fmt)));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            W[j] = _mm512_or_si512(
+                W[j], _mm512_maskz_mov_epi8(
+                          _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << j))),
+                          _mm512_set1_epi8(0x10)));
+    }
+}
+
+/* A packed group's scales into a tile's sc and t ([chunk][NR] floats). */
+static inline __attribute__((always_inline)) void packed_scales_avx512(const int fmt,
+                                                                       const uint8_t *pk,
+                                                                       int64_t chunks,
+                                                                       const Tile *tl) {
+    const int64_t cb = (int64_t)NR * block_bytes(fmt);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t *p = pk + c * cb;
+        _mm512_store_ps(tl->sc + c * NR, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+        if (fmt_has_t(fmt))
+            _mm512_store_ps(tl->t + c * NR,
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * NR))));
+    }
+}
+
+/* tile_avx512 from a packed group (pk: its first byte): the same tile. */
+static inline __attribute__((always_inline)) void tile_packed_avx512(const int fmt,
+                                                                     const uint8_t *pk, int64_t K,
+                                                                     const Tile *tl) {
+    const int64_t chunks = K / 32, cb = (int64_t)NR * block_bytes(fmt);
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i W[8];
+        packed_codes_avx512(fmt, pk + c * cb, W);
+        for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(tl->q + (8 * c + j) * 64), W[j]);
+    }
+    packed_scales_avx512(fmt, pk, chunks, tl);
+}
+
 static inline __attribute__((always_inline)) void gemv_packed_avx512(const int fmt,
                                                                      const uint8_t *pk,
                                                                      const QX *qx, __m512 *out) {
     const int64_t chunks = qx->K / 32, cb = (int64_t)NR * block_bytes(fmt);
-    const int at = packed_codes_at(fmt);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t *p = pk + c * cb;
         __m512i W[8];
-        if (fmt == Q8_0) {
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) W[j] = _mm512_loadu_si512((const void *)(p + at + 64 * j));
-        } else {
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) {
-                __m512i b = _mm512_loadu_si512((const void *)(p + at + 64 * v));
-                W[v] = _mm512_and_si512(b, m4);
-                W[v + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-            }
-            if (fmt == Q5_0 || fmt == Q5_1) {
-                const __m512i hb = _mm512_loadu_si512((const void *)(p + packed_hb_at(fmt)));
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++)
-                    W[j] = _mm512_or_si512(
-                        W[j], _mm512_maskz_mov_epi8(
-                                  _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << j))),
-                                  _mm512_set1_epi8(0x10)));
-            }
-        }
+        packed_codes_avx512(fmt, p, W);
         const int8_t *xq = qx->q + c * 32;
         __m512i a0 = fmt_off(fmt) ? _mm512_set1_epi32(qx->o[c]) : _mm512_setzero_si512();
         __m512i a1 = _mm512_setzero_si512();
@@ -868,7 +916,7 @@ static void gemv_packed_Q8_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX
 
 static inline __attribute__((always_inline)) void gemm_avx512(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
-    const QX *qx, int64_t M, void *out, int out_dtype, const Tile *tl) {
+    const QX *qx, int64_t M, void *out, int out_dtype, const Tile *tl, const int packed) {
     __m512 acc[MR];
     for (int64_t rg = g0; rg < g1; rg++) {
         const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
@@ -879,7 +927,7 @@ static inline __attribute__((always_inline)) void gemm_avx512(
                 _mm_prefetch((const char *)nx + b, _MM_HINT_T0);
         }
         const __mmask16 keep = (__mmask16)((1u << rows) - 1);
-        if (QG_GEMV && M == 1) {
+        if (QG_GEMV && M == 1 && !packed) {
             gemv_avx512(fmt, w, row_bytes, o0, rows, qx, tl, acc);
             if (out_dtype == F32) {
                 _mm512_mask_storeu_ps((float *)out + o0, keep, acc[0]);
@@ -890,7 +938,10 @@ static inline __attribute__((always_inline)) void gemm_avx512(
             }
             continue;
         }
-        tile_avx512(fmt, w, row_bytes, o0, rows, qx->K, tl);
+        if (packed) /* a group is NR rows' bytes, at the file layout's offset of its rows */
+            tile_packed_avx512(fmt, w + o0 * row_bytes, qx->K, tl);
+        else
+            tile_avx512(fmt, w, row_bytes, o0, rows, qx->K, tl);
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mt = M - m0 < MR ? M - m0 : MR;
             switch (mt) {
@@ -960,12 +1011,28 @@ static inline __attribute__((always_inline)) void dequant_avx512(
 #define PER_FORMAT(F)                                                                          \
     static void gemm_avx512_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N, \
                                 const QX *qx, int64_t M, void *out, int dt, const Tile *tl) {    \
-        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl);                                  \
+        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl, 0);                               \
     }                                                                                          \
+    PER_FORMAT_PACKED_##F                                                                      \
     static void dequant_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1,         \
                                    int64_t K, void *out, int dt) {                             \
         dequant_avx512(F, w, rb, o0, o1, K, out, dt);                                          \
     }
+/* The packed variants, for the packable formats only (``DISPATCH_PACKED``). */
+#define PACKED_AVX512(F)                                                                       \
+    static void gemm_avx512_packed_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1,     \
+                                       int64_t N, const QX *qx, int64_t M, void *out, int dt,  \
+                                       const Tile *tl) {                                       \
+        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl, 1);                               \
+    }
+#define PER_FORMAT_PACKED_Q4_0 PACKED_AVX512(Q4_0)
+#define PER_FORMAT_PACKED_Q4_1 PACKED_AVX512(Q4_1)
+#define PER_FORMAT_PACKED_Q5_0 PACKED_AVX512(Q5_0)
+#define PER_FORMAT_PACKED_Q5_1 PACKED_AVX512(Q5_1)
+#define PER_FORMAT_PACKED_Q8_0 PACKED_AVX512(Q8_0)
+#define PER_FORMAT_PACKED_Q4_K
+#define PER_FORMAT_PACKED_Q5_K
+#define PER_FORMAT_PACKED_Q6_K
 PER_FORMAT(Q4_0)
 PER_FORMAT(Q4_1)
 PER_FORMAT(Q5_0)
@@ -1482,10 +1549,28 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
     tile_scales_avx512(fmt, w, row_bytes, o0, rows, K, tl);
 }
 
+/* tile_rows_avx512 from a packed group (pk: its first byte): a pair's two chunks' tile vectors
+ * transposed back to each row's 64 codes in value order, the same rows. */
+static inline __attribute__((always_inline)) void tile_rows_packed_avx512(
+    const int fmt, const uint8_t *pk, int64_t K, uint8_t *a, int64_t kpad, const Tile *tl) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2, cb = (int64_t)NR * block_bytes(fmt);
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i r[16];
+        packed_codes_avx512(fmt, pk + 2 * p * cb, r);
+        if (2 * p + 1 < chunks)
+            packed_codes_avx512(fmt, pk + (2 * p + 1) * cb, r + 8);
+        else
+            for (int j = 8; j < 16; j++) r[j] = _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t i = 0; i < NR; i++) _mm512_store_si512((void *)(a + i * kpad + 64 * p), r[i]);
+    }
+    packed_scales_avx512(fmt, pk, chunks, tl);
+}
+
 static inline __attribute__((always_inline)) void gemm_amx(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
     const QX *qx, const XT *xt, int64_t M, void *out, int out_dtype, const Tile *tl,
-    uint8_t *a, int32_t *cbuf) {
+    uint8_t *a, int32_t *cbuf, const int packed) {
     const int gv = group_values(fmt);
     const int64_t K = qx->K, ng = qx->ng, kpad = xt->kq * 4;
     /* AMX_MB x blocks (128 rows) at a time over all the thread's row groups, each group's
@@ -1497,7 +1582,10 @@ static inline __attribute__((always_inline)) void gemm_amx(
         for (int64_t rg = g0; rg < g1; rg++) {
         const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
         const int64_t m1 = m0 + AMX_MB < xt->blocks ? m0 + AMX_MB : xt->blocks;
-        tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
+        if (packed)
+            tile_rows_packed_avx512(fmt, w + o0 * row_bytes, K, a, kpad, tl);
+        else
+            tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
         for (int64_t b = m0; b < m1; b++) {
             __m512 acc[NR];
             for (int o = 0; o < NR; o++) acc[o] = _mm512_setzero_ps();
@@ -1564,8 +1652,19 @@ static inline __attribute__((always_inline)) void gemm_amx(
     static void gemm_amx_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N,   \
                              const QX *qx, const XT *xt, int64_t M, void *out, int dt,          \
                              const Tile *tl, uint8_t *a, int32_t *c) {                          \
-        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c);                           \
+        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c, 0);                        \
     }
+#define PACKED_AMX(F)                                                                          \
+    static void gemm_amx_packed_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1,        \
+                                    int64_t N, const QX *qx, const XT *xt, int64_t M, void *out, \
+                                    int dt, const Tile *tl, uint8_t *a, int32_t *c) {           \
+        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c, 1);                        \
+    }
+PACKED_AMX(Q4_0)
+PACKED_AMX(Q4_1)
+PACKED_AMX(Q5_0)
+PACKED_AMX(Q5_1)
+PACKED_AMX(Q8_0)
 PER_FORMAT_AMX(Q4_0)
 PER_FORMAT_AMX(Q4_1)
 PER_FORMAT_AMX(Q5_0)
@@ -1581,7 +1680,7 @@ PER_FORMAT_AMX(Q6_K)
 /* quant_gemm's AMX path: x laid out for tdpbusd, then each thread's row groups. */
 static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, const QX *qx,
                         int64_t M, void *out, int x_dtype, int nthreads, int64_t groups,
-                        char *tiles, size_t tq, size_t ts, uint8_t *unpacked) {
+                        char *tiles, size_t tq, size_t ts, int packed) {
     const int64_t K = qx->K, ng = qx->ng, pairs = (K / 32 + 1) / 2, gv = group_values(fmt);
     XT xt;
     xt.blocks = (M + 15) / 16;
@@ -1619,14 +1718,9 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
             cfg.colsb[i] = (uint16_t)(kind == 1 ? gv : 64);
         }
         _tile_loadconfig(&cfg);
-        if (unpacked) {
-            uint8_t *mine_u = unpacked + (size_t)t * UNPACK_GROUPS * NR * row_bytes;
-            for (int64_t b0 = g0; b0 < g1; b0 += UNPACK_GROUPS) {
-                const int64_t b1 = b0 + UNPACK_GROUPS < g1 ? b0 + UNPACK_GROUPS : g1;
-                const uint8_t *wv = unpack_groups(fmt, w, row_bytes, K, b0, b1, mine_u);
-                DISPATCH(fmt, gemm_amx, wv, row_bytes, b0, b1, N, qx, &xt, M, out, x_dtype, &tl,
-                         a, c)
-            }
+        if (packed) {
+            DISPATCH_PACKED(fmt, gemm_amx_packed, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype,
+                     &tl, a, c)
         } else {
             DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
         }
@@ -1691,9 +1785,13 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
     }
 #endif
     /* A packed weight's groups unpacked to the file's rows, UNPACK_GROUPS at a time per
-     * thread, for the file layout's paths. */
+     * thread, for the paths without a packed variant (portable C, AVX2). */
     uint8_t *unpacked = NULL;
+#if defined(QG_AVX512)
+    if (packed && portable) {
+#else
     if (packed) {
+#endif
         unpacked = (uint8_t *)aligned_alloc(
             64, ((size_t)nthreads * UNPACK_GROUPS * NR * row_bytes + 63) / 64 * 64);
         if (!unpacked) {
@@ -1712,7 +1810,7 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
 #if defined(QG_AMX)
     if (!portable && M >= AMX_ROWS && amx_usable()) {
         int rc = gemm_amx_all(fmt, w, row_bytes, N, &qx, M, out, x_dtype, nthreads, groups,
-                              tiles, tq, ts, unpacked);
+                              tiles, tq, ts, packed);
         free(unpacked);
         free(tiles);
         free(buf);
@@ -1731,7 +1829,10 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
             const int64_t b1 = b0 + step < g1 ? b0 + step : g1;
             const uint8_t *wv = unpacked ? unpack_groups(fmt, w, row_bytes, K, b0, b1, mine_u) : w;
 #if defined(QG_AVX512)
-            if (!portable) {
+            if (!portable && packed) {
+                DISPATCH_PACKED(fmt, gemm_avx512_packed, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype,
+                         &tl)
+            } else if (!portable) {
                 DISPATCH(fmt, gemm_avx512, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype, &tl)
             } else
 #elif defined(QG_AVX2)
@@ -1778,13 +1879,22 @@ int quant_gemm_packed_portable(int fmt, const uint8_t *pk, int64_t row_bytes, in
     return gemm(fmt, pk, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1, 1);
 }
 
-/* Whether a weight of this format and N rows can be packed (``quant_pack``). */
-int quant_packable(int fmt, int64_t N) { return packable(fmt) && N % NR == 0 && N > 0; }
+/* Whether a weight of this format and N rows is worth packing (``quant_pack``): only where
+ * this build has the packed SIMD paths (AVX512-VNNI; elsewhere every product would unpack). */
+int quant_packable(int fmt, int64_t N) {
+#if defined(QG_AVX512)
+    return packable(fmt) && N % NR == 0 && N > 0;
+#else
+    (void)fmt;
+    (void)N;
+    return 0;
+#endif
+}
 
 /* w [N, row_bytes] (the file's rows) packed into out (N * row_bytes bytes). */
 int quant_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
     int bb = block_bytes(fmt);
-    if (!quant_packable(fmt, N) || K % 32 || row_bytes != K / 32 * bb) return 1;
+    if (!packable(fmt) || N % NR || K % 32 || row_bytes != K / 32 * bb) return 1;
     for (int64_t rg = 0; rg < N / NR; rg++) pack_rows(fmt, w, row_bytes, rg, K, out);
     return 0;
 }
@@ -1794,7 +1904,7 @@ int quant_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t 
 int quant_unpack(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N, int64_t K,
                  const int64_t *idx, int64_t first, int64_t n, uint8_t *out) {
     int bb = block_bytes(fmt);
-    if (!quant_packable(fmt, N) || K % 32 || row_bytes != K / 32 * bb) return 1;
+    if (!packable(fmt) || N % NR || K % 32 || row_bytes != K / 32 * bb) return 1;
     for (int64_t i = 0; i < n; i++) {
         int64_t o = idx ? idx[i] : first + i;
         if (o < 0 || o >= N) return 2;
