@@ -96,14 +96,20 @@ def main() -> None:
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=torch.bfloat16) for w in weights}
     layers, head = weights[:-1], weights[-1]  # the tied head last (``lm_head``)
 
-    def products() -> None:
-        for w in layers:
+    def product(w: QuantizedWeight) -> None:
+        """The weight's product as a step runs it (packed where the step packed it)."""
+        if getattr(w, "packed", None) is not None:
+            k.gemm_packed(w.format.code, w.packed, xs[w.shape[1]])
+        else:
             k.gemm(w.format.code, w.data, xs[w.shape[1]])
 
+    def products() -> None:
+        for w in layers:
+            product(w)
+
+    out["packed_weights"] = sum(getattr(w, "packed", None) is not None for w in weights)
     out["layer_products_ms"] = median_min(products, args.repeats)
-    out["head_product_ms"] = median_min(
-        lambda: k.gemm(head.format.code, head.data, xs[head.shape[1]]), args.repeats
-    )
+    out["head_product_ms"] = median_min(lambda: product(head), args.repeats)
 
     def steps() -> list[float]:
         engine.add_request(list(range(100, 124)), SamplingParams(
@@ -132,7 +138,9 @@ def main() -> None:
         "(median, min) in ms; forward: the model's forward pass and logits for one decode "
         "row (bf16, kept in its bits), CPU time; forward_kernels_empty: the same with the "
         "quantized products replaced by an empty output (the Python and torch work around "
-        "them); layer_products: the 120 layer products alone, one after another (M=1), "
+        "them); packed_weights: how many of the products' weights the step repacked "
+        "(GGUFWeight.pack); layer_products: the 120 layer products alone, one after another "
+        "(M=1, packed as the step runs them), "
         "CPU time; head_product: the tied Q8_0 head; engine_step_wall: Engine.step() of a "
         "batch-1 decode, wall time"
     )

@@ -91,7 +91,7 @@ def time_turns(
     return times
 
 
-PATHS = ["int8_kernel", "float_kernel", "dequant_tiles", "bf16_linear"]
+PATHS = ["int8_kernel", "int8_packed", "float_kernel", "dequant_tiles", "bf16_linear"]
 PORTABLE = ["int8_portable", "float_portable"]
 
 
@@ -112,6 +112,9 @@ def paths(
         "dequant_tiles": lambda: F.linear(x, k.dequantize(code, w.data, k_in, x.dtype)),
         "bf16_linear": lambda: F.linear(x, dense_w),
     }
+    if k.packable(code, w.out_features):  # the layout a bf16 engine's weights take at load
+        packed = k.pack(code, w.data, k_in)
+        calls["int8_packed"] = lambda: k.gemm_packed(code, packed, x)
     if with_portable:
         calls["int8_portable"] = lambda: k.gemm(code, w.data, x, portable=True)
         calls["float_portable"] = lambda: k.gemm_float(code, w.data, x, portable=True)
@@ -174,7 +177,7 @@ def main() -> None:
                 times = time_turns(calls, args.repeats, clock)
                 med = {p: statistics.median(t) for p, t in times.items()}
                 best = {p: min(t) for p, t in times.items()}
-                picked = "int8_kernel"
+                picked = "int8_packed" if "int8_packed" in med else "int8_kernel"
                 tq, tb = med[picked], med["bf16_linear"]
                 row = {
                     "format": name,
@@ -247,16 +250,20 @@ def main() -> None:
         f"Median (min) ms of one product ({'CPU' if args.clock == 'cpu' else 'wall'} time); "
         "`int8 kernel` (the default at every M, "
         "batch-invariant): activations quantized to int8, integer dot products, one float "
-        "chain per output; `float kernel` (opt-in CHUNKSERVE_QUANT_FLOAT_KERNEL=1, decode "
-        "rows only): the weight dequantized exactly in registers, float32 products and sums; "
+        "chain per output, on the file's layout; `int8 packed`: the same on the weight "
+        "repacked as a bf16 engine holds it (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, rows a multiple of "
+        "16; the picked path there); `float kernel` (opt-in CHUNKSERVE_QUANT_FLOAT_KERNEL=1, "
+        "decode rows only): the weight dequantized exactly in registers, float32 products and "
+        "sums; "
         "`dequant tiles` (the float opt-in's prefill path): the weight dequantized to bf16 by "
         "the kernel, then torch; GB/s: the quantized weight's bytes over the picked path's "
         "median; load: the 1-minute load average when the row started.",
         "",
-        "| format | out x in | M | int8 kernel | float kernel | dequant tiles | bf16 F.linear "
+        "| format | out x in | M | int8 kernel | int8 packed | float kernel | dequant tiles "
+        "| bf16 F.linear "
         + (portable_head if args.with_portable else "")
         + "| picked ms/row | picked GB/s | bf16 GB/s | picked vs bf16 | load |",
-        "|---|---|---|" + "---|" * (13 if args.with_portable else 9),
+        "|---|---|---|" + "---|" * (14 if args.with_portable else 10),
     ]
     shown = PATHS + (PORTABLE if args.with_portable else [])
     for r in rows:

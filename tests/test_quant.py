@@ -549,3 +549,87 @@ def test_the_deterministic_tiling_skips_row_invariant_weights(weight, monkeypatc
         linear(xin, w, None, DETERMINISTIC_TILING)
         assert calls and all(kind == "plain" for kind, _ in calls), calls
         assert sum(n for _, n in calls) == 192  # padded to the tiling's multiple (64)
+
+
+PACKABLE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+def test_packed_weights_give_the_file_layouts_bits(qtype):
+    """A weight repacked for the batch-1 kernel (``kernels.pack``, the C file's "packed
+    weights") holds the file's bytes (unpacked back exactly, any rows) and gives the file
+    layout's bits on every path: one row (its own kernel), the unpacked tile paths (2-15
+    rows), AMX (16+), portable C, bf16 and float32 x, 1 and 2 threads, a row alone or in a
+    step of 300."""
+    k = kernels.load()
+    code = int(qtype)
+    raw = make_raw(qtype, 48, odd_k(qtype), seed=3)
+    data = torch.from_numpy(raw.copy())
+    if not k.packable(code, 48):
+        pytest.skip(f"packing needs an AVX512-VNNI build (this one: {k.simd})")
+    assert not k.packable(code, 37)
+    assert not k.packable(int(T.Q4_K), 48) and not k.packable(int(T.Q6_K), 48)
+    packed = k.pack(code, data, odd_k(qtype))
+    assert packed.shape == data.shape and not torch.equal(packed, data)
+    assert torch.equal(k.unpack(code, packed, odd_k(qtype)), data)
+    ids = torch.tensor([47, 0, 16, 5, 5])
+    assert torch.equal(k.unpack(code, packed, odd_k(qtype), ids), data[ids])
+    x = torch.randn(300, odd_k(qtype), generator=torch.Generator().manual_seed(6)) * 3
+    x[7] = 0.0
+    old = torch.get_num_threads()
+    try:
+        for xin in (x, x.bfloat16()):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for portable in (False, True):
+                    whole = k.gemm(code, data, xin, portable=portable)
+                    assert torch.equal(k.gemm_packed(code, packed, xin, portable), whole)
+                    for m in (1, 3, 16, 17):
+                        for r in (0, 7, 283):
+                            got = k.gemm_packed(code, packed, xin[r : r + m], portable)
+                            assert torch.equal(got, whole[r : r + m]), (qtype.name, m, r)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+def test_a_weight_packs_at_its_first_decode_product(qtype, monkeypatch):
+    """``GGUFWeight.matmul`` packs a weight at its first int8-activation product (not for
+    float32 x, nor with ``CHUNKSERVE_QUANT_PACK=0``), and the load's ``prepare`` for a bf16
+    CPU engine, in the same bytes, and every use of it
+    (products on each path, embedding rows, dequantize, the loading edits) gives what the
+    file's layout gives."""
+    if not kernels.load().packable(int(qtype), 48):
+        pytest.skip(f"packing needs an AVX512-VNNI build (this one: {kernels.load().simd})")
+    raw = make_raw(qtype, 48, odd_k(qtype), seed=4)
+    plain = GGUFWeight.from_gguf(raw, int(qtype), "blk.1.w")
+    w = GGUFWeight.from_gguf(raw, int(qtype), "blk.1.w")
+    x = torch.randn(70, w.in_features, generator=torch.Generator().manual_seed(7))
+    xb = x.bfloat16()
+    monkeypatch.setenv("CHUNKSERVE_QUANT_PACK", "0")
+    assert not plain.pack() and plain.packed is None  # kept in the file's layout for good
+    monkeypatch.delenv("CHUNKSERVE_QUANT_PACK")
+    assert torch.equal(w.matmul(x[:2]), plain.matmul(x[:2])) and w.packed is None  # float32
+    assert torch.equal(w.matmul(xb[:1]), plain.matmul(xb[:1]))
+    assert w.packed is not None and w.nbytes == plain.nbytes == raw.nbytes
+    assert torch.equal(w.data, plain.data)
+    for rows in (xb[:1], xb[:5], xb[:16], xb[:64], xb):
+        assert torch.equal(w.matmul(rows), plain.matmul(rows))
+        assert torch.equal(w.matmul_row_invariant(rows), plain.matmul_row_invariant(rows))
+    assert torch.equal(w.matmul(x[:3]), plain.matmul(x[:3]))
+    assert torch.equal(w.matmul(x), plain.matmul(x))
+    ids = torch.tensor([[3, 47], [16, 3]])
+    assert torch.equal(w.embedding(ids, torch.bfloat16), plain.embedding(ids, torch.bfloat16))
+    assert torch.equal(w.dequantize(), plain.dequantize())
+    assert torch.equal(w.rows(5, 21).data, plain.rows(5, 21).data)
+    assert torch.equal(w.cols(32, 96).data, plain.cols(32, 96).data)
+    monkeypatch.setenv("CHUNKSERVE_QUANT_KERNELS", "0")  # the reference, from unpacked rows
+    assert torch.equal(w.matmul(xb[:2]), plain.matmul(xb[:2]))
+    monkeypatch.delenv("CHUNKSERVE_QUANT_KERNELS")
+    loaded = GGUFWeight.from_gguf(raw, int(qtype), "blk.1.w")  # the load's call (``prepare``)
+    loaded.prepare(torch.float32, torch.device("cpu"))
+    assert loaded.packed is None
+    loaded.prepare(torch.bfloat16, torch.device("cpu"))
+    assert loaded.packed is not None and torch.equal(loaded.data, plain.data)

@@ -190,6 +190,14 @@ class WeightSlot:
         setattr(self.module, self.qattr, held)
         setattr(self.module, self.attr, None)
         self.quantized.clear()
+        for part in _flat(held):  # repacked for the kernels now, not in the first step
+            part.prepare(self.dtype, self.device)
+
+
+def _flat(weight: Weight | list) -> list[QuantizedWeight]:
+    if isinstance(weight, list):
+        return [w for part in weight for w in _flat(part)]
+    return [weight] if isinstance(weight, QuantizedWeight) else []
 
 
 def _joined(parts: list[QuantizedWeight]) -> Weight:

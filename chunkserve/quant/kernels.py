@@ -95,12 +95,22 @@ class QuantKernels:
         for fn in (
             lib.quant_gemm,
             lib.quant_gemm_portable,
+            lib.quant_gemm_packed,
+            lib.quant_gemm_packed_portable,
             lib.quant_gemm_f32,
             lib.quant_gemm_f32_portable,
         ):
             fn.argtypes, fn.restype = gemm_args, i32
         for fn in (lib.quant_dequant, lib.quant_dequant_portable):
             fn.argtypes, fn.restype = [i32, ptr, i64, i64, i64, ptr, i32, i32], i32
+        lib.quant_packable.argtypes, lib.quant_packable.restype = [i32, i64], i32
+        lib.quant_pack.argtypes, lib.quant_pack.restype = [i32, ptr, i64, i64, i64, ptr], i32
+        lib.quant_unpack.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr]
+        lib.quant_unpack.restype = i32
+        self._packable, self._pack = lib.quant_packable, lib.quant_pack
+        self._unpack = lib.quant_unpack
+        self._gemm_packed = lib.quant_gemm_packed
+        self._packed_portable = lib.quant_gemm_packed_portable
         lib.quant_gemm_simd.restype = i32
         lib.quant_gemm_amx.restype = i32
         self._gemm, self._portable = lib.quant_gemm, lib.quant_gemm_portable
@@ -116,6 +126,44 @@ class QuantKernels:
         row_bytes], format ``code``) transposed: [M, N] in x's dtype, x quantized to int8;
         each output element's arithmetic is the same whatever M, the threads or ``portable``."""
         return self._call(self._portable if portable else self._gemm, code, data, x)
+
+    def gemm_packed(
+        self, code: int, packed: torch.Tensor, x: torch.Tensor, portable: bool = False
+    ) -> torch.Tensor:
+        """``gemm`` with the weight packed (``pack``): the same bits."""
+        return self._call(self._packed_portable if portable else self._gemm_packed, code, packed, x)
+
+    def packable(self, code: int, rows: int) -> bool:
+        """Whether ``pack`` takes a weight of this format and number of rows (the 32-value
+        formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; rows a multiple of 16)."""
+        return bool(self._packable(code, rows))
+
+    def pack(self, code: int, data: torch.Tensor, k: int) -> torch.Tensor:
+        """The file's block rows ``data`` (uint8 [N, row_bytes]) reordered for the batch-1
+        kernel (the C file's "packed weights"): uint8 [N, row_bytes], the same bytes."""
+        n, row_bytes = data.shape
+        out = torch.empty(n, row_bytes, dtype=torch.uint8)  # [N, row_bytes], packed order
+        if self._pack(code, data.data_ptr(), row_bytes, n, k, out.data_ptr()):
+            raise RuntimeError(f"quant_pack refused a format {code} weight of {n} rows")
+        return out
+
+    def unpack(
+        self, code: int, packed: torch.Tensor, k: int, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ``rows`` (int64 [n]; None: all) of a packed weight as the file stores them:
+        uint8 [n, row_bytes]."""
+        n, row_bytes = packed.shape
+        if rows is not None:
+            rows = rows.to(torch.int64).contiguous()
+        count = n if rows is None else rows.numel()
+        out = torch.empty(count, row_bytes, dtype=torch.uint8)  # [n, row_bytes]
+        rc = self._unpack(
+            code, packed.data_ptr(), row_bytes, n, k, None if rows is None else rows.data_ptr(),
+            0, count, out.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"quant_unpack refused its arguments (code {rc})")
+        return out
 
     def gemm_float(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
         """As ``gemm`` in float arithmetic: the weight dequantized exactly (in x's dtype), x in
@@ -147,6 +195,18 @@ class QuantKernels:
         if rc:
             raise RuntimeError(f"quant_dequant refused its arguments (code {rc})")
         return out
+
+
+def packing() -> bool:
+    """Whether weights are repacked for the batch-1 kernel (``GGUFWeight.pack``);
+    ``CHUNKSERVE_QUANT_PACK=0``: they keep the file's layout."""
+    return not _env_is(b"CHUNKSERVE_QUANT_PACK", b"0")
+
+
+def built() -> QuantKernels | None:
+    """The kernels whatever ``CHUNKSERVE_QUANT_KERNELS`` says (a packed weight unpacks its
+    rows with them), or None where they cannot be built."""
+    return _once.get()
 
 
 def enabled() -> bool:

@@ -52,6 +52,16 @@
     default: fn##_Q6_K(__VA_ARGS__);                                                           \
     }
 
+/* The same for the packable formats (see "packed weights"). */
+#define DISPATCH_PACKED(fmt, fn, ...)                                                          \
+    switch (fmt) {                                                                             \
+    case Q4_0: fn##_Q4_0(__VA_ARGS__); break;                                                  \
+    case Q4_1: fn##_Q4_1(__VA_ARGS__); break;                                                  \
+    case Q5_0: fn##_Q5_0(__VA_ARGS__); break;                                                  \
+    case Q5_1: fn##_Q5_1(__VA_ARGS__); break;                                                  \
+    default: fn##_Q8_0(__VA_ARGS__);                                                           \
+    }
+
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { F32 = 0, BF16 = 1 };
 
@@ -255,6 +265,106 @@ static void quantize_row(const int fmt, const void *x, int dtype, int64_t m, con
             qx->o[at] = -fmt_off(fmt) * sum;
         }
     }
+}
+
+/* ---------------------------------------------------------------- packed weights */
+/* A packed weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 with N a multiple of NR): the same bytes as the file's
+ * rows, reordered at load so that a batch-1 product reads its vpdpbusd operands straight from
+ * memory, with no decoding and no 16 x 16 transpose per pair of chunks (what one x row spent
+ * most of its time on). Per group of NR output rows and per 32-value chunk c, NR blocks'
+ * bytes (the chunk's ``cb = NR * block_bytes``), in this order:
+ *   sc  f16 [NR]          the rows' d;
+ *   t   f16 [NR]          Q4_1 / Q5_1: the rows' m;
+ *   high bits 64 bytes    Q5_0 / Q5_1: byte 4 r + b, bit j = the fifth bit of code (4 j + b);
+ *   codes                 Q4_x / Q5_x: 4 x 64 bytes, vector v byte 4 r + b = code (4 v + b) of
+ *                         row r in its low nibble, code (4 v + 16 + b) in its high nibble (the
+ *                         tile's [K / 4][NR][4] layout, two 4-value steps per byte; the low four
+ *                         bits of Q5's codes);
+ *                         Q8_0: 8 x 64 bytes, vector j byte 4 r + b = code (4 j + b) of row r
+ *                         as an unsigned code (q + 128, the tile's).
+ * Groups one after another, chunks in order within a group: a group is contiguous. Products
+ * with more x rows build the file layout's tiles from it (the VNNI tile: the vectors as they
+ * are; AMX's row-major codes: one 16 x 16 transpose per pair of chunks); the portable C and
+ * AVX2 paths unpack a few groups at a time back to the file's rows (``quant_unpack``'s bytes).
+ * Every path computes each output element with the same arithmetic as on the file's layout
+ * (the same bits). Packing is offered (``quant_packable``) only by AVX512-VNNI builds. */
+static int packable(const int fmt) { return fmt < Q4_K; }
+
+/* Byte offsets in a packed chunk: the high bits (Q5_x) and the codes. */
+static inline int packed_hb_at(const int fmt) { return fmt == Q5_1 ? 4 * NR : 2 * NR; }
+static inline int packed_codes_at(const int fmt) {
+    return fmt == Q4_1 ? 4 * NR : fmt == Q5_0 ? 2 * NR + 64 : fmt == Q5_1 ? 4 * NR + 64 : 2 * NR;
+}
+
+static void pack_rows(const int fmt, const uint8_t *w, int64_t row_bytes, int64_t rg, int64_t K,
+                      uint8_t *out) {
+    const int bb = block_bytes(fmt), at = packed_codes_at(fmt);
+    const int64_t chunks = K / 32, cb = (int64_t)NR * bb;
+    uint8_t q[32];
+    for (int64_t c = 0; c < chunks; c++) {
+        uint8_t *dst = out + (rg * chunks + c) * cb;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *row = w + (rg * NR + r) * row_bytes, *b = row + c * bb;
+            memcpy(dst + 2 * r, b, 2);
+            if (fmt == Q4_1 || fmt == Q5_1) memcpy(dst + 2 * NR + 2 * r, b + 2, 2);
+            chunk_codes(fmt, row, c, q);
+            for (int v = 0; v < (fmt == Q8_0 ? 8 : 4); v++)
+                for (int i = 0; i < 4; i++)
+                    dst[at + 64 * v + 4 * r + i] =
+                        fmt == Q8_0 ? q[4 * v + i]
+                                    : (uint8_t)((q[4 * v + i] & 15) | (q[4 * v + 16 + i] & 15) << 4);
+            if (fmt == Q5_0 || fmt == Q5_1)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t hb = 0;
+                    for (int j = 0; j < 8; j++) hb |= (uint8_t)(((q[4 * j + i] >> 4) & 1) << j);
+                    dst[packed_hb_at(fmt) + 4 * r + i] = hb;
+                }
+        }
+    }
+}
+
+/* Rows idx[0..n-1] of a packed weight as the file stores them (row_bytes each) into out. */
+static void unpack_rows(const int fmt, const uint8_t *pk, int64_t row_bytes, int64_t K,
+                        const int64_t *idx, int64_t first, int64_t n, uint8_t *out) {
+    const int bb = block_bytes(fmt), at = packed_codes_at(fmt);
+    const int64_t chunks = K / 32, cb = (int64_t)NR * bb;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t o = idx ? idx[i] : first + i, rg = o / NR, r = o % NR;
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint8_t *src = pk + (rg * chunks + c) * cb;
+            uint8_t *b = out + i * row_bytes + c * bb;
+            memcpy(b, src + 2 * r, 2);
+            if (fmt == Q8_0) {
+                for (int j = 0; j < 8; j++)
+                    for (int k = 0; k < 4; k++)
+                        b[2 + 4 * j + k] = src[at + 64 * j + 4 * r + k] ^ 0x80;
+                continue;
+            }
+            if (fmt == Q4_1 || fmt == Q5_1) memcpy(b + 2, src + 2 * NR + 2 * r, 2);
+            if (fmt == Q5_0 || fmt == Q5_1) {
+                uint32_t qh = 0;
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 8; j++)
+                        qh |= (uint32_t)((src[packed_hb_at(fmt) + 4 * r + i] >> j) & 1) << (4 * j + i);
+                memcpy(b + (fmt == Q5_0 ? 2 : 4), &qh, 4);
+            }
+            uint8_t *nib = b + (fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8);
+            for (int v = 0; v < 4; v++) /* byte 4 v + k: codes 4 v + k (low), 4 v + 16 + k */
+                for (int k = 0; k < 4; k++) nib[4 * v + k] = src[at + 64 * v + 4 * r + k];
+        }
+    }
+}
+
+/* Packed groups per thread unpacked at a time for the file layout's paths (8 x 16 rows:
+ * 123 KB at the embedded model's widest rows, in L2). */
+#define UNPACK_GROUPS 8
+
+/* Groups b0..b1-1 of a packed weight unpacked into dst; returns the base pointer the file
+ * layout's code takes for them (row o at base + o * row_bytes, for o in the groups' rows). */
+static const uint8_t *unpack_groups(const int fmt, const uint8_t *pk, int64_t row_bytes,
+                                    int64_t K, int64_t b0, int64_t b1, uint8_t *dst) {
+    unpack_rows(fmt, pk, row_bytes, K, NULL, b0 * NR, (b1 - b0) * NR, dst);
+    return (const uint8_t *)((uintptr_t)dst - (uintptr_t)(b0 * NR * row_bytes));
 }
 
 /* The scratch tile of NR weight rows: q [K / 4][NR][4] codes (rows past the weight's end are
@@ -669,13 +779,144 @@ static inline __attribute__((always_inline)) void gemv_avx512(const int fmt, con
     *out = acc;
 }
 
+/* One x row against a packed group (see "packed weights"): gemv_avx512's integer dots and
+ * float chain, group after group, with the codes loaded as they lie (Q4: a mask and a shift
+ * per two vectors) and the scales as 16 halves: the same bits, no decode, no transpose. */
+/* A packed chunk's codes (at p) as the tile's 8 vectors: W[j] byte 4 r + b = code 4 j + b of
+ * row r. */
+static inline __attribute__((always_inline)) void packed_codes_avx512(const int fmt,
+                                                                      const uint8_t *p,
+                                                                      __m512i *W) {
+    const int at = packed_codes_at(fmt);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    if (fmt == Q8_0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) W[j] = _mm512_loadu_si512((const void *)(p + at + 64 * j));
+        return;
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        __m512i b = _mm512_loadu_si512((const void *)(p + at + 64 * v));
+        W[v] = _mm512_and_si512(b, m4);
+        W[v + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+    }
+    if (fmt == Q5_0 || fmt == Q5_1) {
+        const __m512i hb = _mm512_loadu_si512((const void *)(p + packed_hb_at(fmt)));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            W[j] = _mm512_or_si512(
+                W[j], _mm512_maskz_mov_epi8(
+                          _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << j))),
+                          _mm512_set1_epi8(0x10)));
+    }
+}
+
+/* A packed group's scales into a tile's sc and t ([chunk][NR] floats). */
+static inline __attribute__((always_inline)) void packed_scales_avx512(const int fmt,
+                                                                       const uint8_t *pk,
+                                                                       int64_t chunks,
+                                                                       const Tile *tl) {
+    const int64_t cb = (int64_t)NR * block_bytes(fmt);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t *p = pk + c * cb;
+        _mm512_store_ps(tl->sc + c * NR, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+        if (fmt_has_t(fmt))
+            _mm512_store_ps(tl->t + c * NR,
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * NR))));
+    }
+}
+
+/* tile_avx512 from a packed group (pk: its first byte): the same tile. */
+static inline __attribute__((always_inline)) void tile_packed_avx512(const int fmt,
+                                                                     const uint8_t *pk, int64_t K,
+                                                                     const Tile *tl) {
+    const int64_t chunks = K / 32, cb = (int64_t)NR * block_bytes(fmt);
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i W[8];
+        packed_codes_avx512(fmt, pk + c * cb, W);
+        for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(tl->q + (8 * c + j) * 64), W[j]);
+    }
+    packed_scales_avx512(fmt, pk, chunks, tl);
+}
+
+static inline __attribute__((always_inline)) void gemv_packed_avx512(const int fmt,
+                                                                     const uint8_t *pk,
+                                                                     const QX *qx, __m512 *out) {
+    const int64_t chunks = qx->K / 32, cb = (int64_t)NR * block_bytes(fmt);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t *p = pk + c * cb;
+        __m512i W[8];
+        packed_codes_avx512(fmt, p, W);
+        const int8_t *xq = qx->q + c * 32;
+        __m512i a0 = fmt_off(fmt) ? _mm512_set1_epi32(qx->o[c]) : _mm512_setzero_si512();
+        __m512i a1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j += 2) {
+            a0 = _mm512_dpbusd_epi32(a0, W[j], _mm512_set1_epi32((int)rd32((const uint8_t *)xq + 4 * j)));
+            a1 = _mm512_dpbusd_epi32(a1, W[j + 1],
+                                     _mm512_set1_epi32((int)rd32((const uint8_t *)xq + 4 * j + 4)));
+        }
+        const __m512 scv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(scv, _mm512_set1_ps(qx->d[c])), acc);
+        if (fmt_has_t(fmt))
+            acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * NR))),
+                                  _mm512_set1_ps(qx->s[c]), acc);
+    }
+    *out = acc;
+}
+
+/* Row groups g0..g1-1 of a packed weight against one x row. */
+static inline __attribute__((always_inline)) void gemv_packed_groups(
+    const int fmt, const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+    int out_dtype) {
+    const int64_t gb = qx->K / 32 * NR * block_bytes(fmt); /* a group's bytes */
+    for (int64_t rg = g0; rg < g1; rg++) {
+        if (QG_PF && rg + QG_PF < g1) { /* a later group (contiguous), read ahead */
+            const uint8_t *nx = pk + (rg + QG_PF) * gb;
+            for (int64_t b = 0; b < gb; b += 64) _mm_prefetch((const char *)nx + b, _MM_HINT_T0);
+        }
+        __m512 acc;
+        gemv_packed_avx512(fmt, pk + rg * gb, qx, &acc);
+        if (out_dtype == F32) {
+            _mm512_storeu_ps((float *)out + rg * NR, acc);
+        } else {
+            float tmp[NR];
+            _mm512_storeu_ps(tmp, acc);
+            for (int r = 0; r < NR; r++) ((uint16_t *)out)[rg * NR + r] = to_bf16(tmp[r]);
+        }
+    }
+}
+
+static void gemv_packed_Q4_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q4_0, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q4_1(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q4_1, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q5_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q5_0, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q5_1(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q5_1, pk, g0, g1, qx, out, dt);
+}
+static void gemv_packed_Q8_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
+                             int dt) {
+    gemv_packed_groups(Q8_0, pk, g0, g1, qx, out, dt);
+}
+
 #ifndef QG_GEMV
 #define QG_GEMV 1 /* 0: one x row takes the tile path too (tests compare the two) */
 #endif
 
 static inline __attribute__((always_inline)) void gemm_avx512(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
-    const QX *qx, int64_t M, void *out, int out_dtype, const Tile *tl) {
+    const QX *qx, int64_t M, void *out, int out_dtype, const Tile *tl, const int packed) {
     __m512 acc[MR];
     for (int64_t rg = g0; rg < g1; rg++) {
         const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
@@ -686,7 +927,7 @@ static inline __attribute__((always_inline)) void gemm_avx512(
                 _mm_prefetch((const char *)nx + b, _MM_HINT_T0);
         }
         const __mmask16 keep = (__mmask16)((1u << rows) - 1);
-        if (QG_GEMV && M == 1) {
+        if (QG_GEMV && M == 1 && !packed) {
             gemv_avx512(fmt, w, row_bytes, o0, rows, qx, tl, acc);
             if (out_dtype == F32) {
                 _mm512_mask_storeu_ps((float *)out + o0, keep, acc[0]);
@@ -697,7 +938,10 @@ static inline __attribute__((always_inline)) void gemm_avx512(
             }
             continue;
         }
-        tile_avx512(fmt, w, row_bytes, o0, rows, qx->K, tl);
+        if (packed) /* a group is NR rows' bytes, at the file layout's offset of its rows */
+            tile_packed_avx512(fmt, w + o0 * row_bytes, qx->K, tl);
+        else
+            tile_avx512(fmt, w, row_bytes, o0, rows, qx->K, tl);
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mt = M - m0 < MR ? M - m0 : MR;
             switch (mt) {
@@ -767,12 +1011,28 @@ static inline __attribute__((always_inline)) void dequant_avx512(
 #define PER_FORMAT(F)                                                                          \
     static void gemm_avx512_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N, \
                                 const QX *qx, int64_t M, void *out, int dt, const Tile *tl) {    \
-        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl);                                  \
+        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl, 0);                               \
     }                                                                                          \
+    PER_FORMAT_PACKED_##F                                                                      \
     static void dequant_avx512_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1,         \
                                    int64_t K, void *out, int dt) {                             \
         dequant_avx512(F, w, rb, o0, o1, K, out, dt);                                          \
     }
+/* The packed variants, for the packable formats only (``DISPATCH_PACKED``). */
+#define PACKED_AVX512(F)                                                                       \
+    static void gemm_avx512_packed_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1,     \
+                                       int64_t N, const QX *qx, int64_t M, void *out, int dt,  \
+                                       const Tile *tl) {                                       \
+        gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl, 1);                               \
+    }
+#define PER_FORMAT_PACKED_Q4_0 PACKED_AVX512(Q4_0)
+#define PER_FORMAT_PACKED_Q4_1 PACKED_AVX512(Q4_1)
+#define PER_FORMAT_PACKED_Q5_0 PACKED_AVX512(Q5_0)
+#define PER_FORMAT_PACKED_Q5_1 PACKED_AVX512(Q5_1)
+#define PER_FORMAT_PACKED_Q8_0 PACKED_AVX512(Q8_0)
+#define PER_FORMAT_PACKED_Q4_K
+#define PER_FORMAT_PACKED_Q5_K
+#define PER_FORMAT_PACKED_Q6_K
 PER_FORMAT(Q4_0)
 PER_FORMAT(Q4_1)
 PER_FORMAT(Q5_0)
@@ -1289,10 +1549,28 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
     tile_scales_avx512(fmt, w, row_bytes, o0, rows, K, tl);
 }
 
+/* tile_rows_avx512 from a packed group (pk: its first byte): a pair's two chunks' tile vectors
+ * transposed back to each row's 64 codes in value order, the same rows. */
+static inline __attribute__((always_inline)) void tile_rows_packed_avx512(
+    const int fmt, const uint8_t *pk, int64_t K, uint8_t *a, int64_t kpad, const Tile *tl) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2, cb = (int64_t)NR * block_bytes(fmt);
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i r[16];
+        packed_codes_avx512(fmt, pk + 2 * p * cb, r);
+        if (2 * p + 1 < chunks)
+            packed_codes_avx512(fmt, pk + (2 * p + 1) * cb, r + 8);
+        else
+            for (int j = 8; j < 16; j++) r[j] = _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t i = 0; i < NR; i++) _mm512_store_si512((void *)(a + i * kpad + 64 * p), r[i]);
+    }
+    packed_scales_avx512(fmt, pk, chunks, tl);
+}
+
 static inline __attribute__((always_inline)) void gemm_amx(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
     const QX *qx, const XT *xt, int64_t M, void *out, int out_dtype, const Tile *tl,
-    uint8_t *a, int32_t *cbuf) {
+    uint8_t *a, int32_t *cbuf, const int packed) {
     const int gv = group_values(fmt);
     const int64_t K = qx->K, ng = qx->ng, kpad = xt->kq * 4;
     /* AMX_MB x blocks (128 rows) at a time over all the thread's row groups, each group's
@@ -1304,7 +1582,10 @@ static inline __attribute__((always_inline)) void gemm_amx(
         for (int64_t rg = g0; rg < g1; rg++) {
         const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
         const int64_t m1 = m0 + AMX_MB < xt->blocks ? m0 + AMX_MB : xt->blocks;
-        tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
+        if (packed)
+            tile_rows_packed_avx512(fmt, w + o0 * row_bytes, K, a, kpad, tl);
+        else
+            tile_rows_avx512(fmt, w, row_bytes, o0, rows, K, a, kpad, tl);
         for (int64_t b = m0; b < m1; b++) {
             __m512 acc[NR];
             for (int o = 0; o < NR; o++) acc[o] = _mm512_setzero_ps();
@@ -1371,8 +1652,19 @@ static inline __attribute__((always_inline)) void gemm_amx(
     static void gemm_amx_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1, int64_t N,   \
                              const QX *qx, const XT *xt, int64_t M, void *out, int dt,          \
                              const Tile *tl, uint8_t *a, int32_t *c) {                          \
-        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c);                           \
+        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c, 0);                        \
     }
+#define PACKED_AMX(F)                                                                          \
+    static void gemm_amx_packed_##F(const uint8_t *w, int64_t rb, int64_t g0, int64_t g1,        \
+                                    int64_t N, const QX *qx, const XT *xt, int64_t M, void *out, \
+                                    int dt, const Tile *tl, uint8_t *a, int32_t *c) {           \
+        gemm_amx(F, w, rb, g0, g1, N, qx, xt, M, out, dt, tl, a, c, 1);                        \
+    }
+PACKED_AMX(Q4_0)
+PACKED_AMX(Q4_1)
+PACKED_AMX(Q5_0)
+PACKED_AMX(Q5_1)
+PACKED_AMX(Q8_0)
 PER_FORMAT_AMX(Q4_0)
 PER_FORMAT_AMX(Q4_1)
 PER_FORMAT_AMX(Q5_0)
@@ -1388,7 +1680,7 @@ PER_FORMAT_AMX(Q6_K)
 /* quant_gemm's AMX path: x laid out for tdpbusd, then each thread's row groups. */
 static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, const QX *qx,
                         int64_t M, void *out, int x_dtype, int nthreads, int64_t groups,
-                        char *tiles, size_t tq, size_t ts) {
+                        char *tiles, size_t tq, size_t ts, int packed) {
     const int64_t K = qx->K, ng = qx->ng, pairs = (K / 32 + 1) / 2, gv = group_values(fmt);
     XT xt;
     xt.blocks = (M + 15) / 16;
@@ -1426,7 +1718,12 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
             cfg.colsb[i] = (uint16_t)(kind == 1 ? gv : 64);
         }
         _tile_loadconfig(&cfg);
-        DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
+        if (packed) {
+            DISPATCH_PACKED(fmt, gemm_amx_packed, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype,
+                     &tl, a, c)
+        } else {
+            DISPATCH(fmt, gemm_amx, w, row_bytes, g0, g1, N, qx, &xt, M, out, x_dtype, &tl, a, c)
+        }
         _tile_release();
     }
     free(abuf);
@@ -1436,10 +1733,11 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
 #endif
 
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
-                int x_dtype, int64_t M, void *out, int nthreads, int portable) {
+                int x_dtype, int64_t M, void *out, int nthreads, int portable, int packed) {
     (void)portable; /* unused in a build without SIMD paths */
     int bb = block_bytes(fmt);
     if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
+    if (packed && (!packable(fmt) || N % NR)) return 1;
     if ((x_dtype != F32 && x_dtype != BF16) || M < 1 || N < 1) return 2;
     QX qx;
     qx.K = K;
@@ -1470,17 +1768,50 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         quantize_row(fmt, x, x_dtype, m, &qx);
     }
     if (nthreads > groups) nthreads = (int)groups;
+#if defined(QG_AVX512)
+    if (packed && M == 1 && !portable && QG_GEMV) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+            if (fmt == Q4_0) gemv_packed_Q4_0(w, g0, g1, &qx, out, x_dtype);
+            else if (fmt == Q4_1) gemv_packed_Q4_1(w, g0, g1, &qx, out, x_dtype);
+            else if (fmt == Q5_0) gemv_packed_Q5_0(w, g0, g1, &qx, out, x_dtype);
+            else if (fmt == Q5_1) gemv_packed_Q5_1(w, g0, g1, &qx, out, x_dtype);
+            else gemv_packed_Q8_0(w, g0, g1, &qx, out, x_dtype);
+        }
+        free(buf);
+        return 0;
+    }
+#endif
+    /* A packed weight's groups unpacked to the file's rows, UNPACK_GROUPS at a time per
+     * thread, for the paths without a packed variant (portable C, AVX2). */
+    uint8_t *unpacked = NULL;
+#if defined(QG_AVX512)
+    if (packed && portable) {
+#else
+    if (packed) {
+#endif
+        unpacked = (uint8_t *)aligned_alloc(
+            64, ((size_t)nthreads * UNPACK_GROUPS * NR * row_bytes + 63) / 64 * 64);
+        if (!unpacked) {
+            free(buf);
+            return 3;
+        }
+    }
     /* A tile per thread: codes for whole pairs of chunks (the slack of an odd last chunk). */
     size_t tq = (size_t)((K / 32 + 1) / 2) * 64 * NR, ts = (size_t)qx.ng * NR * 4;
     char *tiles = (char *)aligned_alloc(64, (size_t)nthreads * (tq + 2 * ts));
     if (!tiles) {
+        free(unpacked);
         free(buf);
         return 3;
     }
 #if defined(QG_AMX)
     if (!portable && M >= AMX_ROWS && amx_usable()) {
         int rc = gemm_amx_all(fmt, w, row_bytes, N, &qx, M, out, x_dtype, nthreads, groups,
-                              tiles, tq, ts);
+                              tiles, tq, ts, packed);
+        free(unpacked);
         free(tiles);
         free(buf);
         return rc;
@@ -1492,23 +1823,33 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
         char *mine = tiles + (size_t)t * (tq + 2 * ts);
         Tile tl = {(uint8_t *)mine, (float *)(mine + tq), (float *)(mine + tq + ts)};
+        uint8_t *mine_u = unpacked ? unpacked + (size_t)t * UNPACK_GROUPS * NR * row_bytes : NULL;
+        const int64_t step = unpacked ? UNPACK_GROUPS : (g1 > g0 ? g1 - g0 : 1);
+        for (int64_t b0 = g0; b0 < g1; b0 += step) {
+            const int64_t b1 = b0 + step < g1 ? b0 + step : g1;
+            const uint8_t *wv = unpacked ? unpack_groups(fmt, w, row_bytes, K, b0, b1, mine_u) : w;
 #if defined(QG_AVX512)
-        if (!portable) {
-            DISPATCH(fmt, gemm_avx512, w, row_bytes, g0, g1, N, &qx, M, out, x_dtype, &tl)
-        } else
+            if (!portable && packed) {
+                DISPATCH_PACKED(fmt, gemm_avx512_packed, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype,
+                         &tl)
+            } else if (!portable) {
+                DISPATCH(fmt, gemm_avx512, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype, &tl)
+            } else
 #elif defined(QG_AVX2)
-        if (!portable) {
-            DISPATCH(fmt, gemm_avx2, w, row_bytes, g0, g1, N, &qx, M, out, x_dtype, &tl)
-        } else
+            if (!portable) {
+                DISPATCH(fmt, gemm_avx2, wv, row_bytes, b0, b1, N, &qx, M, out, x_dtype, &tl)
+            } else
 #endif
-        {
-            for (int64_t rg = g0; rg < g1; rg++) {
-                int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
-                tile_portable(fmt, w, row_bytes, o0, rows, K, &tl);
-                dots_portable(fmt, &tl, &qx, 0, M, out, x_dtype, N, o0, rows);
+            {
+                for (int64_t rg = b0; rg < b1; rg++) {
+                    int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+                    tile_portable(fmt, wv, row_bytes, o0, rows, K, &tl);
+                    dots_portable(fmt, &tl, &qx, 0, M, out, x_dtype, N, o0, rows);
+                }
             }
         }
     }
+    free(unpacked);
     free(tiles);
     free(buf);
     return 0;
@@ -1517,12 +1858,59 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
 /* out[M, N] (x's dtype) = x[M, K] . dequant(w[N, row_bytes])^T, x float32 (0) or bf16 (1). */
 int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                int x_dtype, int64_t M, void *out, int nthreads) {
-    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0);
+    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0, 0);
 }
 
 int quant_gemm_portable(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
-    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1);
+    return gemm(fmt, w, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1, 0);
+}
+
+/* quant_gemm and quant_gemm_portable with a packed weight ``pk`` (see "packed weights"):
+ * the same bits. */
+int quant_gemm_packed(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N, int64_t K,
+                      const void *x, int x_dtype, int64_t M, void *out, int nthreads) {
+    return gemm(fmt, pk, row_bytes, N, K, x, x_dtype, M, out, nthreads, 0, 1);
+}
+
+int quant_gemm_packed_portable(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N,
+                               int64_t K, const void *x, int x_dtype, int64_t M, void *out,
+                               int nthreads) {
+    return gemm(fmt, pk, row_bytes, N, K, x, x_dtype, M, out, nthreads, 1, 1);
+}
+
+/* Whether a weight of this format and N rows is worth packing (``quant_pack``): only where
+ * this build has the packed SIMD paths (AVX512-VNNI; elsewhere every product would unpack). */
+int quant_packable(int fmt, int64_t N) {
+#if defined(QG_AVX512)
+    return packable(fmt) && N % NR == 0 && N > 0;
+#else
+    (void)fmt;
+    (void)N;
+    return 0;
+#endif
+}
+
+/* w [N, row_bytes] (the file's rows) packed into out (N * row_bytes bytes). */
+int quant_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    int bb = block_bytes(fmt);
+    if (!packable(fmt) || N % NR || K % 32 || row_bytes != K / 32 * bb) return 1;
+    for (int64_t rg = 0; rg < N / NR; rg++) pack_rows(fmt, w, row_bytes, rg, K, out);
+    return 0;
+}
+
+/* Rows idx[0..n-1] of a packed weight (N rows), as the file stores them, into out [n,
+ * row_bytes]; idx NULL: rows first..first+n-1. */
+int quant_unpack(int fmt, const uint8_t *pk, int64_t row_bytes, int64_t N, int64_t K,
+                 const int64_t *idx, int64_t first, int64_t n, uint8_t *out) {
+    int bb = block_bytes(fmt);
+    if (!packable(fmt) || N % NR || K % 32 || row_bytes != K / 32 * bb) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t o = idx ? idx[i] : first + i;
+        if (o < 0 || o >= N) return 2;
+    }
+    unpack_rows(fmt, pk, row_bytes, K, idx, first, n, out);
+    return 0;
 }
 
 /* Whether quant_gemm multiplies AMX_ROWS or more x rows with AMX-INT8 tiles (built for them,
