@@ -1289,6 +1289,20 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
     tile_scales_avx512(fmt, w, row_bytes, o0, rows, K, tl);
 }
 
+/* 16 floats rounded to bf16 as to_bf16 (nearest even; a NaN kept quiet), for a masked store. */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
+        16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 static inline __attribute__((always_inline)) void gemm_amx(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
     const QX *qx, const XT *xt, int64_t M, void *out, int out_dtype, const Tile *tl,
@@ -1434,6 +1448,173 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
     return 0;
 }
 #endif
+
+#if defined(QG_AMX) && defined(__AMX_BF16__)
+/* gemm_bf16's buffers (x laid out for the tiles, the dequantized weight) kept per calling
+ * thread from one call to the next and grown when a call needs more: a prefill's are
+ * megabytes, which malloc would map fresh and the kernel fault in page by page on every call.
+ * A thread keeps its largest call's buffers until the process ends. */
+enum { SCRATCH_XT, SCRATCH_A, SCRATCH_SLOTS };
+static __thread char *scratch_ptr[SCRATCH_SLOTS];
+static __thread size_t scratch_len[SCRATCH_SLOTS];
+
+static void *scratch_get(int slot, size_t bytes) {
+    if (bytes > scratch_len[slot]) {
+        free(scratch_ptr[slot]);
+        size_t n = (bytes + 4095) / 4096 * 4096;
+        scratch_ptr[slot] = (char *)aligned_alloc(4096, n);
+        scratch_len[slot] = scratch_ptr[slot] ? n : 0;
+    }
+    return scratch_ptr[slot];
+}
+
+/* quant_gemm_bf16: out[M, N] = x[M, K] . bf16(dequant(W))^T with x bf16 (not quantized), on
+ * AMX-BF16 tiles: W's rows dequantized to bf16 as quant_dequant does (gguf-py's float32
+ * values rounded to bf16), 16 at a time; x laid out per block of 16 rows as tdpbf16ps's B
+ * ([K / 2][16 rows][2]); each output element is one fp32 tile accumulator over K in 32-value
+ * steps in the order 0, 1, ... (one tdpbf16ps each), then rounded to bf16. The tile unit
+ * computes every element of C alike, so a row's result does not depend on M (a row alone is a
+ * block with zero rows beside it), on its place in its block, or on the threads (they split
+ * the output rows). With more than BF_MB blocks the whole weight is dequantized once (the
+ * blocks then run in passes of BF_MB, the output rows they write staying in the cache); with
+ * fewer, each thread dequantizes its 16 rows as it reaches them: the same bf16 values. */
+#ifndef BF_MB
+#define BF_MB 8
+#endif
+#define PER_FORMAT_DQ(F)                                                                       \
+    static void dq_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1, int64_t K,       \
+                       void *out) {                                                            \
+        dequant_avx512(F, w, rb, o0, o1, K, out, BF16);                                        \
+    }
+PER_FORMAT_DQ(Q4_0)
+PER_FORMAT_DQ(Q4_1)
+PER_FORMAT_DQ(Q5_0)
+PER_FORMAT_DQ(Q5_1)
+PER_FORMAT_DQ(Q8_0)
+PER_FORMAT_DQ(Q4_K)
+PER_FORMAT_DQ(Q5_K)
+PER_FORMAT_DQ(Q6_K)
+
+static int gemm_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                     const uint16_t *x, int64_t M, uint16_t *out, int nthreads) {
+    int bb = block_bytes(fmt);
+    if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
+    if (M < 1 || N < 1 || K % 32) return 2;
+    if (!amx_usable()) return 4;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t blocks = (M + 15) / 16, groups = (N + NR - 1) / NR, kc = K / 32;
+    if (nthreads > groups) nthreads = (int)groups;
+    /* x per block of 16 rows and pair of values: the 16 rows' pairs, [blocks][K / 2][16][2] */
+    uint16_t *xb = (uint16_t *)scratch_get(SCRATCH_XT, (size_t)(blocks * K * 16 * 2));
+    /* the weight dequantized: whole when several passes, else per thread 16 rows */
+    const int whole = blocks > BF_MB;
+    size_t per = (size_t)(16 * K * 2);
+    uint16_t *wb = (uint16_t *)scratch_get(SCRATCH_A, (size_t)(whole ? groups : nthreads) * per);
+    if (!xb || !wb) return 3;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < kc; c++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) {
+                int64_t m = 16 * b + i;
+                r[i] = m < M ? _mm512_loadu_si512((const void *)(x + m * K + 32 * c))
+                             : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_store_si512((void *)(xb + ((b * kc + c) * 16 + j) * 32), r[j]);
+        }
+    if (whole) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t rg = 0; rg < groups; rg++) {
+            int64_t o0 = rg * NR, o1 = o0 + NR < N ? o0 + NR : N;
+            uint16_t *a = wb + rg * 16 * K;
+            DISPATCH(fmt, dq, w + o0 * row_bytes, row_bytes, 0, o1 - o0, K, a)
+            if (o1 - o0 < 16) memset(a + (o1 - o0) * K, 0, (size_t)((16 - (o1 - o0)) * K * 2));
+        }
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 5; i++) {
+            cfg.rows[i] = 16;
+            cfg.colsb[i] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float cbuf[2][256] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < blocks; m0 += BF_MB)
+            for (int64_t rg = g0; rg < g1; rg++) {
+                const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+                const int64_t m1 = m0 + BF_MB < blocks ? m0 + BF_MB : blocks;
+                const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+                uint16_t *a;
+                if (whole) {
+                    a = wb + rg * 16 * K;
+                } else {
+                    a = wb + (size_t)t * 16 * K;
+                    DISPATCH(fmt, dq, w + o0 * row_bytes, row_bytes, 0, rows, K, a)
+                    if (rows < 16) memset(a + rows * K, 0, (size_t)((16 - rows) * K * 2));
+                }
+                for (int64_t b = m0; b < m1; b += 2) {
+                    const int two = b + 1 < m1;
+                    const uint16_t *x0 = xb + b * kc * 512, *x1 = x0 + kc * 512;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t c = 0; c < kc; c++) {
+                        _tile_loadd(2, a + 32 * c, K * 2);
+                        _tile_loadd(3, x0 + c * 512, 64);
+                        _tile_dpbf16ps(0, 2, 3);
+                        if (two) {
+                            _tile_loadd(4, x1 + c * 512, 64);
+                            _tile_dpbf16ps(1, 2, 4);
+                        }
+                    }
+                    _tile_stored(0, cbuf[0], 64);
+                    if (two) _tile_stored(1, cbuf[1], 64);
+                    for (int h = 0; h <= two; h++) {
+                        __m512i r[16];
+                        for (int o = 0; o < 16; o++)
+                            r[o] = _mm512_load_si512((const void *)(cbuf[h] + 16 * o));
+                        transpose16(r);
+                        const int64_t bb2 = b + h;
+                        for (int64_t i = 0; i < 16 && 16 * bb2 + i < M; i++)
+                            _mm256_mask_storeu_epi16(out + (16 * bb2 + i) * N + o0, keep,
+                                                     bf16x16(_mm512_castsi512_ps(r[i])));
+                    }
+                }
+            }
+        _tile_release();
+    }
+    return 0;
+}
+#endif
+
+/* Whether quant_gemm_bf16 runs here (built for AMX-BF16 and the OS lets this process use it). */
+int quant_gemm_bf16_available(void) {
+#if defined(QG_AMX) && defined(__AMX_BF16__)
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* out[M, N] (bf16) = x[M, K] (bf16) . bf16(dequant(w[N, row_bytes]))^T on AMX-BF16 tiles, each
+ * output element's arithmetic the same whatever M or the threads (see gemm_bf16); 5 where
+ * not built for AMX-BF16, 4 where the OS refuses it. */
+int quant_gemm_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                    const void *x, int64_t M, void *out, int nthreads) {
+#if defined(QG_AMX) && defined(__AMX_BF16__)
+    return gemm_bf16(fmt, w, row_bytes, N, K, (const uint16_t *)x, M, (uint16_t *)out, nthreads);
+#else
+    (void)fmt, (void)w, (void)row_bytes, (void)N, (void)K, (void)x, (void)M, (void)out;
+    (void)nthreads;
+    return 5;
+#endif
+}
 
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                 int x_dtype, int64_t M, void *out, int nthreads, int portable) {
