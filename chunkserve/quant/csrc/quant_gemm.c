@@ -1481,6 +1481,79 @@ static void *scratch_get(int slot, size_t bytes) {
 #ifndef BF_MB
 #define BF_MB 8
 #endif
+/* Rows 0..rows-1 of w dequantized to bf16 as dequant_avx512 does, for the formats whose codes
+ * are under 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): per 32-value chunk the 32 values a code
+ * can take, ((j - OFF) * sc) [+ t] for j = 0..31 in float32 and rounded to bf16 (the same
+ * operations per value), then one 16-bit permute looks the chunk's codes up: ~half the work
+ * of dequantizing value by value (a decode step dequantizes its whole weight). */
+static inline __attribute__((always_inline)) void dequant_lut_bf16(const int fmt,
+                                                                   const uint8_t *w,
+                                                                   int64_t row_bytes,
+                                                                   int64_t rows, int64_t K,
+                                                                   uint16_t *a) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2;
+    const float off = (float)fmt_off(fmt);
+    const __m512 j0 = _mm512_sub_ps(
+        _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(off));
+    const __m512 j1 = _mm512_sub_ps(
+        _mm512_set_ps(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16),
+        _mm512_set1_ps(off));
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t p = 0; p < pairs; p++) {
+            Pair P = decode_avx512(fmt, row, p, chunks);
+            for (int h = 0; h < 2 && 2 * p + h < chunks; h++) {
+                const __m512i lane = _mm512_set1_epi32(8 * h);
+                const __m512 sc = _mm512_permutexvar_ps(lane, P.sc);
+                __m512 v0 = _mm512_mul_ps(j0, sc), v1 = _mm512_mul_ps(j1, sc);
+                if (fmt_has_t(fmt)) {
+                    const __m512 t = _mm512_permutexvar_ps(lane, P.t);
+                    v0 = _mm512_add_ps(v0, t);
+                    v1 = _mm512_add_ps(v1, t);
+                }
+                const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+                const __m512i idx = _mm512_cvtepu8_epi16(
+                    h ? _mm512_extracti64x4_epi64(P.q, 1) : _mm512_castsi512_si256(P.q));
+                _mm512_storeu_si512((void *)(a + r * K + 32 * (2 * p + h)),
+                                    _mm512_permutexvar_epi16(idx, table));
+            }
+        }
+    }
+}
+
+#define PER_FORMAT_LUT(F)                                                                      \
+    static void lut_##F(const uint8_t *w, int64_t rb, int64_t rows, int64_t K, uint16_t *a) {  \
+        dequant_lut_bf16(F, w, rb, rows, K, a);                                                \
+    }
+PER_FORMAT_LUT(Q4_0)
+PER_FORMAT_LUT(Q4_1)
+PER_FORMAT_LUT(Q5_0)
+PER_FORMAT_LUT(Q5_1)
+PER_FORMAT_LUT(Q4_K)
+PER_FORMAT_LUT(Q5_K)
+
+/* Q8_0 rows to bf16 as dequant_avx512 does ((q + 128) - 128 is q exactly, then * sc), 32
+ * values at a time. */
+static void q8_bf16(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t K, uint16_t *a) {
+    const int64_t chunks = K / 32;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint8_t *b = w + r * row_bytes + 34 * c;
+            const __m512 sc = _mm512_set1_ps(h2f(b));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+            const __m512 v0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), sc);
+            const __m512 v1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), sc);
+            _mm512_storeu_si512((void *)(a + r * K + 32 * c), (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
+}
+
+/* Rows 0..rows-1 of w to bf16: by table where the codes are under 32, Q8_0 by q8_bf16, Q6_K
+ * value by value (dequant_avx512). */
+static void dequant_rows_bf16(int fmt, const uint8_t *w, int64_t rb, int64_t rows, int64_t K,
+                              uint16_t *a);
+
 #define PER_FORMAT_DQ(F)                                                                       \
     static void dq_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1, int64_t K,       \
                        void *out) {                                                            \
@@ -1494,6 +1567,20 @@ PER_FORMAT_DQ(Q8_0)
 PER_FORMAT_DQ(Q4_K)
 PER_FORMAT_DQ(Q5_K)
 PER_FORMAT_DQ(Q6_K)
+
+static void dequant_rows_bf16(int fmt, const uint8_t *w, int64_t rb, int64_t rows, int64_t K,
+                              uint16_t *a) {
+    switch (fmt) {
+    case Q4_0: lut_Q4_0(w, rb, rows, K, a); break;
+    case Q4_1: lut_Q4_1(w, rb, rows, K, a); break;
+    case Q5_0: lut_Q5_0(w, rb, rows, K, a); break;
+    case Q5_1: lut_Q5_1(w, rb, rows, K, a); break;
+    case Q4_K: lut_Q4_K(w, rb, rows, K, a); break;
+    case Q5_K: lut_Q5_K(w, rb, rows, K, a); break;
+    case Q8_0: q8_bf16(w, rb, rows, K, a); break;
+    default: DISPATCH(fmt, dq, w, rb, 0, rows, K, a)
+    }
+}
 
 static int gemm_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                      const uint16_t *x, int64_t M, uint16_t *out, int nthreads) {
@@ -1556,7 +1643,7 @@ static int gemm_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
                     a = wb + rg * 16 * K;
                 } else {
                     a = wb + (size_t)t * 16 * K;
-                    DISPATCH(fmt, dq, w + o0 * row_bytes, row_bytes, 0, rows, K, a)
+                    dequant_rows_bf16(fmt, w + o0 * row_bytes, row_bytes, rows, K, a);
                     if (rows < 16) memset(a + rows * K, 0, (size_t)((16 - rows) * K * 2));
                 }
                 for (int64_t b = m0; b < m1; b += 2) {
