@@ -343,6 +343,45 @@ def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
     assert torch.equal(w.matmul(xb[:8]), k.gemm_float(code, w.data, xb[:8]))
 
 
+needs_amx_bf16 = pytest.mark.skipif(
+    kernels.load() is None or not kernels.load().amx_bf16, reason="no AMX-BF16 here"
+)
+
+
+@needs_amx_bf16
+def test_bf16_kernel_is_batch_invariant(weight, monkeypatch):
+    """``gemm_bf16`` (the deterministic mode's AMX-BF16 opt-in): 300 rows multiplied in
+    steps of 1, 8, 17 and 64 rows (the weight dequantized per 16 rows) and whole (dequantized
+    once), at 1 and 2 threads, give the same bits; the product is the bf16-dequantized one
+    (up to the order of the fp32 sums); ``matmul_row_invariant`` takes it with
+    ``CHUNKSERVE_QUANT_DETERMINISTIC_KERNEL=bf16``."""
+    qtype, _, w = weight
+    k = kernels.load()
+    code = int(qtype)
+    x = torch.randn(300, w.in_features, generator=torch.Generator().manual_seed(5)) * 3
+    x[7] = 0.0
+    xb = x.bfloat16()
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = k.gemm_bf16(code, w.data, xb)
+        for step in (1, 8, 17, 64):
+            rows = [k.gemm_bf16(code, w.data, xb[r : r + step]) for r in range(0, 300, step)]
+            assert torch.equal(torch.cat(rows), whole), (qtype.name, step)
+        torch.set_num_threads(2)
+        assert torch.equal(k.gemm_bf16(code, w.data, xb), whole)
+        assert torch.equal(k.gemm_bf16(code, w.data, xb[:5]), whole[:5])
+    finally:
+        torch.set_num_threads(old)
+    want = torch.nn.functional.linear(xb.float(), w.dequantize(torch.bfloat16).float())
+    assert rel_err(whole, want) < 4e-3, qtype.name
+    assert torch.equal(whole[7], torch.zeros_like(whole[7]))
+    assert torch.equal(w.matmul_row_invariant(xb), k.gemm(code, w.data, xb))
+    monkeypatch.setenv("CHUNKSERVE_QUANT_DETERMINISTIC_KERNEL", "bf16")
+    assert torch.equal(w.matmul_row_invariant(xb), whole)
+    assert torch.equal(w.matmul_row_invariant(xb.reshape(3, 100, -1)).reshape(300, -1), whole)
+
+
 @needs_kernels
 def test_threads_split_rows_without_changing_a_bit(weight):
     """Each output comes from one thread's rows whatever the thread count: 1 and 2 threads

@@ -258,6 +258,8 @@ class GGUFWeight(QuantizedWeight):
         k = kernels.built()
         if k is None or not kernels.packing() or not k.packable(self.format.code, self.shape[0]):
             return False
+        if kernels.deterministic_bf16():  # gemm_bf16 reads the file's rows
+            return False
         self.packed = k.pack(self.format.code, self._data, self.shape[1])
         self._data = None
         return True
@@ -340,7 +342,17 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul_row_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """The int8-activation kernel at every row count (bf16 x): a row's bits do not depend
-        on its step's rows or the threads (the deterministic mode's path, no row tiling)."""
+        on its step's rows or the threads (the deterministic mode's path, no row tiling).
+        With ``kernels.deterministic_bf16()`` and AMX-BF16 here, ``kernels.gemm_bf16`` at
+        every row count instead (bf16 weights and x, fp32 tile sums in a fixed order)."""
+        if kernels.deterministic_bf16():
+            k = kernels.load()
+            if k is not None and k.amx_bf16 and x.dtype == torch.bfloat16 and x.numel():
+                if x.shape[-1] != self.shape[1]:
+                    self._check_x(x)
+                x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
+                out = k.gemm_bf16(self.format.code, self.data, x2)
+                return out.reshape(*x.shape[:-1], self.shape[0])
         return self._kernel_matmul(x, row_invariant=True)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -1567,6 +1567,20 @@ static inline __attribute__((always_inline)) void tile_rows_packed_avx512(
     packed_scales_avx512(fmt, pk, chunks, tl);
 }
 
+/* 16 floats rounded to bf16 as to_bf16 (nearest even; a NaN kept quiet), for a masked store. */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
+        16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 static inline __attribute__((always_inline)) void gemm_amx(
     const int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
     const QX *qx, const XT *xt, int64_t M, void *out, int out_dtype, const Tile *tl,
@@ -1731,6 +1745,260 @@ static int gemm_amx_all(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N,
     return 0;
 }
 #endif
+
+#if defined(QG_AMX) && defined(__AMX_BF16__)
+/* gemm_bf16's buffers (x laid out for the tiles, the dequantized weight) kept per calling
+ * thread from one call to the next and grown when a call needs more: a prefill's are
+ * megabytes, which malloc would map fresh and the kernel fault in page by page on every call.
+ * A thread keeps its largest call's buffers until the process ends. */
+enum { SCRATCH_XT, SCRATCH_A, SCRATCH_SLOTS };
+static __thread char *scratch_ptr[SCRATCH_SLOTS];
+static __thread size_t scratch_len[SCRATCH_SLOTS];
+
+static void *scratch_get(int slot, size_t bytes) {
+    if (bytes > scratch_len[slot]) {
+        free(scratch_ptr[slot]);
+        size_t n = (bytes + 4095) / 4096 * 4096;
+        scratch_ptr[slot] = (char *)aligned_alloc(4096, n);
+        scratch_len[slot] = scratch_ptr[slot] ? n : 0;
+    }
+    return scratch_ptr[slot];
+}
+
+/* quant_gemm_bf16: out[M, N] = x[M, K] . bf16(dequant(W))^T with x bf16 (not quantized), on
+ * AMX-BF16 tiles: W's rows dequantized to bf16 as quant_dequant does (gguf-py's float32
+ * values rounded to bf16), 16 at a time; x laid out per block of 16 rows as tdpbf16ps's B
+ * ([K / 2][16 rows][2]); each output element is one fp32 tile accumulator over K in 32-value
+ * steps in the order 0, 1, ... (one tdpbf16ps each), then rounded to bf16. The tile unit
+ * computes every element of C alike, so a row's result does not depend on M (a row alone is a
+ * block with zero rows beside it), on its place in its block, or on the threads (they split
+ * the output rows). With more than BF_MB blocks the whole weight is dequantized once (the
+ * blocks then run in passes of BF_MB, the output rows they write staying in the cache); with
+ * fewer, each thread dequantizes its 16 rows as it reaches them: the same bf16 values. */
+#ifndef BF_MB
+#define BF_MB 8
+#endif
+/* Rows 0..rows-1 of w dequantized to bf16 as dequant_avx512 does, for the formats whose codes
+ * are under 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): per 32-value chunk the 32 values a code
+ * can take, ((j - OFF) * sc) [+ t] for j = 0..31 in float32 and rounded to bf16 (the same
+ * operations per value), then one 16-bit permute looks the chunk's codes up: ~half the work
+ * of dequantizing value by value (a decode step dequantizes its whole weight). */
+static inline __attribute__((always_inline)) void dequant_lut_bf16(const int fmt,
+                                                                   const uint8_t *w,
+                                                                   int64_t row_bytes,
+                                                                   int64_t rows, int64_t K,
+                                                                   uint16_t *a) {
+    const int64_t chunks = K / 32, pairs = (chunks + 1) / 2;
+    const float off = (float)fmt_off(fmt);
+    const __m512 j0 = _mm512_sub_ps(
+        _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(off));
+    const __m512 j1 = _mm512_sub_ps(
+        _mm512_set_ps(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16),
+        _mm512_set1_ps(off));
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t p = 0; p < pairs; p++) {
+            Pair P = decode_avx512(fmt, row, p, chunks);
+            for (int h = 0; h < 2 && 2 * p + h < chunks; h++) {
+                const __m512i lane = _mm512_set1_epi32(8 * h);
+                const __m512 sc = _mm512_permutexvar_ps(lane, P.sc);
+                __m512 v0 = _mm512_mul_ps(j0, sc), v1 = _mm512_mul_ps(j1, sc);
+                if (fmt_has_t(fmt)) {
+                    const __m512 t = _mm512_permutexvar_ps(lane, P.t);
+                    v0 = _mm512_add_ps(v0, t);
+                    v1 = _mm512_add_ps(v1, t);
+                }
+                const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+                const __m512i idx = _mm512_cvtepu8_epi16(
+                    h ? _mm512_extracti64x4_epi64(P.q, 1) : _mm512_castsi512_si256(P.q));
+                _mm512_storeu_si512((void *)(a + r * K + 32 * (2 * p + h)),
+                                    _mm512_permutexvar_epi16(idx, table));
+            }
+        }
+    }
+}
+
+#define PER_FORMAT_LUT(F)                                                                      \
+    static void lut_##F(const uint8_t *w, int64_t rb, int64_t rows, int64_t K, uint16_t *a) {  \
+        dequant_lut_bf16(F, w, rb, rows, K, a);                                                \
+    }
+PER_FORMAT_LUT(Q4_0)
+PER_FORMAT_LUT(Q4_1)
+PER_FORMAT_LUT(Q5_0)
+PER_FORMAT_LUT(Q5_1)
+PER_FORMAT_LUT(Q4_K)
+PER_FORMAT_LUT(Q5_K)
+
+/* Q8_0 rows to bf16 as dequant_avx512 does ((q + 128) - 128 is q exactly, then * sc), 32
+ * values at a time. */
+static void q8_bf16(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t K, uint16_t *a) {
+    const int64_t chunks = K / 32;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint8_t *b = w + r * row_bytes + 34 * c;
+            const __m512 sc = _mm512_set1_ps(h2f(b));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+            const __m512 v0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), sc);
+            const __m512 v1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), sc);
+            _mm512_storeu_si512((void *)(a + r * K + 32 * c), (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
+}
+
+/* Rows 0..rows-1 of w to bf16: by table where the codes are under 32, Q8_0 by q8_bf16, Q6_K
+ * value by value (dequant_avx512). */
+static void dequant_rows_bf16(int fmt, const uint8_t *w, int64_t rb, int64_t rows, int64_t K,
+                              uint16_t *a);
+
+#define PER_FORMAT_DQ(F)                                                                       \
+    static void dq_##F(const uint8_t *w, int64_t rb, int64_t o0, int64_t o1, int64_t K,       \
+                       void *out) {                                                            \
+        dequant_avx512(F, w, rb, o0, o1, K, out, BF16);                                        \
+    }
+PER_FORMAT_DQ(Q4_0)
+PER_FORMAT_DQ(Q4_1)
+PER_FORMAT_DQ(Q5_0)
+PER_FORMAT_DQ(Q5_1)
+PER_FORMAT_DQ(Q8_0)
+PER_FORMAT_DQ(Q4_K)
+PER_FORMAT_DQ(Q5_K)
+PER_FORMAT_DQ(Q6_K)
+
+static void dequant_rows_bf16(int fmt, const uint8_t *w, int64_t rb, int64_t rows, int64_t K,
+                              uint16_t *a) {
+    switch (fmt) {
+    case Q4_0: lut_Q4_0(w, rb, rows, K, a); break;
+    case Q4_1: lut_Q4_1(w, rb, rows, K, a); break;
+    case Q5_0: lut_Q5_0(w, rb, rows, K, a); break;
+    case Q5_1: lut_Q5_1(w, rb, rows, K, a); break;
+    case Q4_K: lut_Q4_K(w, rb, rows, K, a); break;
+    case Q5_K: lut_Q5_K(w, rb, rows, K, a); break;
+    case Q8_0: q8_bf16(w, rb, rows, K, a); break;
+    default: DISPATCH(fmt, dq, w, rb, 0, rows, K, a)
+    }
+}
+
+static int gemm_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                     const uint16_t *x, int64_t M, uint16_t *out, int nthreads) {
+    int bb = block_bytes(fmt);
+    if (!bb || K % block_values(fmt) || row_bytes != K / block_values(fmt) * bb) return 1;
+    if (M < 1 || N < 1 || K % 32) return 2;
+    if (!amx_usable()) return 4;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t blocks = (M + 15) / 16, groups = (N + NR - 1) / NR, kc = K / 32;
+    if (nthreads > groups) nthreads = (int)groups;
+    /* x per block of 16 rows and pair of values: the 16 rows' pairs, [blocks][K / 2][16][2] */
+    uint16_t *xb = (uint16_t *)scratch_get(SCRATCH_XT, (size_t)(blocks * K * 16 * 2));
+    /* the weight dequantized: whole when several passes, else per thread 16 rows */
+    const int whole = blocks > BF_MB;
+    size_t per = (size_t)(16 * K * 2);
+    uint16_t *wb = (uint16_t *)scratch_get(SCRATCH_A, (size_t)(whole ? groups : nthreads) * per);
+    if (!xb || !wb) return 3;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < kc; c++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) {
+                int64_t m = 16 * b + i;
+                r[i] = m < M ? _mm512_loadu_si512((const void *)(x + m * K + 32 * c))
+                             : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_store_si512((void *)(xb + ((b * kc + c) * 16 + j) * 32), r[j]);
+        }
+    if (whole) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t rg = 0; rg < groups; rg++) {
+            int64_t o0 = rg * NR, o1 = o0 + NR < N ? o0 + NR : N;
+            uint16_t *a = wb + rg * 16 * K;
+            DISPATCH(fmt, dq, w + o0 * row_bytes, row_bytes, 0, o1 - o0, K, a)
+            if (o1 - o0 < 16) memset(a + (o1 - o0) * K, 0, (size_t)((16 - (o1 - o0)) * K * 2));
+        }
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 5; i++) {
+            cfg.rows[i] = 16;
+            cfg.colsb[i] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float cbuf[2][256] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < blocks; m0 += BF_MB)
+            for (int64_t rg = g0; rg < g1; rg++) {
+                const int64_t o0 = rg * NR, rows = N - o0 < NR ? N - o0 : NR;
+                const int64_t m1 = m0 + BF_MB < blocks ? m0 + BF_MB : blocks;
+                const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+                uint16_t *a;
+                if (whole) {
+                    a = wb + rg * 16 * K;
+                } else {
+                    a = wb + (size_t)t * 16 * K;
+                    dequant_rows_bf16(fmt, w + o0 * row_bytes, row_bytes, rows, K, a);
+                    if (rows < 16) memset(a + rows * K, 0, (size_t)((16 - rows) * K * 2));
+                }
+                for (int64_t b = m0; b < m1; b += 2) {
+                    const int two = b + 1 < m1;
+                    const uint16_t *x0 = xb + b * kc * 512, *x1 = x0 + kc * 512;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t c = 0; c < kc; c++) {
+                        _tile_loadd(2, a + 32 * c, K * 2);
+                        _tile_loadd(3, x0 + c * 512, 64);
+                        _tile_dpbf16ps(0, 2, 3);
+                        if (two) {
+                            _tile_loadd(4, x1 + c * 512, 64);
+                            _tile_dpbf16ps(1, 2, 4);
+                        }
+                    }
+                    _tile_stored(0, cbuf[0], 64);
+                    if (two) _tile_stored(1, cbuf[1], 64);
+                    for (int h = 0; h <= two; h++) {
+                        __m512i r[16];
+                        for (int o = 0; o < 16; o++)
+                            r[o] = _mm512_load_si512((const void *)(cbuf[h] + 16 * o));
+                        transpose16(r);
+                        const int64_t bb2 = b + h;
+                        for (int64_t i = 0; i < 16 && 16 * bb2 + i < M; i++)
+                            _mm256_mask_storeu_epi16(out + (16 * bb2 + i) * N + o0, keep,
+                                                     bf16x16(_mm512_castsi512_ps(r[i])));
+                    }
+                }
+            }
+        _tile_release();
+    }
+    return 0;
+}
+#endif
+
+/* Whether quant_gemm_bf16 runs here (built for AMX-BF16 and the OS lets this process use it). */
+int quant_gemm_bf16_available(void) {
+#if defined(QG_AMX) && defined(__AMX_BF16__)
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* out[M, N] (bf16) = x[M, K] (bf16) . bf16(dequant(w[N, row_bytes]))^T on AMX-BF16 tiles, each
+ * output element's arithmetic the same whatever M or the threads (see gemm_bf16); 5 where
+ * not built for AMX-BF16, 4 where the OS refuses it. */
+int quant_gemm_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                    const void *x, int64_t M, void *out, int nthreads) {
+#if defined(QG_AMX) && defined(__AMX_BF16__)
+    return gemm_bf16(fmt, w, row_bytes, N, K, (const uint16_t *)x, M, (uint16_t *)out, nthreads);
+#else
+    (void)fmt, (void)w, (void)row_bytes, (void)N, (void)K, (void)x, (void)M, (void)out;
+    (void)nthreads;
+    return 5;
+#endif
+}
 
 static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const void *x,
                 int x_dtype, int64_t M, void *out, int nthreads, int portable, int packed) {
