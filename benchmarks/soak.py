@@ -14,7 +14,8 @@ the control run.
 
     python benchmarks/soak.py                       # 2,000 requests, writes results/soak.*
     python benchmarks/soak.py --num-requests 70 --bad-fraction 0.55 --cover --warmup 0 \
-        --out-dir /tmp/soak    # the CI-sized one: every plan and bad kind, few requests
+        --prompt-chars 20,60,200,400 --out-dir /tmp/soak    # the CI-sized one: every plan
+                                                            # and bad kind, few requests
 """
 
 from __future__ import annotations
@@ -138,14 +139,22 @@ class Outcome:
         return [b - a for a, b in itertools.pairwise(t)]
 
 
-def prompt_text(rng: random.Random, text: str) -> str:
-    n = rng.choice((40, 120, 400, 1200))
+PROMPT_CHARS = (40, 120, 400, 1200)  # the prompts' lengths in characters, drawn evenly
+
+
+def prompt_text(rng: random.Random, text: str, lengths: tuple[int, ...] = PROMPT_CHARS) -> str:
+    n = rng.choice(lengths)
     start = rng.randrange(0, len(text) - n)
     return text[start : start + n]
 
 
 def valid_spec(
-    index: int, rng: random.Random, text: str, max_tokens: int, plan: str | None = None
+    index: int,
+    rng: random.Random,
+    text: str,
+    max_tokens: int,
+    plan: str | None = None,
+    lengths: tuple[int, ...] = PROMPT_CHARS,
 ) -> Spec:
     drawn = rng.choice(PLANS)  # drawn even when given: one draw per request either way
     plan = plan or drawn
@@ -155,10 +164,10 @@ def valid_spec(
         base |= {"temperature": 0.8, "top_p": 0.95, "seed": rng.randrange(1 << 31)}
     chat = plan in ("chat", "chat_stream")
     if chat:
-        body = base | {"messages": [{"role": "user", "content": prompt_text(rng, text)}]}
+        body = base | {"messages": [{"role": "user", "content": prompt_text(rng, text, lengths)}]}
         path = "/v1/chat/completions"
     else:
-        body = base | {"prompt": prompt_text(rng, text), "ignore_eos": rng.random() < 0.5}
+        body = base | {"prompt": prompt_text(rng, text, lengths), "ignore_eos": rng.random() < 0.5}
         path = "/v1/completions"
     stream = plan in ("stream", "chat_stream", "logprobs_stream", "abort_mid_stream")
     stream = stream or (plan in ("n2", "stop", "abort_before_first") and rng.random() < 0.5)
@@ -212,7 +221,9 @@ def build_specs(args: argparse.Namespace, with_bad: bool) -> list[Spec]:
         else:
             plan = plans[num_valid % len(plans)] if args.cover else None
             num_valid += 1
-            specs.append(valid_spec(len(specs), rng, text, args.max_tokens, plan))
+            specs.append(
+                valid_spec(len(specs), rng, text, args.max_tokens, plan, args.prompt_chars)
+            )
     return specs
 
 
@@ -443,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--bad-fraction", type=float, default=0.1)
     p.add_argument("--max-tokens", type=int, default=24, help="valid requests' output cap")
+    p.add_argument(
+        "--prompt-chars",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=PROMPT_CHARS,
+        help="the prompts' lengths in characters (comma-separated, drawn evenly; CI: shorter)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=120.0, help="later is 'hung'")
     p.add_argument("--control", action="store_true", help="also run without bad requests")
@@ -463,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.concurrency < 1 or not 0 <= args.bad_fraction < 1:
         raise SystemExit("num_requests, concurrency >= 1 and 0 <= bad_fraction < 1")
+    if not args.prompt_chars or min(args.prompt_chars) < 1:
+        raise SystemExit("prompt_chars: lengths >= 1")
 
     from chunkserve.bench.sweep import ServerProcess
     from chunkserve.provenance import cpu_description, git_commit

@@ -321,12 +321,20 @@ def test_sweep_configs_and_rates() -> None:
     assert "defaults" not in [c.name for c in build_configs(p.parse_args(["--no-defaults"]))]
 
 
-def test_profile_tune_simulate_commands(tmp_path: Path, capsys) -> None:
+def test_profile_tune_simulate_commands(tmp_path: Path, hf_dir: Path, capsys) -> None:
+    from tests.test_model_families import hf_config, write_model
+
+    # A tiny random Llama (2 layers, width 64): the commands end to end (the grid, the fit,
+    # the saved profile, tune and simulate reading it) do not need the embedded model's
+    # 30 layers, whose steps were most of this test's time.
+    tiny = write_model(tmp_path / "tiny", hf_config("llama", tie_word_embeddings=True), hf_dir)
     profile = tmp_path / "profile.json"
     assert (
         main(
             [
                 "profile",
+                "--model",
+                str(tiny),
                 "--quick",
                 "--dtype",
                 "float32",

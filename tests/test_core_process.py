@@ -146,10 +146,14 @@ def stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
-def test_a_dead_core_is_an_error_not_a_hang() -> None:
+def test_a_dead_core_is_an_error_not_a_hang(remote) -> None:
+    """The module's core, killed: the last test of the module to use it (its start is
+    seconds of a loaded machine's time; a test after this one asking for ``remote`` gets a
+    dead engine, a ``CoreDeadError``)."""
     # The watchdog is out of the way: the exit itself is noticed (a core starved before the
     # kill must not be reported as hung instead).
-    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), watchdog_s=STARTUP_S)
+    engine = remote
+    engine.watchdog_s = STARTUP_S
     try:
         engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True))
         while not engine.step():
@@ -248,43 +252,53 @@ def test_a_slow_core_is_not_hung_until_its_longest_steps_allowance(monkeypatch) 
     assert all(not c.process.is_alive() for c in engine._cores)
 
 
-def test_data_parallel_routes_by_load_and_prefix(in_process) -> None:
-    engine = MultiprocessEngine(EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2)
-    try:
-        assert engine.data_parallel_size == 2
-        assert len({i.pid for i in engine.core_infos}) == 2
-        requests = mixed_requests()
-        ids = [engine.add_request(p, sp) for p, sp in requests]
-        cores = [engine.core_of(i) for i in ids]
-        assert set(cores) == {0, 1}, cores  # both serve
-        for i in ids:
-            engine.abort_request(i)
-        while engine.has_unfinished():
-            engine.step()
-        assert [load.kv_blocks_used for load in engine.core_loads()] == [0, 0]
-        # The same outputs as one in-process core.
-        assert_same(in_process, run(engine, requests))
-        # A repeated long prefix goes where it went before, though that core is busier.
-        rng = __import__("random").Random(2)
-        doc = random_prompt(rng, 256)
-        params = SamplingParams(max_tokens=4, temperature=0.0)
-        first = engine.add_request(doc + random_prompt(rng, 5), params)
-        home = engine.core_of(first)
-        other = engine.add_request(random_prompt(rng, 64), params)
-        assert engine.core_of(other) != home  # the least loaded
-        again = engine.add_request(doc + random_prompt(rng, 7), params)
-        assert engine.core_of(again) == home
-        while engine.has_unfinished():
-            engine.step()
-        assert engine.kv_blocks_used == 0
-    finally:
-        engine.shutdown()
-
-
-def test_one_hung_core_trips_the_watchdog_while_the_other_reports() -> None:
+@pytest.fixture(scope="module")
+def two_cores():
+    """Two data-parallel cores for the module (the watchdog out of the way until a test
+    sets it): the routing test, then the hung-core test, which ends them."""
     engine = MultiprocessEngine(
         EngineConfig.from_kwargs(**CONFIG), data_parallel_size=2, watchdog_s=STARTUP_S
     )
+    yield engine
+    engine.shutdown(timeout=5)
+    assert all(not c.process.is_alive() for c in engine._cores)
+
+
+def test_data_parallel_routes_by_load_and_prefix(two_cores, in_process) -> None:
+    engine = two_cores
+    assert engine.data_parallel_size == 2
+    assert len({i.pid for i in engine.core_infos}) == 2
+    requests = mixed_requests()
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    cores = [engine.core_of(i) for i in ids]
+    assert set(cores) == {0, 1}, cores  # both serve
+    for i in ids:
+        engine.abort_request(i)
+    while engine.has_unfinished():
+        engine.step()
+    assert [load.kv_blocks_used for load in engine.core_loads()] == [0, 0]
+    # The same outputs as one in-process core.
+    assert_same(in_process, run(engine, requests))
+    # A repeated long prefix goes where it went before, though that core is busier.
+    rng = __import__("random").Random(2)
+    doc = random_prompt(rng, 256)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = engine.add_request(doc + random_prompt(rng, 5), params)
+    home = engine.core_of(first)
+    other = engine.add_request(random_prompt(rng, 64), params)
+    assert engine.core_of(other) != home  # the least loaded
+    again = engine.add_request(doc + random_prompt(rng, 7), params)
+    assert engine.core_of(again) == home
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv_blocks_used == 0
+
+
+def test_one_hung_core_trips_the_watchdog_while_the_other_reports(two_cores) -> None:
+    """The module's two cores (after the routing test, idle: nothing in flight, no load),
+    the last test to use them: core 0 is stopped and the watchdog ends them."""
+    engine = two_cores
+    assert not engine.has_unfinished() and engine.watchdog_s == STARTUP_S
     try:
         params = SamplingParams(max_tokens=400, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in NATURAL_PROMPTS[:2]]

@@ -185,7 +185,10 @@ def test_speculative_decoding_on_the_quantized_model(embedded, exact) -> None:
     quantized, _ = embedded
     text = "Copy this exactly:\nThe quick brown fox jumps over the lazy dog.\nCopy:\nThe quick"
     token_ids = [quantized.tokenizer.encode(text), quantized.tokenizer.encode(NATURAL_PROMPTS[2])]
-    want = [o.token_ids for o in generate(quantized, token_ids)]
+    # 12 tokens (every forward dequantizes the whole model under ``exact``, the draft
+    # model's too): n-gram drafts are accepted and, once the copy ends, rejected.
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=1)
+    want = [o.token_ids for o in generate(quantized, token_ids, params)]
     for spec in (
         {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0},
         {"method": "draft_model", "model": str(embedded_model_path()), "num_speculative_tokens": 3},
@@ -195,9 +198,11 @@ def test_speculative_decoding_on_the_quantized_model(embedded, exact) -> None:
             draft = engine.core.worker.draft
             if draft is not None:
                 assert all(isinstance(w, QuantizedWeight) for w in held_weights(draft.model))
-            assert [o.token_ids for o in generate(engine, token_ids)] == want
+            assert [o.token_ids for o in generate(engine, token_ids, params)] == want
             s = engine.core.speculator
             assert s.num_draft_tokens > 0 and s.num_accepted_tokens > 0
+            if draft is None:  # n-gram drafts: some rejected, the target's token taken there
+                assert s.num_accepted_tokens < s.num_draft_tokens
         finally:
             engine.shutdown()
 

@@ -39,6 +39,11 @@ def test_short_soak_serves_everything_and_leaks_nothing(tmp_path: Path) -> None:
             "0.55",
             "--max-tokens",
             "12",
+            # Prompts of 20 to 400 characters (the benchmark's 40 to 1,200 a third as long):
+            # prefill was most of this test's time, and what it guards (every request served,
+            # every bad one refused, nothing hung or held) does not need long prompts.
+            "--prompt-chars",
+            "20,60,200,400",
             "--request-timeout",
             # Against a hang, not a speed target: on a loaded 2-core machine a request of 12
             # tokens among six streams took over 60 s.
