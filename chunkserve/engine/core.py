@@ -33,12 +33,8 @@ from chunkserve.engine.core_types import (
 )
 from chunkserve.engine.step_log import StepLogger, StepStats
 from chunkserve.engine.step_loop import StepLoop
-from chunkserve.model.loader import (
-    ModelSource,
-    load_model_config,
-    release_gguf_readers,
-    resolve_model,
-)
+from chunkserve.model.loader import ModelSource, load_model_config, release_gguf_readers
+from chunkserve.model.source import config_source
 from chunkserve.scheduling.budget import UNPROFILED_WARMUP_STEPS, BudgetController
 from chunkserve.scheduling.costmodel import (
     DEFAULT_PRIOR,
@@ -87,12 +83,7 @@ class EngineCore:
         self.config = config
         self.index = index
         if source is None:
-            source = resolve_model(
-                config.model,
-                weights=config.load_format != "dummy",
-                revision=config.revision,
-                download_dir=config.download_dir,
-            )
+            source = config_source(config)
         own_config = model_config is None
         if own_config:
             model_config, reader = load_model_config(source)

@@ -164,19 +164,14 @@ def run_core(
         from chunkserve.engine.core import EngineCore
         from chunkserve.model.loader import load_model_config
         from chunkserve.model.source import (
+            config_source,
             release_gguf_readers,
-            resolve_model,
             weights_only_reader,
         )
 
         if data_parallel_size > 1:
             _pick_gpu(config.device, index, data_parallel_size, config.tensor_parallel_size)
-        source = resolve_model(
-            config.model,
-            weights=config.load_format != "dummy",
-            revision=config.revision,
-            download_dir=config.download_dir,
-        )
+        source = config_source(config)
         model_config, reader = load_model_config(source)
         if reader is not None:  # the tokenizer is the front end's
             reader = weights_only_reader(reader)

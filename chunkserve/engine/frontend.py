@@ -25,7 +25,7 @@ from chunkserve.engine.step_log import StepStats
 from chunkserve.engine.tokenizer import Tokenizer
 from chunkserve.model.generation import max_tokens_cap, model_eos_ids, sampling_defaults
 from chunkserve.model.hub import resolve_tokenizer
-from chunkserve.model.source import ModelSource, resolve_model
+from chunkserve.model.source import ModelSource, config_source
 from chunkserve.scheduling.sampling_params import SamplingParams
 
 logger = logging.getLogger("chunkserve")
@@ -58,12 +58,7 @@ class FrontEnd:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        source = resolve_model(
-            config.model,
-            weights=config.load_format != "dummy",
-            revision=config.revision,
-            download_dir=config.download_dir,
-        )
+        source = config_source(config)
         self.model_name = source.name
         self.model_path = str(source.path)
         model_config, reader = self._load_model_config(source)

@@ -46,6 +46,18 @@ def embedded_model_path() -> Path:
     return path
 
 
+def config_source(config) -> ModelSource:
+    """The model an engine's config names (an ``EngineConfig``: its ``model`` at its
+    ``revision`` in its ``download_dir``; random weights where ``load_format`` is
+    "dummy")."""
+    return resolve_model(
+        config.model,
+        weights=config.load_format != "dummy",
+        revision=config.revision,
+        download_dir=config.download_dir,
+    )
+
+
 def resolve_model(
     model: str | os.PathLike | None,
     weights: bool = True,

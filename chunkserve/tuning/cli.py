@@ -41,16 +41,10 @@ def _profile(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if config.kv_cache_memory is None:
         # Room for the largest shape of the grid (and the default max_model_len).
-        from chunkserve.model.loader import load_model_config, resolve_model
+        from chunkserve.model.loader import load_model_config
+        from chunkserve.model.source import config_source
 
-        mc, _ = load_model_config(
-            resolve_model(
-                config.model,
-                weights=config.load_format != "dummy",
-                revision=config.revision,
-                download_dir=config.download_dir,
-            )
-        )
+        mc, _ = load_model_config(config_source(config))
         per_block = mc.kv_bytes_per_token(4) * config.block_size
         config = config.replace(
             kv_cache_memory=per_block
@@ -193,19 +187,13 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from chunkserve.bench.loadgen import GoodputSLO, format_summary, result_document
-    from chunkserve.model.loader import load_model_config, resolve_model
+    from chunkserve.model.loader import load_model_config
+    from chunkserve.model.source import config_source
     from chunkserve.tuning.simulate import parse_cost_scale, simulate
 
     model = _load_model_for(args)
     config = engine_config_from_args(args)
-    mc, _ = load_model_config(
-        resolve_model(
-            config.model,
-            weights=config.load_format != "dummy",
-            revision=config.revision,
-            download_dir=config.download_dir,
-        )
-    )
+    mc, _ = load_model_config(config_source(config))
     max_model_len = config.max_model_len or mc.max_position_embeddings
     sched_config = config.scheduler_config(max_model_len)
     dtype_size = 2 if model.meta.get("dtype", "bfloat16") in ("bfloat16", "float16") else 4

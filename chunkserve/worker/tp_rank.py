@@ -12,7 +12,8 @@ from typing import NoReturn
 
 from chunkserve.config import EngineConfig
 from chunkserve.distributed.launch import RankSpec
-from chunkserve.model.loader import load_model_config, resolve_model
+from chunkserve.model.loader import load_model_config
+from chunkserve.model.source import config_source
 from chunkserve.worker.worker import Worker
 
 logger = logging.getLogger("chunkserve.tp")
@@ -21,12 +22,7 @@ logger = logging.getLogger("chunkserve.tp")
 def run_rank(config: EngineConfig, spec: RankSpec) -> None:
     """A rank other than 0: load its shard, then follow rank 0's steps until told to stop
     or the group breaks."""
-    source = resolve_model(
-        config.model,
-        weights=config.load_format != "dummy",
-        revision=config.revision,
-        download_dir=config.download_dir,
-    )
+    source = config_source(config)
     model_config, reader = load_model_config(source)
     worker = Worker(config, model_config, config.resolve_max_model_len(model_config), spec)
     worker.load(source, reader, max_num_seqs=1)
