@@ -111,7 +111,8 @@ def main() -> None:
         "float_kernel_opt_in": kernels.float_kernel(),
         "threads": args.threads,
         "args": vars(args),
-        "note": "the engines take turns (a busy machine slows both alike); the load averages say how busy",
+        "note": "the engines take turns (a busy machine slows both alike); the load averages "
+        "say how busy",
         "command": " ".join(["benchmarks/quant_embedded.py", *sys.argv[1:]]),
         "commit": git_commit(),
         "results": summary,
