@@ -889,27 +889,6 @@ static inline __attribute__((always_inline)) void gemv_packed_groups(
     }
 }
 
-static void gemv_packed_Q4_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
-                             int dt) {
-    gemv_packed_groups(Q4_0, pk, g0, g1, qx, out, dt);
-}
-static void gemv_packed_Q4_1(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
-                             int dt) {
-    gemv_packed_groups(Q4_1, pk, g0, g1, qx, out, dt);
-}
-static void gemv_packed_Q5_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
-                             int dt) {
-    gemv_packed_groups(Q5_0, pk, g0, g1, qx, out, dt);
-}
-static void gemv_packed_Q5_1(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
-                             int dt) {
-    gemv_packed_groups(Q5_1, pk, g0, g1, qx, out, dt);
-}
-static void gemv_packed_Q8_0(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx, void *out,
-                             int dt) {
-    gemv_packed_groups(Q8_0, pk, g0, g1, qx, out, dt);
-}
-
 #ifndef QG_GEMV
 #define QG_GEMV 1 /* 0: one x row takes the tile path too (tests compare the two) */
 #endif
@@ -1024,6 +1003,10 @@ static inline __attribute__((always_inline)) void dequant_avx512(
                                        int64_t N, const QX *qx, int64_t M, void *out, int dt,  \
                                        const Tile *tl) {                                       \
         gemm_avx512(F, w, rb, g0, g1, N, qx, M, out, dt, tl, 1);                               \
+    }                                                                                          \
+    static void gemv_packed_##F(const uint8_t *pk, int64_t g0, int64_t g1, const QX *qx,       \
+                                void *out, int dt) {                                           \
+        gemv_packed_groups(F, pk, g0, g1, qx, out, dt);                                        \
     }
 #define PER_FORMAT_PACKED_Q4_0 PACKED_AVX512(Q4_0)
 #define PER_FORMAT_PACKED_Q4_1 PACKED_AVX512(Q4_1)
@@ -2042,11 +2025,7 @@ static int gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t
         {
             int t = omp_get_thread_num(), nt = omp_get_num_threads();
             int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-            if (fmt == Q4_0) gemv_packed_Q4_0(w, g0, g1, &qx, out, x_dtype);
-            else if (fmt == Q4_1) gemv_packed_Q4_1(w, g0, g1, &qx, out, x_dtype);
-            else if (fmt == Q5_0) gemv_packed_Q5_0(w, g0, g1, &qx, out, x_dtype);
-            else if (fmt == Q5_1) gemv_packed_Q5_1(w, g0, g1, &qx, out, x_dtype);
-            else gemv_packed_Q8_0(w, g0, g1, &qx, out, x_dtype);
+            DISPATCH_PACKED(fmt, gemv_packed, w, g0, g1, &qx, out, x_dtype);
         }
         free(buf);
         return 0;
