@@ -299,6 +299,12 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* n rows of `bytes` each, `stride` bytes apart (one KV head's rows of a block). */
+static inline void prefetch_rows(const char *p, int64_t n, int64_t bytes, int64_t stride) {
+    for (int64_t t = 0; t < n; t++, p += stride)
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* The tile path, for runs of many rows (a prefill chunk): the rows that share a KV head
  * are taken 16 at a time, one per lane, so a block's scores for them are 16 vectors (one per
  * key) built by broadcasting each key value against a column of the transposed queries: no
@@ -429,10 +435,10 @@ static void tile_block_bf16(const uint32_t *restrict qt2, const uint16_t *const 
  * accumulators together). vdpbf16ps sums each lane's two products in a fixed order whichever
  * operand is broadcast, and bf16 products are exact in fp32. */
 #define NARROW 4
-static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t *restrict kt2,
-                                   const uint32_t *restrict vp, int64_t D, float scale,
-                                   int64_t n, int64_t first, v16f low, v16f lim, float cap,
-                                   v16f *m, v16f *l, float *restrict accr, int lanes) {
+/* raw[r] the scores of row r (lane r of qt2) with the block's 16 keys (kt2 [D/2][16]). */
+static inline __attribute__((always_inline)) void
+narrow_scores(const uint32_t *restrict qt2, const uint32_t *restrict kt2, int64_t D, int lanes,
+              float raw[NARROW][TL]) {
     __m512 sc[NARROW];
     for (int r = 0; r < lanes; r++) sc[r] = _mm512_setzero_ps();
     for (int64_t d2 = 0; d2 < D / 2; d2++) {
@@ -440,8 +446,20 @@ static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t 
         for (int r = 0; r < lanes; r++)
             sc[r] = _mm512_dpbf16_ps(sc[r], kd, (__m512bh)_mm512_set1_epi32((int32_t)qt2[TL * d2 + r]));
     }
-    float raw[NARROW][TL];
     for (int r = 0; r < lanes; r++) _mm512_storeu_ps(raw[r], sc[r]);
+}
+
+static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t *restrict kt2,
+                                   const uint32_t *restrict vp, int64_t D, float scale,
+                                   int64_t n, int64_t first, v16f low, v16f lim, float cap,
+                                   v16f *m, v16f *l, float *restrict accr, int lanes) {
+    float raw[NARROW][TL];
+    switch (lanes) { /* a loop per row count: the sums stay in registers */
+    case 1: narrow_scores(qt2, kt2, D, 1, raw); break;
+    case 2: narrow_scores(qt2, kt2, D, 2, raw); break;
+    case 3: narrow_scores(qt2, kt2, D, 3, raw); break;
+    default: narrow_scores(qt2, kt2, D, 4, raw); break;
+    }
     v16f s[TL];
     for (int t = 0; t < TL; t++) {
         v16f x = {0};
@@ -470,12 +488,47 @@ static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t 
     }
 }
 
-/* kt2 [D/2][16]: the n key rows (row stride `stride`) as pairs, transposed; zero past n. */
+static inline void transpose16x16(__m512i *r) { /* 16 rows of 16 dwords, in place */
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int a = 0; a < 16; a += 4) {
+        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xee);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xee);
+        t[b] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        t[4 + b] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+        t[8 + b] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        t[12 + b] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+    }
+    for (int j = 0; j < 16; j++) r[j] = t[j];
+}
+
+/* kt2 [D/2][16]: the n key rows (row stride `stride`) as pairs, transposed; zero past n.
+ * 16 pairs (32 dims) of the 16 rows at a time through registers; a last 8 pairs (D an odd
+ * multiple of 16) one by one. */
 static void transpose_keys(uint32_t *restrict kt2, const uint16_t *k, int64_t n, int64_t D,
                            int64_t stride) {
+    const int64_t whole = D / 32 * 16; /* pairs moved 16 at a time */
+    for (int64_t c = 0; c < whole; c += 16) {
+        __m512i rows[TL];
+        for (int64_t t = 0; t < TL; t++)
+            rows[t] = t < n ? _mm512_loadu_si512(k + t * stride + 2 * c) : _mm512_setzero_si512();
+        transpose16x16(rows);
+        for (int64_t j = 0; j < TL; j++) _mm512_storeu_si512(kt2 + TL * (c + j), rows[j]);
+    }
     for (int64_t t = 0; t < TL; t++) {
         const uint32_t *row = (const uint32_t *)(k + t * stride);
-        for (int64_t d2 = 0; d2 < D / 2; d2++) kt2[TL * d2 + t] = t < n ? row[d2] : 0u;
+        for (int64_t d2 = whole; d2 < D / 2; d2++) kt2[TL * d2 + t] = t < n ? row[d2] : 0u;
     }
 }
 
@@ -541,30 +594,6 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-static inline void transpose16x16(__m512i *r) { /* 16 rows of 16 dwords, in place */
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int a = 0; a < 16; a += 4) {
-        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
-        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
-        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
-        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
-    }
-    for (int b = 0; b < 4; b++) {
-        const __m512i s0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);
-        const __m512i s1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xee);
-        const __m512i s2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
-        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xee);
-        t[b] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-        t[4 + b] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
-        t[8 + b] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-        t[12 + b] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
-    }
-    for (int j = 0; j < 16; j++) r[j] = t[j];
-}
 
 /* One tile over one group: kb[i] the group's block i's 16 key rows (row stride ks[i]
  * elements; a zero block for one outside the item), vp [32 key pairs][D] its values paired;
@@ -818,9 +847,10 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
             const int64_t t1 = t0 + group < (kvh + 1) * nt ? t0 + group : (kvh + 1) * nt;
             for (int64_t b = blk0; b < blk1; b++) {
                 const int64_t first = b * bs;
-                if (b + 1 < blk1) {
-                    prefetch_block((const char *)kc + table[b + 1] * block_bytes, block_bytes);
-                    prefetch_block((const char *)vc + table[b + 1] * block_bytes, block_bytes);
+                if (b + 1 < blk1) { /* this KV head's rows of the next block */
+                    const int64_t next = (table[b + 1] * block_stride + kvh * D) * esize;
+                    prefetch_rows((const char *)kc + next, bs, D * esize, row_stride * esize);
+                    prefetch_rows((const char *)vc + next, bs, D * esize, row_stride * esize);
                 }
                 if (top[t1 - 1] <= (float)first) break; /* no row of the group sees it */
                 int64_t n = ctx - first;
