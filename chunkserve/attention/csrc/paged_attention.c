@@ -449,43 +449,63 @@ narrow_scores(const uint32_t *restrict qt2, const uint32_t *restrict kt2, int64_
     for (int r = 0; r < lanes; r++) _mm512_storeu_ps(raw[r], sc[r]);
 }
 
-static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t *restrict kt2,
-                                   const uint32_t *restrict vp, int64_t D, float scale,
-                                   int64_t n, int64_t first, v16f low, v16f lim, float cap,
-                                   v16f *m, v16f *l, float *restrict accr, int lanes) {
-    float raw[NARROW][TL];
+static inline void narrow_block_scores(const uint32_t *restrict qt2,
+                                       const uint32_t *restrict kt2, int64_t D, int lanes,
+                                       float raw[NARROW][TL]) {
     switch (lanes) { /* a loop per row count: the sums stay in registers */
     case 1: narrow_scores(qt2, kt2, D, 1, raw); break;
     case 2: narrow_scores(qt2, kt2, D, 2, raw); break;
     case 3: narrow_scores(qt2, kt2, D, 3, raw); break;
     default: narrow_scores(qt2, kt2, D, 4, raw); break;
     }
+}
+
+/* tile_block_bf16's softmax step for lanes whose scores s[t] (key first + t) were built
+ * elsewhere; p2[u][lane]: (p[2u], p[2u+1]) of the lane rounded to bf16, as that function
+ * pairs them. Returns the lanes' rescale factors. */
+static inline v16f narrow_softmax(v16f *s, int64_t n, int64_t first, v16f low, v16f lim,
+                                  float cap, v16f *m, v16f *l, uint32_t p2[TL / 2][TL]) {
+    const v16f corr = tile_softmax(s, n, first, low, lim, cap, m, l);
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    for (int u = 0; u < TL / 2; u++) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(to_m512(s[2 * u + 1]), to_m512(s[2 * u]));
+        _mm512_storeu_si512(p2[u], _mm512_permutexvar_epi16(inter, (__m512i)both));
+    }
+    return corr;
+}
+
+/* Lane `lane`'s accumulators row [D] rescaled by c and given the block's values (vp [8][D],
+ * paired over keys) weighted by its probabilities p2[.][lane]. */
+static inline void narrow_values(const uint32_t *restrict vp, int64_t D,
+                                 uint32_t p2[TL / 2][TL], int lane, float c,
+                                 float *restrict row) {
+    const v16f cr = (v16f){0} + c;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 a = to_m512(loadu(row + d0) * cr);
+        for (int u = 0; u < TL / 2; u++)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(vp + u * D + d0),
+                                 (__m512bh)_mm512_set1_epi32((int32_t)p2[u][lane]));
+        storeu(row + d0, from_m512(a));
+    }
+}
+
+static void tile_block_bf16_narrow(const uint32_t *restrict qt2, const uint32_t *restrict kt2,
+                                   const uint32_t *restrict vp, int64_t D, float scale,
+                                   int64_t n, int64_t first, v16f low, v16f lim, float cap,
+                                   v16f *m, v16f *l, float *restrict accr, int lanes) {
+    float raw[NARROW][TL];
+    narrow_block_scores(qt2, kt2, D, lanes, raw);
     v16f s[TL];
     for (int t = 0; t < TL; t++) {
         v16f x = {0};
         for (int r = 0; r < lanes; r++) x[r] = raw[r][t];
         s[t] = x * scale;
     }
-    const v16f corr = tile_softmax(s, n, first, low, lim, cap, m, l);
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                           17, 1, 16, 0);
     uint32_t p2[TL / 2][TL];
-    for (int u = 0; u < TL / 2; u++) {
-        const __m512bh both = _mm512_cvtne2ps_pbh(to_m512(s[2 * u + 1]), to_m512(s[2 * u]));
-        _mm512_storeu_si512(p2[u], _mm512_permutexvar_epi16(inter, (__m512i)both));
-    }
-    for (int r = 0; r < lanes; r++) {
-        const v16f cr = (v16f){0} + corr[r];
-        float *restrict row = accr + r * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            __m512 a = to_m512(loadu(row + d0) * cr);
-            for (int u = 0; u < TL / 2; u++)
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(vp + u * D + d0),
-                                     (__m512bh)_mm512_set1_epi32((int32_t)p2[u][r]));
-            storeu(row + d0, from_m512(a));
-        }
-    }
+    const v16f corr = narrow_softmax(s, n, first, low, lim, cap, m, l, p2);
+    for (int r = 0; r < lanes; r++) narrow_values(vp, D, p2, r, corr[r], accr + r * D);
 }
 
 static inline void transpose16x16(__m512i *r) { /* 16 rows of 16 dwords, in place */
@@ -545,6 +565,73 @@ static void pair_values(uint32_t *restrict vp, const uint16_t *v, int64_t n, int
                                  : _mm512_setzero_si512();
             _mm512_storeu_si512(vp + u * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
+    }
+}
+
+/* Every KV head's rows in one narrow tile (a decode's G <= NARROW heads, a draft's few rows
+ * of a small G): the tiles' lanes packed 16 to a vector for the softmax (lane x of the pack:
+ * row x % R of KV head x / R), one softmax step a block for all heads instead of one per
+ * head. Each lane computed exactly as in its own tile (tile_block_bf16_narrow): the softmax
+ * is lane-wise, and a lane whose row does not see the block is left as it was (scores -inf,
+ * factor exp16(0) = 1, probabilities 0). m, l, low, lim, acct: the tiles' (lanes 0 .. R-1
+ * each), read and written back; kt2 [D/2][16] and vp [8][D] scratch. */
+static void run_narrow_heads(const char *kc, const char *vc, const int64_t *table, int64_t ctx,
+                             int64_t Hkv, int64_t D, int64_t bs, int64_t blk0, int64_t blk1,
+                             float scale, float cap, int64_t R, const uint32_t *qt2, v16f *m,
+                             v16f *l, const v16f *low, const v16f *lim, float top, float bottom,
+                             float *acct, uint32_t *kt2, uint32_t *vp) {
+    const int64_t L = Hkv * R, packs = (L + TL - 1) / TL;
+    const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
+    v16f pm[packs], pl[packs], plow[packs], plim[packs], corr[packs];
+    float raw[Hkv][NARROW][TL];
+    uint32_t p2[packs][TL / 2][TL];
+    for (int64_t x = 0; x < packs * TL; x++) { /* padding lanes: no key, never read */
+        const int64_t g = x / TL, lane = x % TL, kvh = x / R, r = x % R;
+        pm[g][lane] = x < L ? m[kvh][r] : -INFINITY;
+        pl[g][lane] = x < L ? l[kvh][r] : 0.f;
+        plow[g][lane] = x < L ? low[kvh][r] : 0.f;
+        plim[g][lane] = x < L ? lim[kvh][r] : 0.f;
+    }
+    for (int64_t b = blk0; b < blk1; b++) {
+        const int64_t first = b * bs;
+        if (b + 1 < blk1) {
+            prefetch_block(kc + table[b + 1] * block_stride * 2, block_stride * 2);
+            prefetch_block(vc + table[b + 1] * block_stride * 2, block_stride * 2);
+        }
+        if (top <= (float)first) break; /* no row sees it */
+        int64_t n = ctx - first;
+        if (n > bs) n = bs;
+        if (bottom >= (float)(first + n)) continue; /* before every row's window */
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const uint16_t *k0 = (const uint16_t *)kc + table[b] * block_stride + kvh * D;
+            transpose_keys(kt2, k0, n, D, row_stride);
+            narrow_block_scores(qt2 + kvh * D * TL, kt2, D, (int)R, raw[kvh]);
+        }
+        for (int64_t g = 0; g < packs; g++) {
+            v16f sv[TL];
+            for (int t = 0; t < TL; t++) {
+                v16f x = {0};
+                for (int lane = 0; lane < TL && g * TL + lane < L; lane++) {
+                    const int64_t at = g * TL + lane;
+                    x[lane] = raw[at / R][at % R][t];
+                }
+                sv[t] = x * scale;
+            }
+            corr[g] = narrow_softmax(sv, n, first, plow[g], plim[g], cap, pm + g, pl + g, p2[g]);
+        }
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            pair_values(vp, (const uint16_t *)vc + table[b] * block_stride + kvh * D, n, D,
+                        row_stride);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t x = kvh * R + r, g = x / TL;
+                narrow_values(vp, D, p2[g], (int)(x % TL), corr[g][x % TL],
+                              acct + (kvh * TL + r) * D);
+            }
+        }
+    }
+    for (int64_t x = 0; x < L; x++) {
+        m[x / R][x % R] = pm[x / TL][x % TL];
+        l[x / R][x % R] = pl[x / TL][x % TL];
     }
 }
 
@@ -840,6 +927,19 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
         _tile_release();
     }
 #endif
+#ifdef BF16_TILES
+    if (pairs && !rowmajor && nt == 1 && narrow[0]) { /* every KV head's rows one narrow tile */
+        float most = 0.f, least = bottom[0];
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            most = top[tile] > most ? top[tile] : most;
+            least = bottom[tile] < least ? bottom[tile] : least;
+        }
+        run_narrow_heads((const char *)kc, (const char *)vc, table, ctx, Hkv, D, bs, blk0, blk1,
+                         scale, cap, R, (const uint32_t *)qt, m, l, low, lim, most, least, acct,
+                         kt2, (uint32_t *)kf);
+        goto done;
+    }
+#endif
     /* A KV head's tiles in groups whose queries and accumulators stay in the core's cache
      * (a long chunk's all would not), each group over the item's blocks. */
     for (int64_t kvh = 0; kvh < Hkv && !rowmajor; kvh++)
@@ -895,6 +995,9 @@ static int run_item_tiled(const void *q, const void *kc, const void *vc, int dty
                                    cap, m + tile, l + tile, acct + tile * D * TL);
             }
         }
+#ifdef BF16_TILES
+done:
+#endif
     for (int64_t kvh = 0; kvh < Hkv; kvh++)
         for (int64_t x = 0; x < R; x++) {
             const int64_t tile = kvh * nt + x / TL, lane = x % TL;
