@@ -314,9 +314,10 @@ def test_avx2_paths_give_the_native_bits(weight, path, request):
 
 @needs_kernels
 def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
-    """bf16 x: the int8-activation kernel up to ``INT8_MAX_ROWS`` rows, dequantized tiles
-    beyond (torch's product, the dequantized model's); ``matmul_row_invariant`` the int8
-    kernel at every row count. float32 x (an fp32 engine: float arithmetic only): the float
+    """bf16 x: the int8-activation kernel at every row count where torch's bf16 GEMM is not
+    on AMX; with AMX-BF16 up to ``INT8_MAX_ROWS`` rows, dequantized tiles beyond (torch's
+    product, the dequantized model's); ``matmul_row_invariant`` the int8 kernel at every row
+    count. float32 x (an fp32 engine: float arithmetic only): the float
     decode kernel up to ``DECODE_MAX_ROWS`` rows (the dequantized product up to summation
     order), the tiles beyond, and no row-invariant path. ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``
     gives bf16 the float paths too."""
@@ -326,10 +327,12 @@ def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(kernels.INT8_MAX_ROWS + 3, w.in_features, generator=gen)
     xb = x.bfloat16()
-    for rows in (xb[:1], xb[:8], xb[: kernels.INT8_MAX_ROWS]):
-        assert torch.equal(w.matmul(rows), k.gemm(code, w.data, rows))
-    many = torch.nn.functional.linear(xb, w.dequantize(torch.bfloat16))
-    assert torch.equal(w.matmul(xb), many)
+    for most in (kernels.INT8_MAX_ROWS, None):  # an AMX-BF16 machine's limit, the others'
+        monkeypatch.setattr(kernels, "_int8_max_rows", most)
+        for rows in (xb[:1], xb[:8], xb[: kernels.INT8_MAX_ROWS]):
+            assert torch.equal(w.matmul(rows), k.gemm(code, w.data, rows))
+        many = torch.nn.functional.linear(xb, w.dequantize(torch.bfloat16))
+        assert torch.equal(w.matmul(xb), many if most else k.gemm(code, w.data, xb))
     assert w.row_invariant(xb) and torch.equal(w.matmul_row_invariant(xb), k.gemm(code, w.data, xb))
     assert not w.row_invariant(x) and not w.row_invariant(x.half())
     tiles = torch.nn.functional.linear(x, w.dequantize())
@@ -341,6 +344,17 @@ def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
     monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
     assert not w.row_invariant(xb)
     assert torch.equal(w.matmul(xb[:8]), k.gemm_float(code, w.data, xb[:8]))
+
+
+def test_int8_row_limit_follows_where_torch_bf16_runs(monkeypatch):
+    """The int8 kernel's row limit is read from the CPU's flags once: ``INT8_MAX_ROWS`` where
+    torch's bf16 GEMM has AMX tiles, none elsewhere."""
+    for amx, most in ((True, kernels.INT8_MAX_ROWS), (False, None)):
+        monkeypatch.setattr(kernels, "_int8_max_rows", 0)
+        monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        assert kernels.int8_max_rows() == most
+        monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda amx=amx: not amx)
+        assert kernels.int8_max_rows() == most  # read once
 
 
 needs_amx_bf16 = pytest.mark.skipif(

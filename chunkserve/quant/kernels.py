@@ -1,8 +1,9 @@
 """CPU kernels for GGML block-quantized weights (``csrc/quant_gemm.c``), built on first use
 and cached by ``chunkserve.cbuild``, called through ctypes.
 
-- ``gemm``: bf16 activations' kernel (``GGUFWeight.matmul``: up to ``INT8_MAX_ROWS`` rows;
-  every row count in the deterministic mode, ``matmul_row_invariant``). The activations are
+- ``gemm``: bf16 activations' kernel (``GGUFWeight.matmul``: every row count, but up to
+  ``INT8_MAX_ROWS`` rows where torch's bf16 GEMM runs on AMX, see ``int8_max_rows``; every
+  row count in the deterministic mode, ``matmul_row_invariant``). The activations are
   quantized to int8 per row and per 32 values and dotted with the weight's blocks in integer
   arithmetic (AVX512-VNNI here; AVX2 intrinsics on CPUs without AVX512, with AVX-VNNI where
   they have it; portable C elsewhere), then one float32 chain per output element over the K
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from chunkserve import cbuild
+from chunkserve.platform import cpu_has_amx_bf16
 
 logger = logging.getLogger("chunkserve.quant")
 
@@ -51,10 +53,30 @@ DECODE_MAX_ROWS = 8
 SIMD_PATHS = {2: "AVX512-VNNI", 3: "AVX2 + AVX-VNNI", 1: "AVX2", 0: "portable C"}
 
 
-# bf16 activations: up to this many rows a product runs the int8-activation kernel (faster
-# than bf16 F.linear there: ``benchmarks/results/quant_kernels_t1.md``); more rows dequantize
-# tiles and multiply in torch (AMX bf16), but in the deterministic mode (every row count).
+# bf16 activations on a CPU with AMX-BF16: up to this many rows a product runs the
+# int8-activation kernel (faster than bf16 F.linear there:
+# ``benchmarks/results/quant_kernels_t1.md``); more rows dequantize tiles and multiply in torch
+# (oneDNN's AMX bf16 GEMM), but in the deterministic mode (every row count). See
+# ``int8_max_rows``.
 INT8_MAX_ROWS = 64
+
+
+def int8_max_rows() -> int | None:
+    """The most rows of a bf16 product the int8-activation kernel takes (None: any), by
+    whether torch's bf16 GEMM runs on AMX tiles here. Without AMX-BF16 the kernel beats the
+    dequantized tiles + torch at every row count: on the 2-core AMD EPYC (AVX512-VNNI and
+    AVX512-BF16, 1 thread, quiet) the embedded model's gate/up (3072x576) and down (576x1536)
+    products in Q4_1 and Q8_0 1.3-1.6x at 64 to 2,048 rows
+    (``benchmarks/results/quant_kernels_epyc_prefill_t1.md``); with torch limited to AVX2 (a
+    CPU without AVX512), 6-10x at 64 and 512 rows (``quant_kernels_avx2_torch_avx2_t1_cpu``).
+    With AMX-BF16 (the Xeon), torch's tiles win past 64 rows."""
+    global _int8_max_rows
+    if _int8_max_rows == 0:
+        _int8_max_rows = INT8_MAX_ROWS if cpu_has_amx_bf16() else None
+    return _int8_max_rows
+
+
+_int8_max_rows: int | None = 0  # 0: not yet read
 
 
 # The process environment's bytes (POSIX): the switches below are read on every product

@@ -357,16 +357,17 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 x: the int8-activation kernel (``kernels.gemm``: ~0.5% error, each row
-        computed alone) up to ``kernels.INT8_MAX_ROWS`` rows, where it is faster than bf16
-        ``F.linear``; more rows (prefill chunks) take row tiles dequantized by the kernel
-        exactly as the reference does, multiplied in torch (equal to the reference: torch's
-        AMX bf16 GEMM is faster there). float32 x (or ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``):
-        float arithmetic only, as a model dequantized at load computes, up to the order of the
-        sums: decode rows (up to ``kernels.DECODE_MAX_ROWS``) take the float kernel (the
-        weight dequantized exactly in registers, float32 sums), more rows the tiles. An fp32
-        engine is the one whose chunked, unchunked, cached and preempted runs give the same
-        greedy tokens; int8 activations would turn attention's last-bit differences between
-        those runs into a flipped code now and then. No kernel (no compiler, a failed build,
+        computed alone) at every row count, but where torch's bf16 GEMM runs on AMX
+        (``kernels.int8_max_rows``) only up to ``kernels.INT8_MAX_ROWS`` rows: more rows
+        (prefill chunks) there take row tiles dequantized by the kernel exactly as the
+        reference does, multiplied in torch (equal to the reference). float32 x (or
+        ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``): float arithmetic only, as a model dequantized
+        at load computes, up to the order of the sums: decode rows (up to
+        ``kernels.DECODE_MAX_ROWS``) take the float kernel (the weight dequantized exactly in
+        registers, float32 sums), more rows the tiles. An fp32 engine is the one whose
+        chunked, unchunked, cached and preempted runs give the same greedy tokens; int8
+        activations would turn attention's last-bit differences between those runs into a
+        flipped code now and then. No kernel (no compiler, a failed build,
         ``CHUNKSERVE_QUANT_KERNELS=0``) or a float16 / non-CPU x: the reference."""
         return self._kernel_matmul(x, row_invariant=False)
 
@@ -381,7 +382,8 @@ class GGUFWeight(QuantizedWeight):
         x2 = x if flat else x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
         code, m = self.format.code, x2.shape[0]
         int8 = x.dtype == torch.bfloat16 and not kernels.float_kernel()  # (a CPU x here)
-        if int8 and (row_invariant or m <= kernels.INT8_MAX_ROWS):
+        most = kernels.int8_max_rows()
+        if int8 and (row_invariant or most is None or m <= most):
             if self.packed is not None or (not self._pack_tried and self.pack()):
                 out = k.gemm_packed(code, self.packed, x2)
             else:
