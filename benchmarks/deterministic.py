@@ -43,6 +43,7 @@ def make_llm(args: argparse.Namespace, deterministic: bool) -> LLM:
         kv_cache_memory=max(64 * (args.context + 32), args.prefill + 64) * 23_040 * 2,
         max_num_batched_tokens=args.prefill,
         deterministic=deterministic,
+        deterministic_quant_kernel=args.quant_kernel if deterministic else "int8",
     )
 
 
@@ -78,6 +79,12 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--quant-kernel",
+        choices=("int8", "bf16"),
+        default="int8",
+        help="the deterministic engine's deterministic_quant_kernel (bf16: AMX-BF16 CPUs)",
+    )
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -117,8 +124,9 @@ def main() -> None:
         context=args.context,
         repeats=args.repeats,
         clock=args.clock,
+        quant_kernel=args.quant_kernel,
         command=f"benchmarks/deterministic.py --threads {args.threads} --dtype {args.dtype}"
-        f" --clock {args.clock}",
+        f" --clock {args.clock} --quant-kernel {args.quant_kernel}",
         steps=rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

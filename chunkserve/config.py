@@ -20,6 +20,7 @@ DISAGGREGATION_MODES = (None, "prefill", "decode")
 KV_CONNECTORS = ("shm", "torch")
 PREFILL_ORDERS = ("shortest", "arrival")
 LOAD_FORMATS = ("auto", "dummy")
+DETERMINISTIC_QUANT_KERNELS = ("int8", "bf16")
 QUANTIZATIONS = (None, "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
@@ -913,6 +914,21 @@ class EngineConfig:
     step's size: ``TPGroup.all_reduce``), but they are not one process's bits, nor another
     size's or expert parallel's: a row-parallel matmul adds its ranks' partial products, a
     different reduction from the unsharded one (``tests/test_deterministic_e2e.py``)."""
+    deterministic_quant_kernel: str = _flag(
+        "int8",
+        "the deterministic mode's kernel for GGUF block-quantized weights: int8 (any CPU) or "
+        "bf16 (AMX-BF16: faster prefill, slower batch-1 decode)",
+        choices=DETERMINISTIC_QUANT_KERNELS,
+    )
+    """The batch-invariant kernel of GGUF block-quantized weights (``--deterministic``; the
+    plain mode picks its own): ``int8``, the int8-activation kernel (``quant.kernels.gemm``,
+    AVX512-VNNI, AMX-INT8, AVX2 or portable C, the same bits on each); ``bf16``, AMX-BF16
+    tiles over the weight dequantized to bf16 on every call (``quant.kernels.gemm_bf16``;
+    CPUs with AMX-BF16 only, else a ``ValueError`` naming this option at load). Measured on
+    the AMX Xeon (embedded model, 1 thread, quiet): the mode's 2,048-token prefill step
+    1.20x the plain mode's with int8, 0.98x with bf16, but batch-1 decode 1.06x with int8
+    and 1.80x with bf16 (``benchmarks/results/deterministic_quiet5_*.json``). Instances that
+    must agree (a prefill/decode pair) must choose the same."""
     load_format: str = _flag(
         "auto",
         "dummy: random weights of the model's shapes (benchmarks; no weight files needed)",
@@ -1062,6 +1078,18 @@ class EngineConfig:
             self.quantization in QUANTIZATIONS,
             "quantization",
             f"must be one of {QUANTIZATIONS[1:]} (or None), got {self.quantization!r}",
+        )
+        _require(
+            self.deterministic_quant_kernel in DETERMINISTIC_QUANT_KERNELS,
+            "deterministic_quant_kernel",
+            f"must be one of {DETERMINISTIC_QUANT_KERNELS}, got "
+            f"{self.deterministic_quant_kernel!r}",
+        )
+        _require(
+            self.deterministic or self.deterministic_quant_kernel == "int8",
+            "deterministic_quant_kernel",
+            f"{self.deterministic_quant_kernel!r} is the deterministic mode's kernel: set "
+            f"deterministic=True (--deterministic) too",
         )
         _require(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -18,7 +18,7 @@ import torch
 
 from chunkserve.attention import cpu_kernels
 from chunkserve.engine.engine import Engine
-from chunkserve.model.layers import DETERMINISTIC_TILING, linear
+from chunkserve.model.layers import DETERMINISTIC_TILING, linear, quantized_parts
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import mixed_prompts, random_prompt, run_among
 
@@ -556,3 +556,64 @@ def test_a_bf16_pair_must_agree_on_the_attention_arithmetic() -> None:
     old.check_fits(layout, "bfloat16", deterministic=True, attention="avx512-bf16")
     with pytest.raises(ValueError, match=r"send\.attention"):
         KVHandle.from_dict({**h.as_dict(), "attention": 3})
+
+
+def test_the_quant_kernel_option_is_the_modes() -> None:
+    """``deterministic_quant_kernel``: 'int8' or 'bf16', and a kernel of the mode only: a
+    ValueError naming the option otherwise."""
+    from chunkserve.config import EngineConfig
+
+    assert EngineConfig(deterministic=True, deterministic_quant_kernel="bf16")
+    with pytest.raises(ValueError, match="deterministic_quant_kernel.*deterministic=True"):
+        EngineConfig(deterministic_quant_kernel="bf16")
+    with pytest.raises(ValueError, match="deterministic_quant_kernel: must be one of"):
+        EngineConfig(deterministic=True, deterministic_quant_kernel="fp8")
+
+
+def test_the_bf16_quant_kernel(target) -> None:
+    """``deterministic_quant_kernel='bf16'`` on the embedded model (Q4_1, Q8_0 head): where
+    the CPU has AMX-BF16, every GGUF weight runs ``gemm_bf16`` (unpacked to the file's rows)
+    and the target's tokens and logprobs are the same alone and beside 5 others, chunked;
+    elsewhere the load fails with a ValueError naming the option (not a silent int8)."""
+    from chunkserve.quant import kernels
+    from chunkserve.quant.weight import GGUFWeight
+
+    k = kernels.load()
+    if k is None or not k.amx_bf16:
+        with pytest.raises(ValueError, match="deterministic_quant_kernel: 'bf16' needs"):
+            make("bfloat16", deterministic_quant_kernel="bf16")
+        return
+    engine = make("bfloat16", deterministic_quant_kernel="bf16", max_num_batched_tokens=16)
+    worker = engine.core.worker
+    assert worker.invariant_products == "bf16"
+    for module in worker.model.modules():
+        for slot in getattr(module, "slots", ()):
+            for w in quantized_parts(slot.qweight):
+                assert isinstance(w, GGUFWeight)
+                assert w.invariant_kernel == "bf16" and w.packed is None
+    alone_bf16 = run_among(engine, [target])
+    assert run_among(engine, [*mixed_prompts(5), target], at=5) == alone_bf16
+    int8 = make("bfloat16", max_num_batched_tokens=16)
+    assert int8.core.worker.invariant_products == "int8"
+    assert run_among(int8, [target]) != alone_bf16  # another kernel: other bits
+
+
+def test_a_pair_must_agree_on_the_quant_kernel() -> None:
+    """The decode side's handle carries its mode's quantized-product kernel; a prefill
+    instance on another one fails the request, naming the field (not said: not checked)."""
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
+    layout = (30, 2, 16, 3, 64)
+    h = KVHandle(
+        "shm", new_transfer_id(), "", 0, 20, 2, layout, "bfloat16", deterministic=True,
+        products="bf16",
+    )  # fmt: skip
+    assert KVHandle.from_dict(h.as_dict()) == h
+    h.check_fits(layout, "bfloat16", deterministic=True, products="bf16")
+    with pytest.raises(TransferError, match=r"send\.products.*bf16.*int8"):
+        h.check_fits(layout, "bfloat16", deterministic=True, products="int8")
+    h.check_fits(layout, "bfloat16", deterministic=True, products="")
+    old = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != "products"})
+    old.check_fits(layout, "bfloat16", deterministic=True, products="int8")
+    with pytest.raises(ValueError, match=r"send\.products"):
+        KVHandle.from_dict({**h.as_dict(), "products": ["bf16"]})

@@ -76,6 +76,7 @@ ENGINE_FLAGS: list[tuple[tuple[str, ...], bool, list[str] | None]] = [
     (("--num-threads",), True, None),
     (("--attention-backend",), True, ["auto", "cpu", "torch", "triton"]),
     (("--deterministic",), False, None),
+    (("--deterministic-quant-kernel",), True, ["int8", "bf16"]),
     (("--load-format",), True, ["auto", "dummy"]),
     (("--gguf-dequantize",), False, None),
     (("--quantization",), True, ["int8", "int4"]),
@@ -143,6 +144,10 @@ PARSED: list[tuple[list[str], dict[str, object]]] = [
     (["--num-threads", "2"], {"num_threads": 2}),
     (["--attention-backend", "torch"], {"attention_backend": "torch"}),
     (["--deterministic"], {"deterministic": True}),
+    (
+        ["--deterministic", "--deterministic-quant-kernel", "bf16"],
+        {"deterministic": True, "deterministic_quant_kernel": "bf16"},
+    ),
     (["--load-format", "dummy"], {"load_format": "dummy"}),
     (["--gguf-dequantize"], {"gguf_dequantize": True}),
     (["--quantization", "int8"], {"quantization": "int8"}),

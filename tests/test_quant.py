@@ -363,12 +363,12 @@ needs_amx_bf16 = pytest.mark.skipif(
 
 
 @needs_amx_bf16
-def test_bf16_kernel_is_batch_invariant(weight, monkeypatch):
+def test_bf16_kernel_is_batch_invariant(weight):
     """``gemm_bf16`` (the deterministic mode's AMX-BF16 opt-in): 300 rows multiplied in
     steps of 1, 8, 17 and 64 rows (the weight dequantized per 16 rows) and whole (dequantized
     once), at 1 and 2 threads, give the same bits; the product is the bf16-dequantized one
-    (up to the order of the fp32 sums); ``matmul_row_invariant`` takes it with
-    ``CHUNKSERVE_QUANT_DETERMINISTIC_KERNEL=bf16``."""
+    (up to the order of the fp32 sums); ``matmul_row_invariant`` takes it after
+    ``set_invariant_kernel("bf16")``, which unpacks a packed weight."""
     qtype, _, w = weight
     k = kernels.load()
     code = int(qtype)
@@ -391,9 +391,31 @@ def test_bf16_kernel_is_batch_invariant(weight, monkeypatch):
     assert rel_err(whole, want) < 4e-3, qtype.name
     assert torch.equal(whole[7], torch.zeros_like(whole[7]))
     assert torch.equal(w.matmul_row_invariant(xb), k.gemm(code, w.data, xb))
-    monkeypatch.setenv("CHUNKSERVE_QUANT_DETERMINISTIC_KERNEL", "bf16")
-    assert torch.equal(w.matmul_row_invariant(xb), whole)
-    assert torch.equal(w.matmul_row_invariant(xb.reshape(3, 100, -1)).reshape(300, -1), whole)
+    mine = w.rows(0, w.out_features)  # the shared weight stays on the int8 kernel
+    mine.pack()
+    assert mine.set_invariant_kernel("bf16") and mine.packed is None
+    assert not mine.pack()  # never packed again
+    assert torch.equal(mine.matmul_row_invariant(xb), whole)
+    assert torch.equal(mine.matmul_row_invariant(xb.reshape(3, 100, -1)).reshape(300, -1), whole)
+    assert torch.equal(w.matmul_row_invariant(xb), k.gemm(code, w.data, xb))
+
+
+@needs_kernels
+def test_the_bf16_kernel_choice_needs_amx_bf16(weight):
+    """``set_invariant_kernel``: 'int8' anywhere; 'bf16' only where ``gemm_bf16`` runs (a
+    ValueError naming the engine's option elsewhere, the weight unchanged); another name a
+    ValueError."""
+    _, _, w = weight
+    mine = w.rows(0, w.out_features)
+    assert mine.set_invariant_kernel("int8") and mine.invariant_kernel == "int8"
+    with pytest.raises(ValueError, match="deterministic_quant_kernel: 'int8' or 'bf16'"):
+        mine.set_invariant_kernel("fp8")
+    if kernels.load().amx_bf16:
+        assert mine.set_invariant_kernel("bf16") and mine.invariant_kernel == "bf16"
+    else:
+        with pytest.raises(ValueError, match="deterministic_quant_kernel: 'bf16' needs.*AMX"):
+            mine.set_invariant_kernel("bf16")
+        assert mine.invariant_kernel == "int8"
 
 
 @needs_kernels

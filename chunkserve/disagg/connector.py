@@ -80,6 +80,9 @@ class KVHandle:
     threads: int = 0  # its torch threads (0: not said)
     # Its deterministic attention arithmetic (``AttentionBackend.arithmetic``; "": not said)
     attention: str = ""
+    # Its deterministic mode's kernel for quantized weights (``Worker.invariant_products``:
+    # "int8", "bf16"; "": none, or not said)
+    products: str = ""
     windows: tuple[int | None, ...] = (None,)  # the KV groups' windows (None: full)
 
     def plan(self) -> list[tuple[int, int]]:
@@ -113,7 +116,7 @@ class KVHandle:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: not a field of a KV handle")
-        optional = {"seq", "pair", "windows", "deterministic", "threads", "attention"}
+        optional = {"seq", "pair", "windows", "deterministic", "threads", "attention", "products"}
         missing = sorted(fields - optional - set(d))
         if missing:
             raise ValueError(f"{name}.{missing[0]}: missing")
@@ -159,6 +162,8 @@ class KVHandle:
         need(isinstance(d.get("pair", ""), str) and len(d.get("pair", "")) <= 128, "pair", "str")
         attention = d.get("attention", "")
         need(isinstance(attention, str) and len(attention) <= 64, "attention", "a short string")
+        products = d.get("products", "")
+        need(isinstance(products, str) and len(products) <= 64, "products", "a short string")
         return cls(**{**d, "layout": tuple(layout), "windows": windows})
 
     def check_fits(
@@ -169,6 +174,7 @@ class KVHandle:
         deterministic: bool = False,
         threads: int = 0,
         attention: str = "",
+        products: str = "",
     ) -> None:
         """``TransferError`` unless this instance's KV blocks have the handle's layout and
         KV groups, and it runs the deterministic mode exactly when the decode side does
@@ -176,7 +182,7 @@ class KVHandle:
         side's batches), at the decode side's thread count in fp32 (fp32 matmuls there
         depend on it; bf16's do not: ``model.layers.RowTiling``), with the decode side's
         attention arithmetic (bf16: AMX tiles on one machine, AVX512-BF16 ones on another
-        give other bits)."""
+        give other bits) and kernel for quantized weights (``deterministic_quant_kernel``)."""
         if tuple(self.layout) != tuple(layout) or self.dtype != dtype:
             raise TransferError(
                 f"kv_transfer_params.send: the decode instance's KV blocks are "
@@ -207,6 +213,13 @@ class KVHandle:
                 f"attention runs on {self.attention}, this prefill instance's on {attention} "
                 f"(other bits; CHUNKSERVE_ATTENTION_AMX=0 keeps a machine with AMX on the "
                 f"AVX512-BF16 tiles)"
+            )
+        if deterministic and self.products and products and products != self.products:
+            raise TransferError(
+                f"kv_transfer_params.send.products: the decode instance's deterministic "
+                f"quantized products run on its {self.products} kernel, this prefill "
+                f"instance's on {products} (other bits; the same --deterministic-quant-kernel "
+                f"on both)"
             )
 
 

@@ -142,6 +142,7 @@ class RemotePrefills(TransferEnd):
         self.deterministic = deterministic  # the prefill side must run the mode too
         self.threads = threads  # and, in fp32, at these threads
         self.attention = worker.attention.arithmetic if deterministic else ""  # and this
+        self.products = worker.invariant_products if deterministic else ""  # and this
         self.worker = worker
         self.scheduler = scheduler
         self.block_size = block_size
@@ -168,7 +169,7 @@ class RemotePrefills(TransferEnd):
             handle = KVHandle(
                 "shm", new_transfer_id(), "", first, end, 0, self.layout, self.dtype,
                 windows=self.windows, deterministic=self.deterministic, threads=self.threads,
-                attention=self.attention,
+                attention=self.attention, products=self.products,
             )  # fmt: skip
             plan = handle.plan()
             handle = replace(handle, num_blocks=len(plan))

@@ -46,6 +46,7 @@ class KVSender(TransferEnd):
         self.deterministic = deterministic  # the decode side must run the mode too
         self.threads = threads  # and, in fp32, at these threads
         self.attention = worker.attention.arithmetic if deterministic else ""  # and this
+        self.products = worker.invariant_products if deterministic else ""  # and this
         self.worker = worker
         self.block_size = block_size
         self.layout, self.dtype = worker.kv_block_layout()
@@ -64,6 +65,7 @@ class KVSender(TransferEnd):
                 self.deterministic,
                 self.threads,
                 self.attention,
+                self.products,
             )
         except TransferError as exc:
             raise ValueError(str(exc)) from None

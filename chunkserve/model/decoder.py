@@ -45,6 +45,7 @@ from chunkserve.model.layers import (
     Target,
     VocabParallelEmbedding,
     WeightSlot,
+    quantized_parts,
     take_quantized,
     weight_format,
     weight_nbytes,
@@ -292,12 +293,20 @@ class DecoderLM(nn.Module):
         # over experts), which a CUDA graph cannot capture.
         self.supports_cuda_graphs = config.num_experts == 0
 
-    def set_row_tiling(self, tiling: RowTiling | None) -> None:
+    def set_row_tiling(self, tiling: RowTiling | None, quant_kernel: str = "int8") -> int:
         """Every matmul of the model (projections, MLPs, experts, the LM head) batch-invariant
-        with ``tiling`` (the deterministic mode; ``layers.RowTiling``), or plain (None)."""
+        with ``tiling`` (the deterministic mode; ``layers.RowTiling``), or plain (None); its
+        GGUF-quantized weights' row-invariant kernel ``quant_kernel``
+        (``EngineConfig.deterministic_quant_kernel``; a ValueError naming it where this CPU
+        cannot run it). Returns how many weights have that choice."""
+        chosen = 0
         for module in self.modules():
             if hasattr(module, "tiling"):
                 module.tiling = tiling
+            for slot in getattr(module, "slots", ()):
+                for weight in quantized_parts(slot.qweight):
+                    chosen += weight.set_invariant_kernel(quant_kernel)
+        return chosen
 
     @classmethod
     def kv_layout_for(cls, config: ModelConfig, num_kv_heads: int) -> KVLayout:

@@ -190,13 +190,14 @@ class WeightSlot:
         setattr(self.module, self.qattr, held)
         setattr(self.module, self.attr, None)
         self.quantized.clear()
-        for part in _flat(held):  # repacked for the kernels now, not in the first step
+        for part in quantized_parts(held):  # repacked for the kernels now, not in the first step
             part.prepare(self.dtype, self.device)
 
 
-def _flat(weight: Weight | list) -> list[QuantizedWeight]:
+def quantized_parts(weight: Weight | list | None) -> list[QuantizedWeight]:
+    """The quantized weights a layer's weight holds (none for a float one)."""
     if isinstance(weight, list):
-        return [w for part in weight for w in _flat(part)]
+        return [w for part in weight for w in quantized_parts(part)]
     return [weight] if isinstance(weight, QuantizedWeight) else []
 
 

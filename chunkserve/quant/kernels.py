@@ -102,15 +102,6 @@ def float_kernel() -> bool:
     return _env_is(b"CHUNKSERVE_QUANT_FLOAT_KERNEL", b"1")
 
 
-def deterministic_bf16() -> bool:
-    """``CHUNKSERVE_QUANT_DETERMINISTIC_KERNEL=bf16``: the deterministic mode's products with
-    bf16 activations run ``gemm_bf16`` (AMX-BF16, the weight dequantized to bf16, x not
-    quantized) at every row count instead of the int8-activation kernel, where this CPU has
-    AMX-BF16: its 2,048-token prefill products ~1.7x faster, a batch-1 decode step's
-    ~1.5-2x slower (the weight dequantized to bf16 on every call); off by default."""
-    return _env_is(b"CHUNKSERVE_QUANT_DETERMINISTIC_KERNEL", b"bf16")
-
-
 def int8_activations(x: torch.Tensor) -> bool:
     """Whether a product with x quantizes x to int8 (``gemm``): bf16 activations on a CPU,
     unless ``float_kernel()``. float32 activations keep float arithmetic (an fp32 engine is

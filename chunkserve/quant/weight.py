@@ -67,6 +67,12 @@ class QuantizedWeight(abc.ABC):
         (only where ``row_invariant(x)``)."""
         raise NotImplementedError(f"{type(self).__name__} has no row-invariant matmul")
 
+    def set_invariant_kernel(self, name: str) -> bool:
+        """The kernel ``matmul_row_invariant`` runs (``EngineConfig.deterministic_quant_kernel``:
+        "int8" or "bf16"); whether this weight has a choice (this one: none, its products
+        run on the deterministic mode's row tiles)."""
+        return False
+
     @abc.abstractmethod
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (any shape of int64) dequantized: [*ids.shape, in] in ``dtype``."""
@@ -213,6 +219,9 @@ class GGUFWeight(QuantizedWeight):
     # "packed weights" order), which then replaces the file's rows (``_data`` None).
     packed: torch.Tensor | None = None
     _pack_tried = False
+    # The deterministic mode's kernel (``set_invariant_kernel``): "int8" (``kernels.gemm``)
+    # or "bf16" (``kernels.gemm_bf16``, AMX-BF16, the file's rows: never packed).
+    invariant_kernel = "int8"
 
     @property
     def data(self) -> torch.Tensor:
@@ -258,7 +267,7 @@ class GGUFWeight(QuantizedWeight):
         k = kernels.built()
         if k is None or not kernels.packing() or not k.packable(self.format.code, self.shape[0]):
             return False
-        if kernels.deterministic_bf16():  # gemm_bf16 reads the file's rows
+        if self.invariant_kernel == "bf16":  # gemm_bf16 reads the file's rows
             return False
         self.packed = k.pack(self.format.code, self._data, self.shape[1])
         self._data = None
@@ -340,19 +349,39 @@ class GGUFWeight(QuantizedWeight):
     def row_invariant(self, x: torch.Tensor) -> bool:
         return kernels.int8_activations(x) and kernels.load() is not None
 
+    def set_invariant_kernel(self, name: str) -> bool:
+        """ "bf16": ``matmul_row_invariant`` runs ``kernels.gemm_bf16`` (AMX-BF16 tiles over
+        the weight dequantized to bf16, x not quantized) at every row count, the weight
+        unpacked to the file's rows; a ValueError naming the option where this CPU (or the
+        kernels' build) has no AMX-BF16. "int8": ``kernels.gemm`` (the default)."""
+        if name not in ("int8", "bf16"):
+            raise ValueError(f"deterministic_quant_kernel: 'int8' or 'bf16', got {name!r}")
+        if name == "bf16":
+            k = kernels.load()
+            if k is None or not k.amx_bf16:
+                why = kernels.load_error() if k is None else "this CPU has no AMX-BF16"
+                raise ValueError(
+                    f"deterministic_quant_kernel: 'bf16' needs the quantized kernels with "
+                    f"AMX-BF16 ({why}); use 'int8' (any CPU)"
+                )
+            if self.packed is not None:
+                self._data, self.packed = self._unpack(), None
+        self.invariant_kernel = name
+        return True
+
     def matmul_row_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """The int8-activation kernel at every row count (bf16 x): a row's bits do not depend
         on its step's rows or the threads (the deterministic mode's path, no row tiling).
-        With ``kernels.deterministic_bf16()`` and AMX-BF16 here, ``kernels.gemm_bf16`` at
-        every row count instead (bf16 weights and x, fp32 tile sums in a fixed order)."""
-        if kernels.deterministic_bf16():
+        With ``set_invariant_kernel("bf16")``, ``kernels.gemm_bf16`` at every row count
+        instead (bf16 weights and x, fp32 tile sums in a fixed order)."""
+        if self.invariant_kernel == "bf16" and x.dtype == torch.bfloat16 and x.numel():
             k = kernels.load()
-            if k is not None and k.amx_bf16 and x.dtype == torch.bfloat16 and x.numel():
-                if x.shape[-1] != self.shape[1]:
-                    self._check_x(x)
-                x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
-                out = k.gemm_bf16(self.format.code, self.data, x2)
-                return out.reshape(*x.shape[:-1], self.shape[0])
+            assert k is not None  # (set_invariant_kernel checked)
+            if x.shape[-1] != self.shape[1]:
+                self._check_x(x)
+            x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
+            out = k.gemm_bf16(self.format.code, self.data, x2)
+            return out.reshape(*x.shape[:-1], self.shape[0])
         return self._kernel_matmul(x, row_invariant=True)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,12 +65,14 @@ class DraftModel:
         dummy_weights: bool = False,
         quantized: bool = False,
         deterministic: bool = False,
+        quant_kernel: str = "int8",
     ) -> None:
         self.model_config = model_config
         # The target's choice (``auto``: the C kernel's backend, else torch's where the
         # kernel does not build or lacks what this model's attention needs); with
-        # ``deterministic`` the target's batch-invariant attention and row tiling too (a
-        # sampled request's acceptance reads the draft's distributions).
+        # ``deterministic`` the target's batch-invariant attention and row tiling (and
+        # ``quant_kernel``) too (a sampled request's acceptance reads the draft's
+        # distributions).
         self.attention = select_attention_backend(
             attention_backend,
             device,
@@ -95,7 +97,7 @@ class DraftModel:
         else:
             self.model.load_weights(iter_weights(source, model_config, reader, dtype, quantized))
         if deterministic:
-            self.model.set_row_tiling(DETERMINISTIC_TILING)
+            self.model.set_row_tiling(DETERMINISTIC_TILING, quant_kernel)
         kv_caches = allocate_kv_caches(
             model_config.num_layers,
             num_blocks,

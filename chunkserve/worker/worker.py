@@ -187,6 +187,9 @@ class Worker:
         # A draft model (speculative decoding) is found and checked now; its KV pool shares
         # the target's block ids, so every block costs both.
         self.draft: DraftModel | None = None
+        # The deterministic mode's kernel of the model's quantized weights ("int8", "bf16";
+        # "": none hold a choice, or the plain mode): a prefill/decode pair must agree on it.
+        self.invariant_products = ""
         self._draft_source = self._draft_config = self._draft_reader = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
@@ -375,7 +378,9 @@ class Worker:
             )
         self.load_time = time.perf_counter() - t0
         if config.deterministic:
-            self.model.set_row_tiling(DETERMINISTIC_TILING)
+            kernel = config.deterministic_quant_kernel
+            if self.model.set_row_tiling(DETERMINISTIC_TILING, kernel):
+                self.invariant_products = kernel
         if self.device.type == "cpu":
             released = release_free_heap()  # the loader's freed buffers
             logger.debug("released %.0f MiB of free heap after loading", released / 2**20)
@@ -444,6 +449,7 @@ class Worker:
                 dummy_weights=config.load_format == "dummy",
                 quantized=keep_quantized(self._draft_source, self.device, config.gguf_dequantize),
                 deterministic=config.deterministic,
+                quant_kernel=config.deterministic_quant_kernel,
             )
             self._draft_reader = None
         hybrid = self.kv_groups.num_groups > 1
