@@ -563,7 +563,9 @@ def test_the_quant_kernel_option_is_the_modes() -> None:
     ValueError naming the option otherwise."""
     from chunkserve.config import EngineConfig
 
-    assert EngineConfig(deterministic=True, deterministic_quant_kernel="bf16")
+    config = EngineConfig(deterministic=True, deterministic_quant_kernel="bf16")
+    assert config.deterministic_quant_kernel == "bf16"
+    assert EngineConfig().deterministic_quant_kernel == "int8"
     with pytest.raises(ValueError, match="deterministic_quant_kernel.*deterministic=True"):
         EngineConfig(deterministic_quant_kernel="bf16")
     with pytest.raises(ValueError, match="deterministic_quant_kernel: must be one of"):
@@ -593,15 +595,24 @@ def test_the_bf16_quant_kernel(target) -> None:
                 assert w.invariant_kernel == "bf16" and w.packed is None
     alone_bf16 = run_among(engine, [target])
     assert run_among(engine, [*mixed_prompts(5), target], at=5) == alone_bf16
+    engine.shutdown()
     int8 = make("bfloat16", max_num_batched_tokens=16)
     assert int8.core.worker.invariant_products == "int8"
     assert run_among(int8, [target]) != alone_bf16  # another kernel: other bits
+    int8.shutdown()
 
 
-def test_a_pair_must_agree_on_the_quant_kernel() -> None:
+def test_a_pair_must_agree_on_the_quant_kernel(engines) -> None:
     """The decode side's handle carries its mode's quantized-product kernel; a prefill
-    instance on another one fails the request, naming the field (not said: not checked)."""
+    instance on another one fails the request, naming the field (not said: not checked).
+    The embedded model's deterministic engines say what their products run on: bf16 the
+    int8 kernel (built here; else the dequantized tiles), fp32 float arithmetic."""
     from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+    from chunkserve.quant import kernels
+
+    int8 = "int8" if kernels.load() is not None else "reference"
+    assert engines("bfloat16", "16").core.worker.invariant_products == int8
+    assert engines("float32", "16").core.worker.invariant_products == "float"
 
     layout = (30, 2, 16, 3, 64)
     h = KVHandle(

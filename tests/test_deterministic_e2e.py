@@ -293,10 +293,10 @@ def parallel(moe_dir):
     [(False, "bfloat16"), (False, "float32"), (True, "float32")],
     ids=["tensor-parallel-bf16", "tensor-parallel-fp32", "expert-parallel-fp32"],
 )
-def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
+def test_two_ranks_alone_batched_and_cached(parallel, ep, dtype) -> None:
     """Two ranks: the target alone, beside 37 others (chunked), and after a prefix-cache
     hit (beside 3 others), bitwise the same. One process's bits are not
-    promised (another reduction of the row-parallel matmuls), and they differ here."""
+    promised (another reduction of the row-parallel matmuls)."""
     engine = parallel(ep, dtype)
     mlp = engine.core.worker.model.layers[1].mlp
     assert engine.core.worker.shard.size == 2
@@ -314,8 +314,8 @@ def test_two_ranks_alone_batched_and_cached(parallel, alone, ep, dtype) -> None:
     cached: list[int] = []
     assert run_among(engine, [TARGET, *mixed_prompts(3)], cached=cached) == first
     assert cached == [32]
-    # What the mode does not give: two ranks' bits equal to one process's.
-    assert [lp[1] for lp in first[1]] != [lp[1] for lp in alone(dtype)[1]]
+    # Not promised: two ranks' bits equal to one process's (another reduction; on the AMX
+    # Xeon they differed in the logprobs, on the AMD EPYC they happened to agree in fp32).
 
 
 # ---- the all-reduce ---------------------------------------------------------------------------

@@ -328,7 +328,7 @@ def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
     x = torch.randn(kernels.INT8_MAX_ROWS + 3, w.in_features, generator=gen)
     xb = x.bfloat16()
     for most in (kernels.INT8_MAX_ROWS, None):  # an AMX-BF16 machine's limit, the others'
-        monkeypatch.setattr(kernels, "_int8_max_rows", most)
+        monkeypatch.setattr(k, "int8_max_rows", most)
         for rows in (xb[:1], xb[:8], xb[: kernels.INT8_MAX_ROWS]):
             assert torch.equal(w.matmul(rows), k.gemm(code, w.data, rows))
         many = torch.nn.functional.linear(xb, w.dequantize(torch.bfloat16))
@@ -346,15 +346,33 @@ def test_matmul_picks_its_path_by_dtype_and_rows(weight, monkeypatch):
     assert torch.equal(w.matmul(xb[:8]), k.gemm_float(code, w.data, xb[:8]))
 
 
-def test_int8_row_limit_follows_where_torch_bf16_runs(monkeypatch):
-    """The int8 kernel's row limit is read from the CPU's flags once: ``INT8_MAX_ROWS`` where
-    torch's bf16 GEMM has AMX tiles, none elsewhere."""
-    for amx, most in ((True, kernels.INT8_MAX_ROWS), (False, None)):
-        monkeypatch.setattr(kernels, "_int8_max_rows", 0)
-        monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda amx=amx: amx)
-        assert kernels.int8_max_rows() == most
-        monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda amx=amx: not amx)
-        assert kernels.int8_max_rows() == most  # read once
+def test_int8_row_limit_follows_where_torch_bf16_runs():
+    """The int8 kernel's row limit: ``INT8_MAX_ROWS`` where torch's bf16 GEMM has AMX tiles
+    or the kernel has no SIMD path, none elsewhere; the loaded kernels' from this CPU."""
+    from chunkserve.platform import cpu_has_amx_bf16
+
+    most = kernels.INT8_MAX_ROWS
+    assert kernels.int8_row_limit(True, "AVX512-VNNI") == most
+    assert kernels.int8_row_limit(True, "portable C") == most
+    assert kernels.int8_row_limit(False, "portable C") == most
+    for simd in ("AVX512-VNNI", "AVX2 + AVX-VNNI", "AVX2"):
+        assert kernels.int8_row_limit(False, simd) is None
+    k = kernels.load()
+    if k is not None:
+        assert k.int8_max_rows == kernels.int8_row_limit(cpu_has_amx_bf16(), k.simd)
+
+
+def test_the_modes_products_are_named_by_their_arithmetic(monkeypatch):
+    """``invariant_arithmetic``: the kernel named where bf16 rows take it, "reference" where
+    they take the dequantized tiles (no kernels, the float opt-in), "float" in fp32."""
+    from chunkserve.quant.weight import invariant_arithmetic
+
+    cpu = torch.device("cpu")
+    assert invariant_arithmetic("int8", torch.float32, cpu) == "float"
+    want = "bf16" if kernels.load() is not None else "reference"
+    assert invariant_arithmetic("bf16", torch.bfloat16, cpu) == want
+    monkeypatch.setenv("CHUNKSERVE_QUANT_FLOAT_KERNEL", "1")
+    assert invariant_arithmetic("int8", torch.bfloat16, cpu) == "reference"
 
 
 needs_amx_bf16 = pytest.mark.skipif(

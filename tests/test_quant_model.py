@@ -11,9 +11,10 @@ quantized weights multiply through the quant package's reference (dequantized ti
 ``F.linear``). In an fp32 engine the kernels compute in float arithmetic (the float decode
 kernel, dequantized prefill tiles), different from the dequantized model only in the order of
 float sums: its greedy tokens are the dequantized model's
-(``test_embedded_greedy_tokens_with_the_float_kernel``). A bf16 engine's decode rows quantize
-activations to int8 (``kernels.gemm``): close to the dequantized model, not equal (measured
-and bounded: ``test_embedded_greedy_tokens_with_the_int8_kernel``).
+(``test_embedded_greedy_tokens_with_the_float_kernel``). A bf16 engine's decode rows (and its
+prompts: up to 64 tokens on AMX-BF16 CPUs, any elsewhere) quantize activations to int8
+(``kernels.gemm``): close to the dequantized model, not equal (measured and bounded:
+``test_embedded_greedy_tokens_with_the_int8_kernel``).
 """
 
 from __future__ import annotations
@@ -162,11 +163,12 @@ def test_embedded_greedy_tokens_with_the_float_kernel(embedded) -> None:
 
 
 def test_embedded_greedy_tokens_with_the_int8_kernel() -> None:
-    """bf16: the int8-activation kernel on decode rows and prompts of up to 64 tokens, close
-    to the dequantized bf16 model, not equal. Measured: 4/6 prompts agreeing, 69/96 tokens
-    before the first difference, logprobs within 0.30 there (27 Nov; 5/6, 85/96 and 0.23 on
-    fp32 engines forced onto the kernel); which prompts diverge first depends on the machine,
-    so the bound is on tokens and logprobs, not on whole prompts."""
+    """bf16: the int8-activation kernel on decode rows and prompts (up to 64 tokens on
+    AMX-BF16 CPUs, any elsewhere), close to the dequantized bf16 model, not equal. Measured:
+    4/6 prompts agreeing, 69/96 tokens before the first difference, logprobs within 0.30
+    there (27 Nov, the AMX Xeon; 5/6, 85/96 and 0.23 on fp32 engines forced onto the
+    kernel); which prompts diverge first depends on the machine, so the bound is on tokens
+    and logprobs, not on whole prompts."""
     bf16 = BASE | {"dtype": "bfloat16"}
     quantized, dequantized = Engine(**bf16), Engine(**bf16, gguf_dequantize=True)
     try:

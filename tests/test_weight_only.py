@@ -112,9 +112,11 @@ def test_both_paths_are_taken_and_agree(kind, monkeypatch):
     tiled = q.matmul(x)
     assert calls  # the second product went the dequantizing way
     torch.testing.assert_close(kernel, tiled, rtol=1e-5, atol=1e-5)
-    # Tiles of a few rows give the untiled product.
+    # Tiles of a few rows give the untiled product (up to the GEMM's blocking, which may
+    # change with the number of output columns: the AMD EPYC's fp32 F.linear differs in the
+    # last bit between 5 and 37 of them).
     monkeypatch.setattr(weight_only, "TILE_VALUES", IN * 5)
-    assert torch.equal(q.matmul(x), tiled)
+    torch.testing.assert_close(q.matmul(x), tiled, rtol=1e-6, atol=1e-6)
 
 
 def test_embedding_rows(weight):

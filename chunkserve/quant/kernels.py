@@ -2,8 +2,9 @@
 and cached by ``chunkserve.cbuild``, called through ctypes.
 
 - ``gemm``: bf16 activations' kernel (``GGUFWeight.matmul``: every row count, but up to
-  ``INT8_MAX_ROWS`` rows where torch's bf16 GEMM runs on AMX, see ``int8_max_rows``; every
-  row count in the deterministic mode, ``matmul_row_invariant``). The activations are
+  ``INT8_MAX_ROWS`` rows where torch's bf16 GEMM runs on AMX or the kernel has no SIMD path,
+  see ``int8_row_limit``; every row count in the deterministic mode,
+  ``matmul_row_invariant``). The activations are
   quantized to int8 per row and per 32 values and dotted with the weight's blocks in integer
   arithmetic (AVX512-VNNI here; AVX2 intrinsics on CPUs without AVX512, with AVX-VNNI where
   they have it; portable C elsewhere), then one float32 chain per output element over the K
@@ -57,26 +58,21 @@ SIMD_PATHS = {2: "AVX512-VNNI", 3: "AVX2 + AVX-VNNI", 1: "AVX2", 0: "portable C"
 # int8-activation kernel (faster than bf16 F.linear there:
 # ``benchmarks/results/quant_kernels_t1.md``); more rows dequantize tiles and multiply in torch
 # (oneDNN's AMX bf16 GEMM), but in the deterministic mode (every row count). See
-# ``int8_max_rows``.
+# ``int8_row_limit``.
 INT8_MAX_ROWS = 64
 
 
-def int8_max_rows() -> int | None:
+def int8_row_limit(amx_bf16: bool, simd: str) -> int | None:
     """The most rows of a bf16 product the int8-activation kernel takes (None: any), by
-    whether torch's bf16 GEMM runs on AMX tiles here. Without AMX-BF16 the kernel beats the
-    dequantized tiles + torch at every row count: on the 2-core AMD EPYC (AVX512-VNNI and
-    AVX512-BF16, 1 thread, quiet) the embedded model's gate/up (3072x576) and down (576x1536)
-    products in Q4_1 and Q8_0 1.3-1.6x at 64 to 2,048 rows
-    (``benchmarks/results/quant_kernels_epyc_prefill_t1.md``); with torch limited to AVX2 (a
-    CPU without AVX512), 6-10x at 64 and 512 rows (``quant_kernels_avx2_torch_avx2_t1_cpu``).
-    With AMX-BF16 (the Xeon), torch's tiles win past 64 rows."""
-    global _int8_max_rows
-    if _int8_max_rows == 0:
-        _int8_max_rows = INT8_MAX_ROWS if cpu_has_amx_bf16() else None
-    return _int8_max_rows
-
-
-_int8_max_rows: int | None = 0  # 0: not yet read
+    whether torch's bf16 GEMM runs on AMX tiles here (``amx_bf16``, the CPU's flag) and the
+    kernel's SIMD path. Without AMX-BF16 a SIMD kernel beats the dequantized tiles + torch at
+    every row count: on the 2-core AMD EPYC (AVX512-VNNI and AVX512-BF16, 1 thread, quiet)
+    1.3-1.7x at 64 to 2,048 rows for Q4_0/Q4_1/Q8_0 on the embedded model's shapes
+    (``benchmarks/results/quant_kernels_epyc_prefill_t1.md``), 1.03-1.43x for K-quants; with
+    torch limited to AVX2 (a CPU without AVX512), the AVX2 kernel 6-10x at 64 and 512 rows
+    (``quant_kernels_avx2_torch_avx2_t1_cpu``). With AMX-BF16 (the Xeon), torch's tiles win
+    past 64 rows; so does torch's GEMM against the portable C kernel (no SIMD path)."""
+    return INT8_MAX_ROWS if amx_bf16 or simd == SIMD_PATHS[0] else None
 
 
 # The process environment's bytes (POSIX): the switches below are read on every product
@@ -148,6 +144,8 @@ class QuantKernels:
         self.amx = bool(lib.quant_gemm_amx())
         # Whether ``gemm_bf16`` runs here (AMX-BF16 built and allowed by the OS).
         self.amx_bf16 = bool(lib.quant_gemm_bf16_available())
+        # The most rows of a bf16 product ``gemm`` takes here (None: any; ``int8_row_limit``).
+        self.int8_max_rows = int8_row_limit(cpu_has_amx_bf16(), self.simd)
 
     def gemm(self, code: int, data: torch.Tensor, x: torch.Tensor, portable: bool = False):
         """x [M, K] (contiguous float32/bf16) times the block rows ``data`` (uint8 [N,

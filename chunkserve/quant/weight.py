@@ -356,16 +356,19 @@ class GGUFWeight(QuantizedWeight):
         kernels' build) has no AMX-BF16. "int8": ``kernels.gemm`` (the default)."""
         if name not in ("int8", "bf16"):
             raise ValueError(f"deterministic_quant_kernel: 'int8' or 'bf16', got {name!r}")
+        k = kernels.load()
         if name == "bf16":
-            k = kernels.load()
             if k is None or not k.amx_bf16:
-                why = kernels.load_error() if k is None else "this CPU has no AMX-BF16"
+                why = "this CPU has no AMX-BF16" if k is not None else kernels.load_error()
                 raise ValueError(
                     f"deterministic_quant_kernel: 'bf16' needs the quantized kernels with "
-                    f"AMX-BF16 ({why}); use 'int8' (any CPU)"
+                    f"AMX-BF16 ({why or 'turned off: CHUNKSERVE_QUANT_KERNELS=0'}); use "
+                    f"'int8' (any CPU)"
                 )
             if self.packed is not None:
                 self._data, self.packed = self._unpack(), None
+        elif self.invariant_kernel != "int8":
+            self._pack_tried = False  # packed again at the next product
         self.invariant_kernel = name
         return True
 
@@ -374,9 +377,8 @@ class GGUFWeight(QuantizedWeight):
         on its step's rows or the threads (the deterministic mode's path, no row tiling).
         With ``set_invariant_kernel("bf16")``, ``kernels.gemm_bf16`` at every row count
         instead (bf16 weights and x, fp32 tile sums in a fixed order)."""
-        if self.invariant_kernel == "bf16" and x.dtype == torch.bfloat16 and x.numel():
-            k = kernels.load()
-            assert k is not None  # (set_invariant_kernel checked)
+        k = kernels.load() if self.invariant_kernel == "bf16" else None
+        if k is not None and x.dtype == torch.bfloat16 and x.numel():
             if x.shape[-1] != self.shape[1]:
                 self._check_x(x)
             x2 = x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
@@ -386,8 +388,9 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 x: the int8-activation kernel (``kernels.gemm``: ~0.5% error, each row
-        computed alone) at every row count, but where torch's bf16 GEMM runs on AMX
-        (``kernels.int8_max_rows``) only up to ``kernels.INT8_MAX_ROWS`` rows: more rows
+        computed alone) at every row count, but where torch's bf16 GEMM runs on AMX or the
+        kernel has no SIMD path (``kernels.int8_row_limit``) only up to
+        ``kernels.INT8_MAX_ROWS`` rows: more rows
         (prefill chunks) there take row tiles dequantized by the kernel exactly as the
         reference does, multiplied in torch (equal to the reference). float32 x (or
         ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``): float arithmetic only, as a model dequantized
@@ -411,7 +414,7 @@ class GGUFWeight(QuantizedWeight):
         x2 = x if flat else x.reshape(-1, self.shape[1]).contiguous()  # [T, in]
         code, m = self.format.code, x2.shape[0]
         int8 = x.dtype == torch.bfloat16 and not kernels.float_kernel()  # (a CPU x here)
-        most = kernels.int8_max_rows()
+        most = k.int8_max_rows
         if int8 and (row_invariant or most is None or m <= most):
             if self.packed is not None or (not self._pack_tried and self.pack()):
                 out = k.gemm_packed(code, self.packed, x2)
@@ -427,6 +430,19 @@ class GGUFWeight(QuantizedWeight):
                 lambda r0, r1: k.dequantize(code, self._row_range(r0, r1), self.shape[1], x.dtype),
             )
         return out if flat else out.reshape(*x.shape[:-1], self.shape[0])
+
+
+def invariant_arithmetic(kernel: str, dtype: torch.dtype, device: torch.device) -> str:
+    """What the deterministic mode's products of GGUF weights run on, with
+    ``deterministic_quant_kernel`` ``kernel`` and activations of ``dtype`` on ``device``:
+    ``kernel`` ("int8", "bf16") where bf16 activations take the row-invariant kernels,
+    "reference" where they take the dequantized tiles on the mode's row tiles (no kernels
+    here, or the float opt-in: other bits), "float" for fp32 activations (float arithmetic on
+    any machine). Instances that must give the same bits (a prefill/decode pair) compare it."""
+    if dtype != torch.bfloat16:
+        return "float"
+    ok = device.type == "cpu" and kernels.load() is not None and not kernels.float_kernel()
+    return kernel if ok else "reference"
 
 
 def reference_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:

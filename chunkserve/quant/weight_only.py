@@ -30,8 +30,9 @@ writes GGML Q4_1 blocks (``quantize_blocks``: per 32 values an fp16 ``d`` and ``
 bytes of nibbles, ``w ~ d * q + m``, the same asymmetric int4 in groups of 32) and keeps them
 as a ``GGUFWeight``, the object a GGUF file's tensors load as: 5 bits a weight (an
 ``Int4Weight`` holds 6, and 12 once torch's packed copy and its bf16 scales exist), the
-block kernels of ``quant.kernels`` (int8 activations on bf16 decode rows, float ones in fp32,
-dequantized tiles for prefill; the deterministic mode's row-invariant path), and splits on
+block kernels of ``quant.kernels`` (int8 activations on bf16 rows, float ones in fp32,
+dequantized tiles for fp32 prefill and, on AMX-BF16 CPUs, bf16's; the deterministic mode's
+row-invariant path), and splits on
 block boundaries for tensor parallelism. The fp16 ``d`` / ``m`` cost ~0.05% of the error
 (``benchmarks/results/int4_q4_1.md``). ``Int4Weight`` stays for groups of 64 / 128 (the
 Python API, ``quant_quality.py``'s ``int4-g64``) and for a weight beyond fp16's range.

@@ -70,6 +70,7 @@ from chunkserve.model.registry import (
     serving_config,
 )
 from chunkserve.platform import configure_cpu_runtime, resolve_device, resolve_dtype
+from chunkserve.quant.weight import invariant_arithmetic
 from chunkserve.scheduling.kv_cache import NULL_BLOCK
 from chunkserve.scheduling.request import Request
 from chunkserve.scheduling.sampling_params import SamplingParams
@@ -187,8 +188,9 @@ class Worker:
         # A draft model (speculative decoding) is found and checked now; its KV pool shares
         # the target's block ids, so every block costs both.
         self.draft: DraftModel | None = None
-        # The deterministic mode's kernel of the model's quantized weights ("int8", "bf16";
-        # "": none hold a choice, or the plain mode): a prefill/decode pair must agree on it.
+        # What the deterministic mode's products of the model's GGUF weights run on
+        # (``quant.weight.invariant_arithmetic``; "": no such weights, or the plain mode): a
+        # prefill/decode pair must agree on it.
         self.invariant_products = ""
         self._draft_source = self._draft_config = self._draft_reader = None
         spec = config.speculative_config
@@ -380,7 +382,7 @@ class Worker:
         if config.deterministic:
             kernel = config.deterministic_quant_kernel
             if self.model.set_row_tiling(DETERMINISTIC_TILING, kernel):
-                self.invariant_products = kernel
+                self.invariant_products = invariant_arithmetic(kernel, self.dtype, self.device)
         if self.device.type == "cpu":
             released = release_free_heap()  # the loader's freed buffers
             logger.debug("released %.0f MiB of free heap after loading", released / 2**20)
