@@ -44,6 +44,7 @@ def make_llm(args: argparse.Namespace, deterministic: bool) -> LLM:
         max_num_batched_tokens=args.prefill,
         deterministic=deterministic,
         deterministic_quant_kernel=args.quant_kernel if deterministic else "int8",
+        gguf_dequantize=args.dequantize,
     )
 
 
@@ -79,6 +80,11 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="the model's weights dequantized at load (float weights: the mode's row tiles)",
+    )
     parser.add_argument(
         "--quant-kernel",
         choices=("int8", "bf16"),
@@ -118,7 +124,8 @@ def main() -> None:
         machine=cpu_description(),
         note=args.note,
         load_average_1_5_15=dict(before=load_before, after=os.getloadavg()),
-        model="embedded SmolLM2-135M-Instruct",
+        model="embedded SmolLM2-135M-Instruct"
+        + (", dequantized at load" if args.dequantize else ""),
         dtype=dtype,
         threads=torch.get_num_threads(),
         context=args.context,
@@ -126,7 +133,8 @@ def main() -> None:
         clock=args.clock,
         quant_kernel=args.quant_kernel,
         command=f"benchmarks/deterministic.py --threads {args.threads} --dtype {args.dtype}"
-        f" --clock {args.clock} --quant-kernel {args.quant_kernel}",
+        f" --clock {args.clock} --quant-kernel {args.quant_kernel}"
+        + (" --dequantize" if args.dequantize else ""),
         steps=rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
