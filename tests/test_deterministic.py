@@ -529,7 +529,6 @@ def test_a_bf16_pair_must_agree_on_the_attention_arithmetic() -> None:
     decode side's handle carries it, and a prefill instance on another one fails the request,
     naming the field (an older handle without it, or the mode off, is not checked)."""
     from chunkserve.attention import get_attention_backend
-    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
 
     kernel = cpu_kernels.load()
     if kernel is None:
@@ -542,20 +541,29 @@ def test_a_bf16_pair_must_agree_on_the_attention_arithmetic() -> None:
         backend = get_attention_backend("cpu", cpu, 4, 2, 64, dtype, 16, deterministic)
         assert backend.arithmetic == ""  # one arithmetic (or no promise across machines)
 
+    a_said_arithmetic_is_checked("attention", "amx-bf16", "avx512-bf16")
+
+
+def a_said_arithmetic_is_checked(field: str, said: str, other: str) -> None:
+    """A decode side's handle saying ``field`` = ``said``: a prefill instance saying the same
+    fits, one saying ``other`` fails naming the field and both values, one saying nothing
+    (or an older handle without it) is not checked; a non-string is refused."""
+    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
+
     layout = (30, 2, 16, 3, 64)
     h = KVHandle(
         "shm", new_transfer_id(), "", 0, 20, 2, layout, "bfloat16", deterministic=True,
-        attention="amx-bf16",
+        **{field: said},
     )  # fmt: skip
     assert KVHandle.from_dict(h.as_dict()) == h
-    h.check_fits(layout, "bfloat16", deterministic=True, attention="amx-bf16")
-    with pytest.raises(TransferError, match=r"send\.attention.*amx-bf16.*avx512-bf16"):
-        h.check_fits(layout, "bfloat16", deterministic=True, attention="avx512-bf16")
-    h.check_fits(layout, "bfloat16", deterministic=True, attention="")  # not said: no check
-    old = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != "attention"})
-    old.check_fits(layout, "bfloat16", deterministic=True, attention="avx512-bf16")
-    with pytest.raises(ValueError, match=r"send\.attention"):
-        KVHandle.from_dict({**h.as_dict(), "attention": 3})
+    h.check_fits(layout, "bfloat16", deterministic=True, **{field: said})
+    with pytest.raises(TransferError, match=rf"send\.{field}.*{said}.*{other}"):
+        h.check_fits(layout, "bfloat16", deterministic=True, **{field: other})
+    h.check_fits(layout, "bfloat16", deterministic=True, **{field: ""})  # not said: no check
+    old = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != field})
+    old.check_fits(layout, "bfloat16", deterministic=True, **{field: other})
+    with pytest.raises(ValueError, match=rf"send\.{field}"):
+        KVHandle.from_dict({**h.as_dict(), field: [said]})
 
 
 def test_the_quant_kernel_option_is_the_modes() -> None:
@@ -607,24 +615,9 @@ def test_a_pair_must_agree_on_the_quant_kernel(engines) -> None:
     instance on another one fails the request, naming the field (not said: not checked).
     The embedded model's deterministic engines say what their products run on: bf16 the
     int8 kernel (built here; else the dequantized tiles), fp32 float arithmetic."""
-    from chunkserve.disagg.connector import KVHandle, TransferError, new_transfer_id
     from chunkserve.quant import kernels
 
     int8 = "int8" if kernels.load() is not None else "reference"
     assert engines("bfloat16", "16").core.worker.invariant_products == int8
     assert engines("float32", "16").core.worker.invariant_products == "float"
-
-    layout = (30, 2, 16, 3, 64)
-    h = KVHandle(
-        "shm", new_transfer_id(), "", 0, 20, 2, layout, "bfloat16", deterministic=True,
-        products="bf16",
-    )  # fmt: skip
-    assert KVHandle.from_dict(h.as_dict()) == h
-    h.check_fits(layout, "bfloat16", deterministic=True, products="bf16")
-    with pytest.raises(TransferError, match=r"send\.products.*bf16.*int8"):
-        h.check_fits(layout, "bfloat16", deterministic=True, products="int8")
-    h.check_fits(layout, "bfloat16", deterministic=True, products="")
-    old = KVHandle.from_dict({k: v for k, v in h.as_dict().items() if k != "products"})
-    old.check_fits(layout, "bfloat16", deterministic=True, products="int8")
-    with pytest.raises(ValueError, match=r"send\.products"):
-        KVHandle.from_dict({**h.as_dict(), "products": ["bf16"]})
+    a_said_arithmetic_is_checked("products", "bf16", "int8")

@@ -207,20 +207,19 @@ class KVHandle:
                 f"threads, this prefill instance {threads}; deterministic fp32 results depend "
                 f"on the thread count (run both with the same --num-threads, or bf16)"
             )
-        if deterministic and self.attention and attention and attention != self.attention:
-            raise TransferError(
-                f"kv_transfer_params.send.attention: the decode instance's deterministic "
-                f"attention runs on {self.attention}, this prefill instance's on {attention} "
-                f"(other bits; CHUNKSERVE_ATTENTION_AMX=0 keeps a machine with AMX on the "
-                f"AVX512-BF16 tiles)"
-            )
-        if deterministic and self.products and products and products != self.products:
-            raise TransferError(
-                f"kv_transfer_params.send.products: the decode instance's deterministic "
-                f"quantized products run on its {self.products} kernel, this prefill "
-                f"instance's on {products} (other bits; the same --deterministic-quant-kernel "
-                f"on both)"
-            )
+        arithmetic = (  # (field, the decode side's, this side's, what it is, the remedy)
+            ("attention", self.attention, attention, "attention",
+             "CHUNKSERVE_ATTENTION_AMX=0 keeps a machine with AMX on the AVX512-BF16 tiles"),
+            ("products", self.products, products, "quantized products",
+             "the same --deterministic-quant-kernel on both"),
+        )  # fmt: skip
+        for field, theirs, mine, what, remedy in arithmetic:
+            if deterministic and theirs and mine and mine != theirs:  # "": not said
+                raise TransferError(
+                    f"kv_transfer_params.send.{field}: the decode instance's deterministic "
+                    f"{what} run on {theirs}, this prefill instance's on {mine} (other bits; "
+                    f"{remedy})"
+                )
 
 
 class Inbox(ABC):
