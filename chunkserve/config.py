@@ -903,8 +903,7 @@ class EngineConfig:
     a request gets bitwise-identical token ids and logprobs (in bf16 as in fp32) however it
     is batched, chunked, cached, preempted or speculated (in bf16 at any ``num_threads``;
     fp32 matmuls depend on the thread count, so a prefill/decode pair must run the same):
-    the matmuls run on fixed 64-row tiles (``model.layers.RowTiling``; a float layer's small
-    steps on the smaller calls its product was seen to compute alike) and every attention
+    the matmuls run on fixed 64-row tiles (``model.layers.RowTiling``) and every attention
     row in the C kernel's tile path over key ranges aligned on fixed blocks
     (``cpu_kernels``).
     CPU only, with the ``cpu`` attention backend (a clear error otherwise). Mixture-of-experts

@@ -18,7 +18,7 @@ import torch
 
 from chunkserve.attention import cpu_kernels
 from chunkserve.engine.engine import Engine
-from chunkserve.model.layers import DETERMINISTIC_TILING, linear, quantized_parts, small_calls
+from chunkserve.model.layers import DETERMINISTIC_TILING, linear, quantized_parts
 from chunkserve.scheduling.sampling_params import SamplingParams
 from tests.conftest import mixed_prompts, random_prompt, run_among
 
@@ -275,49 +275,6 @@ def test_prefill_decode_pair_behind_the_router_equals_colocated() -> None:
 
 
 # ---- the parts ------------------------------------------------------------------------------
-def test_small_calls_are_those_computed_as_a_full_call() -> None:
-    """``small_calls``: the sizes under 64 whose calls give a 64-row call's bits: none of those
-    where the product's arithmetic changes with the row count (planted: 1e-3 more below 8
-    rows, or at odd sizes), all where it does not (an exact elementwise product)."""
-
-    def exact(x: torch.Tensor) -> torch.Tensor:
-        return x[:, :4] * 2
-
-    def under_8(x: torch.Tensor) -> torch.Tensor:
-        return exact(x) + (1e-3 if len(x) < 8 else 0.0)
-
-    def odd(x: torch.Tensor) -> torch.Tensor:
-        return exact(x) + (1e-3 if len(x) % 2 else 0.0)
-
-    assert small_calls(under_8, 24, torch.float32) == (8, 16, 32)
-    assert small_calls(odd, 24, torch.float32) == (2, 4, 8, 16, 32)
-    assert small_calls(exact, 24, torch.float32) == (1, 2, 4, 8, 16, 32)
-    assert small_calls(exact, 24, torch.bfloat16, multiple=8) == (1, 2, 4)
-
-
-def test_a_small_step_takes_the_least_small_call_that_holds_it(monkeypatch) -> None:
-    """``linear`` with ``RowTiling.small`` (2, 8): a step of 1-2 rows runs as 2 rows, 3-8 as
-    8, more as before (64 rows, slices of 128); each row's result the 64-row call's where
-    the product is row-invariant at those sizes."""
-    from chunkserve.model import layers
-
-    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(2)).bfloat16()
-    x = torch.randn(200, 24, generator=torch.Generator().manual_seed(3)).bfloat16()
-    calls: list[int] = []
-    real = layers._matmul
-    monkeypatch.setattr(
-        layers, "_matmul", lambda x, *a, **k: calls.append(len(x)) or real(x, *a, **k)
-    )
-    tiling = DETERMINISTIC_TILING._replace(small=(2, 8))
-    for t, sizes in ((1, [2]), (2, [2]), (3, [8]), (8, [8]), (9, [64]), (200, [128, 128])):
-        calls.clear()
-        got = linear(x[:t], w, tiling=tiling)
-        assert calls == sizes and got.shape == (t, 40), t
-    full = torch.nn.functional.linear(x[:64], w)
-    if small_calls(lambda x: torch.nn.functional.linear(x, w), 24, torch.bfloat16)[:2] == (1, 2):
-        assert torch.equal(linear(x[:5], w, tiling=tiling), full[:5])
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
     """A row of ``linear`` with the deterministic tiling is the same in batches of 1 to
@@ -514,9 +471,7 @@ def test_a_draft_model_attends_and_multiplies_as_the_target_does() -> None:
     assert worker.draft.attention.name == worker.attention.name == "cpu"
     assert worker.draft.attention.fixed_range == worker.attention.fixed_range > 0
     tilings = {m.tiling for m in worker.draft.model.modules() if hasattr(m, "tiling")}
-    assert {t._replace(small=()) for t in tilings} == {DETERMINISTIC_TILING}
-    target = {m.tiling for m in worker.model.modules() if hasattr(m, "tiling")}
-    assert tilings == target  # (random float weights: small calls probed alike)
+    assert tilings == {DETERMINISTIC_TILING}
 
 
 def test_deterministic_needs_the_cpu_kernel() -> None:

@@ -45,7 +45,6 @@ from chunkserve.model.layers import (
     Target,
     VocabParallelEmbedding,
     WeightSlot,
-    layer_tiling,
     quantized_parts,
     take_quantized,
     weight_format,
@@ -296,16 +295,14 @@ class DecoderLM(nn.Module):
 
     def set_row_tiling(self, tiling: RowTiling | None, quant_kernel: str = "int8") -> int:
         """Every matmul of the model (projections, MLPs, experts, the LM head) batch-invariant
-        with ``tiling`` (the deterministic mode; ``layers.RowTiling``; a float layer's with the
-        small calls its product was seen to take alike, ``layers.layer_tiling``), or plain
-        (None); its GGUF-quantized weights' row-invariant kernel ``quant_kernel``
+        with ``tiling`` (the deterministic mode; ``layers.RowTiling``), or plain (None); its
+        GGUF-quantized weights' row-invariant kernel ``quant_kernel``
         (``EngineConfig.deterministic_quant_kernel``; a ValueError naming it where this CPU
         cannot run it). Returns how many weights have that choice."""
         chosen = 0
-        seen: dict = {}  # the small calls found per product shape (``layers.layer_tiling``)
         for module in self.modules():
             if hasattr(module, "tiling"):
-                module.tiling = None if tiling is None else layer_tiling(module, tiling, seen)
+                module.tiling = tiling
             for slot in getattr(module, "slots", ()):
                 for weight in quantized_parts(slot.qweight):
                     chosen += weight.set_invariant_kernel(quant_kernel)

@@ -506,55 +506,13 @@ class RowTiling(NamedTuple):
     64-row calls). Larger slices are not safe: 256-row calls of the down projection
     (K = 1,536) differ between 1 and 2 threads in bf16, 512-row calls of the QKV and down
     projections from 64-row calls at 2 threads. fp32's down projection also differs between
-    1 and 2 threads (even in 64-row calls): fp32 results depend on the thread count.
-
-    ``small``: call sizes under ``multiple`` that this machine's GEMM was seen to compute as
-    it does a ``multiple``-row call, for the weight the tiling is a layer's
-    (``small_calls``, when the mode starts); a step of at most ``small[-1]`` rows is padded
-    to the least of them instead. Without AMX a ``multiple``-row call costs a decode row
-    up to 64 times its arithmetic: the embedded model dequantized to bf16 (float weights),
-    batch-1 decode 2.91x the plain mode's on the AMD EPYC with 64-row calls, where bf16 calls
-    of 2-32 rows compute every row as the 64-row calls do for all its weight shapes (1 row
-    too, but for K = 1,536)."""
+    1 and 2 threads (even in 64-row calls): fp32 results depend on the thread count."""
 
     multiple: int
     most: int
-    small: tuple[int, ...] = ()
 
 
 DETERMINISTIC_TILING = RowTiling(multiple=64, most=128)
-# The call sizes ``small_calls`` tries (powers of two: a step's rows padded to the next).
-SMALL_CALLS = (1, 2, 4, 8, 16, 32)
-# Rows of ``small_calls``' probe: its calls of each size cover the first this many rows of a
-# ``multiple``-row call.
-SMALL_CALLS_ROWS = 32
-
-
-def small_calls(
-    matmul: Callable[[torch.Tensor], torch.Tensor],
-    in_features: int,
-    dtype: torch.dtype,
-    multiple: int = DETERMINISTIC_TILING.multiple,
-) -> tuple[int, ...]:
-    """The sizes of ``SMALL_CALLS`` (under ``multiple``) at which ``matmul`` (a layer's
-    product, with the engine's threads) computes every row bitwise as a ``multiple``-row call
-    computes it: random rows (seeded) multiplied in calls of each size, each call a fresh
-    tensor as ``linear`` pads one, against the same rows in one ``multiple``-row call. A
-    kernel whose arithmetic changes with the row count gives other bits on random rows; one
-    that agrees there computes them alike (``RowTiling.small``)."""
-    gen = torch.Generator().manual_seed(42)
-    x = torch.randn(multiple, in_features, generator=gen).to(dtype)
-    ref = matmul(x)
-    rows = min(SMALL_CALLS_ROWS, multiple)
-    return tuple(
-        size
-        for size in SMALL_CALLS
-        if size < multiple
-        and all(
-            torch.equal(matmul(x[r : r + size].clone()), ref[r : r + size])
-            for r in range(0, rows, size)
-        )
-    )
 
 
 def linear(
@@ -573,8 +531,6 @@ def linear(
         return _matmul(x, weight, bias, row_invariant=True)
     t = x.shape[0]
     padded = -(-t // tiling.multiple) * tiling.multiple
-    if tiling.small and t <= tiling.small[-1]:  # a small step: the least size that holds it
-        padded = next(size for size in tiling.small if size >= t)
     if padded != t:
         x = torch.cat((x, x.new_zeros(padded - t, x.shape[1])))
     if padded <= tiling.most:
@@ -592,29 +548,6 @@ def linear(
     for r0, r1 in bounds[1:]:
         out[r0:r1] = _matmul(x[r0:r1], weight, bias)
     return out[:t]
-
-
-def layer_tiling(module: nn.Module, tiling: RowTiling, seen: dict) -> RowTiling:
-    """``tiling`` for a layer (``module.tiling``), with the small calls (``small_calls``) its
-    product takes bitwise as ``tiling.multiple``-row calls do where it multiplies a float
-    weight on the CPU (a linear layer or the LM head; others as ``tiling`` says). ``seen``:
-    the sizes found per product shape (one probe a shape, not a layer)."""
-    weight = getattr(module, "weight", None)
-    if (
-        not isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
-        or getattr(module, "qweight", None) is not None
-        or not isinstance(weight, torch.Tensor)
-        or weight.device.type != "cpu"
-        or weight.dim() != 2
-    ):
-        return tiling
-    bias = module.bias if isinstance(module, ColumnParallelLinear) else None
-    key = (type(module), tuple(weight.shape), weight.dtype, bias is not None, tiling.multiple)
-    if key not in seen:
-        seen[key] = small_calls(
-            lambda x: _matmul(x, weight, bias), weight.shape[1], weight.dtype, tiling.multiple
-        )
-    return tiling._replace(small=seen[key])
 
 
 # ---- parallel linear layers ----------------------------------------------------------------
