@@ -208,17 +208,16 @@ class KVHandle:
                 f"on the thread count (run both with the same --num-threads, or bf16)"
             )
         arithmetic = (  # (field, the decode side's, this side's, what it is, the remedy)
-            ("attention", self.attention, attention, "attention",
+            ("attention", self.attention, attention, "attention arithmetic",
              "CHUNKSERVE_ATTENTION_AMX=0 keeps a machine with AMX on the AVX512-BF16 tiles"),
-            ("products", self.products, products, "quantized products",
+            ("products", self.products, products, "quantized-product kernel",
              "the same --deterministic-quant-kernel on both"),
         )  # fmt: skip
         for field, theirs, mine, what, remedy in arithmetic:
             if deterministic and theirs and mine and mine != theirs:  # "": not said
                 raise TransferError(
                     f"kv_transfer_params.send.{field}: the decode instance's deterministic "
-                    f"{what} run on {theirs}, this prefill instance's on {mine} (other bits; "
-                    f"{remedy})"
+                    f"{what} is {theirs}, this prefill instance's {mine} (other bits; {remedy})"
                 )
 
 
