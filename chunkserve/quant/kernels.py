@@ -4,8 +4,8 @@ and cached by ``chunkserve.cbuild``, called through ctypes.
 - ``gemm``: bf16 activations' kernel (``GGUFWeight.matmul``: every row count, but up to
   ``INT8_MAX_ROWS`` rows where torch's bf16 GEMM runs on AMX or the kernel has no SIMD path,
   see ``int8_row_limit``; every row count in the deterministic mode,
-  ``matmul_row_invariant``). The activations are
-  quantized to int8 per row and per 32 values and dotted with the weight's blocks in integer
+  ``matmul_row_invariant``). The activations are quantized to int8 per row and per 32
+  values and dotted with the weight's blocks in integer
   arithmetic (AVX512-VNNI here; AVX2 intrinsics on CPUs without AVX512, with AVX-VNNI where
   they have it; portable C elsewhere), then one float32 chain per output element over the K
   groups in a fixed order:

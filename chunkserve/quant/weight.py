@@ -390,9 +390,9 @@ class GGUFWeight(QuantizedWeight):
         """bf16 x: the int8-activation kernel (``kernels.gemm``: ~0.5% error, each row
         computed alone) at every row count, but where torch's bf16 GEMM runs on AMX or the
         kernel has no SIMD path (``kernels.int8_row_limit``) only up to
-        ``kernels.INT8_MAX_ROWS`` rows: more rows
-        (prefill chunks) there take row tiles dequantized by the kernel exactly as the
-        reference does, multiplied in torch (equal to the reference). float32 x (or
+        ``kernels.INT8_MAX_ROWS`` rows: more rows (prefill chunks) there take row tiles
+        dequantized by the kernel exactly as the reference does, multiplied in torch (equal
+        to the reference). float32 x (or
         ``CHUNKSERVE_QUANT_FLOAT_KERNEL=1``): float arithmetic only, as a model dequantized
         at load computes, up to the order of the sums: decode rows (up to
         ``kernels.DECODE_MAX_ROWS``) take the float kernel (the weight dequantized exactly in
