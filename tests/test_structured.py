@@ -221,6 +221,23 @@ def test_any_json_number_crosses_the_process_boundary() -> None:
     assert json.loads(back.params.structured_outputs.json) == {"enum": [10**25], "const": 10**30}
 
 
+def test_a_choice_the_vocabulary_cannot_write_is_refused(engine) -> None:
+    """A choice with a character whose bytes no token holds is refused at the edge, naming
+    it (else the grammar allows no token once it gets there); choices the vocabulary writes,
+    spaces, emoji, CJK and control characters among them, are taken."""
+
+    def params(*choices: str) -> SamplingParams:
+        return SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            choice=list(choices)))  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"^structured_outputs\.choice\[1\]: .*vocabulary"):
+        engine.add_request("hi", params("ok", "ó\U000b51ffé"), "bad")
+    for i, good in enumerate(("yes , no", " spaced  out ", "😀 中", "\x01", "ó")):
+        engine.add_request("hi", params("ok", good), f"good{i}")
+        engine.abort_request(f"good{i}")
+    assert_no_blocks_in_use(engine)
+
+
 def test_drafts_stop_at_the_grammar_end_and_masks_leave_the_state(engine) -> None:
     grammars = engine.core.grammars
     compiled, _ = grammars.compile(StructuredOutputsParams(choice=["yes"]))
@@ -615,6 +632,9 @@ def test_server_chat_and_completions_streamed_and_not(server) -> None:
         ({"guided_regex": "a(b"}, "guided_regex"),
         ({"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs.grammar"),
         ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        # a character whose first byte (0xF2) no token of the vocabulary holds (found by the
+        # API fuzzer: the grammar then allowed no token mid-output, a 500)
+        ({"guided_choice": ["ok", "\U000b51ff"]}, "guided_choice[1]"),
     ],
 )
 def test_server_refuses_bad_constraints_by_name(server, body, param) -> None:

@@ -104,6 +104,7 @@ class InputProcessor:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             structured.check(params.structured_outputs)  # parses: the core compiles it
+            self._check_choices(params.structured_outputs)
         n = len(token_ids)
         if n < 1:
             raise ValueError("prompt: must not be empty")
@@ -127,6 +128,24 @@ class InputProcessor:
                 f"{params.max_tokens} for the completion)"
             )
         return CheckedRequest(prompt, token_ids, params, params.max_tokens, priority)
+
+    def _check_choices(self, constraint) -> None:
+        """A choice the vocabulary cannot write (a character whose bytes no token holds:
+        the tokenizer drops them) would leave the grammar with no allowed token mid-output:
+        a ValueError naming it instead. Decoding may only move spaces around (its clean-up),
+        so the check is on the characters, spaces aside, and on replacement characters."""
+        for i, choice in enumerate(constraint.choice or ()):
+            back = self.tokenizer.decode(self.tokenizer.encode(choice, add_special_tokens=False))
+            if back == choice:
+                continue
+            if ("\ufffd" in back and "\ufffd" not in choice) or "".join(back.split()) != "".join(
+                choice.split()
+            ):
+                raise ValueError(
+                    f"{constraint.field('choice')}[{i}]: {choice[:40]!r} cannot be written "
+                    f"with this model's vocabulary (its tokenizer has no token for some of "
+                    f"its characters)"
+                )
 
     def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         kv = params.kv_transfer_params
